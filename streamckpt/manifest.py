@@ -1,0 +1,379 @@
+"""The checkpoint description every format is turned into, and format v1's JSON.
+
+A ``Manifest`` lists each tensor's dtype, global shape and stored shards, and
+each shard's exact byte address (file, offset, length, codec, checksums). The
+loader never parses data files: everything it needs to fetch any slice is here.
+Pure: no I/O. ``validate`` is run on every manifest before any data is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from . import dtypes
+from .errors import CorruptCheckpointError, UnsupportedVersionError
+from .regions import Box, flat_range_boxes, intersect
+
+FORMAT_NAME = "streamckpt"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 512 << 20
+MAX_TENSOR_BYTES = 1 << 50  # 1 PiB: anything larger is a hostile shape
+MAX_NDIM = 64
+CODECS = ("raw", "zstd")
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One stored piece of a tensor: a box (maybe a flat range of it) and its bytes.
+
+    ``chunk_size`` > 0 means the shard's raw bytes are cut into chunks of that
+    many bytes (the last may be shorter), each with a CRC32C in ``crc32c``; for
+    codec ``zstd`` each chunk is one independent frame of ``frame_lengths[i]``
+    stored bytes, frames back to back from ``byte_offset``. ``chunk_size`` 0
+    means no checksums (foreign formats) and raw bytes only.
+    """
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    file: str
+    byte_offset: int
+    byte_length: int
+    flat_range: tuple[int, int] | None = None
+    codec: str = "raw"
+    chunk_size: int = 0
+    crc32c: tuple[int, ...] | None = None
+    frame_lengths: tuple[int, ...] | None = None
+
+    @property
+    def box(self) -> Box:
+        return Box(self.offset, self.shape)
+
+    @property
+    def numel(self) -> int:
+        if self.flat_range is not None:
+            return self.flat_range[1] - self.flat_range[0]
+        return math.prod(self.shape)
+
+    def frame_offsets(self) -> list[int]:
+        """Absolute file offset of each chunk/frame (compressed for zstd)."""
+        if self.frame_lengths is None:
+            n = len(self.crc32c or ())
+            return [self.byte_offset + i * self.chunk_size for i in range(n)]
+        out, pos = [], self.byte_offset
+        for length in self.frame_lengths:
+            out.append(pos)
+            pos += length
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    dtype: str
+    shape: tuple[int, ...]
+    shards: tuple[Shard, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return dtypes.itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclass(slots=True)
+class Manifest:
+    """A checkpoint's full description. ``kind`` says which format it came from."""
+
+    tensors: dict[str, TensorMeta]
+    files: dict[str, int]  # file name (relative to the checkpoint) -> size in bytes
+    values: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    kind: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+# ----------------------------------------------------------------------------- JSON
+
+
+def to_json(m: Manifest) -> bytes:
+    """Serialize a manifest as format v1 JSON (UTF-8, keys in stable order)."""
+    doc = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "files": {name: {"size": size} for name, size in m.files.items()},
+        "tensors": {
+            name: {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "shards": [_shard_doc(s) for s in t.shards],
+            }
+            for name, t in m.tensors.items()
+        },
+        "values": m.values,
+        "metadata": m.metadata,
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _shard_doc(s: Shard) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "offset": list(s.offset),
+        "shape": list(s.shape),
+        "file": s.file,
+        "byte_offset": s.byte_offset,
+        "byte_length": s.byte_length,
+        "codec": s.codec,
+        "chunk_size": s.chunk_size,
+    }
+    if s.flat_range is not None:
+        doc["flat_range"] = list(s.flat_range)
+    if s.crc32c is not None:
+        doc["crc32c"] = list(s.crc32c)
+    if s.frame_lengths is not None:
+        doc["frame_lengths"] = list(s.frame_lengths)
+    return doc
+
+
+def from_json(data: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
+    """Parse and validate format v1 JSON; any defect is a ``CorruptCheckpointError``."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{where}: {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
+    if not data.strip():
+        raise CorruptCheckpointError(f"{where}: empty manifest")
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: not valid UTF-8 JSON ({e})") from None
+    p = _Parser(where)
+    obj = p.mapping(doc, "")
+    fmt = obj.get("format")
+    if fmt != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: field 'format' is {fmt!r}, expected {FORMAT_NAME!r}")
+    version = obj.get("version")
+    if version != FORMAT_VERSION:
+        raise UnsupportedVersionError(
+            f"{where}: format version {version!r} is not supported (this streamckpt reads "
+            f"version {FORMAT_VERSION}); upgrade streamckpt to read it"
+        )
+    files = {
+        p.string(name, f"files.{name}"): p.int_(p.mapping(v, f"files.{name}").get("size"), f"files.{name}.size")
+        for name, v in p.mapping(obj.get("files"), "files").items()
+    }
+    tensors = {}
+    for name, t in p.mapping(obj.get("tensors"), "tensors").items():
+        tensors[name] = p.tensor(t, f"tensors.{name}")
+    values = obj.get("values", {})
+    metadata = obj.get("metadata", {})
+    p.mapping(values, "values")
+    p.mapping(metadata, "metadata")
+    m = Manifest(tensors=tensors, files=files, values=values, metadata=metadata)
+    validate(m, where=where)
+    return m
+
+
+class _Parser:
+    """Typed field extraction with errors that name the field path."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, path: str, msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{self.where}: field '{path}' {msg}")
+
+    def mapping(self, v: Any, path: str) -> Mapping[str, Any]:
+        if not isinstance(v, dict):
+            raise self.fail(path or "<root>", f"must be an object, got {type(v).__name__}")
+        return v
+
+    def string(self, v: Any, path: str) -> str:
+        if not isinstance(v, str):
+            raise self.fail(path, f"must be a string, got {type(v).__name__}")
+        return v
+
+    def int_(self, v: Any, path: str) -> int:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise self.fail(path, f"must be an integer, got {v!r:.40}")
+        if v < 0:
+            raise self.fail(path, f"must be >= 0, got {v}")
+        return v
+
+    def ints(self, v: Any, path: str, *, max_len: int | None = None) -> tuple[int, ...]:
+        if not isinstance(v, list):
+            raise self.fail(path, f"must be a list of integers, got {type(v).__name__}")
+        if max_len is not None and len(v) > max_len:
+            raise self.fail(path, f"has {len(v)} entries, more than {max_len}")
+        return tuple(self.int_(x, f"{path}[{i}]") for i, x in enumerate(v))
+
+    def tensor(self, t: Any, path: str) -> TensorMeta:
+        t = self.mapping(t, path)
+        dtype = self.string(t.get("dtype"), f"{path}.dtype")
+        dtypes.to_torch(dtype, where=f"{self.where}: {path}.dtype")
+        shape = self.ints(t.get("shape"), f"{path}.shape", max_len=MAX_NDIM)
+        raw_shards = t.get("shards")
+        if not isinstance(raw_shards, list):
+            raise self.fail(f"{path}.shards", "must be a list")
+        shards = tuple(self.shard(s, f"{path}.shards[{i}]", len(shape)) for i, s in enumerate(raw_shards))
+        return TensorMeta(dtype=dtype, shape=shape, shards=shards)
+
+    def shard(self, s: Any, path: str, ndim: int) -> Shard:
+        s = self.mapping(s, path)
+        fr = s.get("flat_range")
+        flat = None
+        if fr is not None:
+            flat_t = self.ints(fr, f"{path}.flat_range", max_len=2)
+            if len(flat_t) != 2:
+                raise self.fail(f"{path}.flat_range", "must be [start, stop]")
+            flat = (flat_t[0], flat_t[1])
+        crc = s.get("crc32c")
+        frames = s.get("frame_lengths")
+        return Shard(
+            offset=self.ints(s.get("offset"), f"{path}.offset", max_len=ndim),
+            shape=self.ints(s.get("shape"), f"{path}.shape", max_len=ndim),
+            file=self.string(s.get("file"), f"{path}.file"),
+            byte_offset=self.int_(s.get("byte_offset"), f"{path}.byte_offset"),
+            byte_length=self.int_(s.get("byte_length"), f"{path}.byte_length"),
+            flat_range=flat,
+            codec=self.string(s.get("codec", "raw"), f"{path}.codec"),
+            chunk_size=self.int_(s.get("chunk_size", 0), f"{path}.chunk_size"),
+            crc32c=None if crc is None else self.ints(crc, f"{path}.crc32c"),
+            frame_lengths=None if frames is None else self.ints(frames, f"{path}.frame_lengths"),
+        )
+
+
+# ----------------------------------------------------------------------- validation
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def check_relative_name(name: str, *, where: str) -> None:
+    """A data-file name must stay inside the checkpoint prefix."""
+    bad = (
+        not name
+        or len(name) > 1024
+        or name.startswith(("/", "\\", "~"))
+        or "\\" in name
+        or "\x00" in name
+        or _SCHEME.match(name) is not None
+        or any(part in ("", ".", "..") for part in name.split("/"))
+    )
+    if bad:
+        raise CorruptCheckpointError(
+            f"{where}: file name {name!r} is not a plain relative path inside the checkpoint"
+        )
+
+
+def validate(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
+    """Check every invariant of docs/FORMAT.md; raise ``CorruptCheckpointError`` on the first defect."""
+    for name, size in m.files.items():
+        check_relative_name(name, where=where)
+    for key, t in m.tensors.items():
+        _validate_tensor(m, key, t, where)
+
+
+def _validate_tensor(m: Manifest, key: str, t: TensorMeta, where: str) -> None:
+    path = f"tensors.{key}"
+    itemsize = dtypes.itemsize(t.dtype)
+    if len(t.shape) > MAX_NDIM:
+        raise CorruptCheckpointError(f"{where}: {path}.shape has {len(t.shape)} dims")
+    numel = 1
+    for d in t.shape:
+        numel *= d
+        if numel * itemsize > MAX_TENSOR_BYTES:
+            raise CorruptCheckpointError(f"{where}: {path}.shape {list(t.shape)} is absurdly large")
+    whole_box = Box((0,) * len(t.shape), t.shape)
+    covered = 0
+    pieces: list[Box] = []
+    for i, s in enumerate(t.shards):
+        sp = f"{path}.shards[{i}]"
+        if len(s.offset) != len(t.shape) or len(s.shape) != len(t.shape):
+            raise CorruptCheckpointError(f"{where}: {sp} has {len(s.shape)} dims, tensor has {len(t.shape)}")
+        if not whole_box.contains(s.box) and not s.box.is_empty():
+            raise CorruptCheckpointError(
+                f"{where}: {sp} box offset={list(s.offset)} shape={list(s.shape)} lies outside "
+                f"tensor shape {list(t.shape)}"
+            )
+        box_numel = math.prod(s.shape)
+        if s.flat_range is not None:
+            a, b = s.flat_range
+            if not a <= b <= box_numel:
+                raise CorruptCheckpointError(f"{where}: {sp}.flat_range [{a}, {b}) outside its box of {box_numel} elements")
+            shard_boxes = [bx for _, bx in flat_range_boxes(s.box, a, b)]
+        else:
+            shard_boxes = [] if s.box.is_empty() else [s.box]
+        raw = s.numel * itemsize
+        _validate_bytes(m, s, raw, sp, where)
+        covered += s.numel
+        pieces.extend(shard_boxes)
+    if covered != numel:
+        raise CorruptCheckpointError(
+            f"{where}: {path} shards cover {covered} elements, tensor has {numel} "
+            f"({'holes' if covered < numel else 'overlaps'})"
+        )
+    _check_no_overlap(pieces, path, where)
+
+
+def _validate_bytes(m: Manifest, s: Shard, raw: int, sp: str, where: str) -> None:
+    if s.codec not in CODECS:
+        raise CorruptCheckpointError(f"{where}: {sp}.codec {s.codec!r} unknown (known: {', '.join(CODECS)})")
+    check_relative_name(s.file, where=f"{where}: {sp}.file")
+    if s.file not in m.files:
+        raise CorruptCheckpointError(f"{where}: {sp}.file {s.file!r} is not listed in 'files'")
+    size = m.files[s.file]
+    if s.byte_offset + s.byte_length > size:
+        raise CorruptCheckpointError(
+            f"{where}: {sp} bytes [{s.byte_offset}, {s.byte_offset + s.byte_length}) run past "
+            f"the end of {s.file!r} ({size} bytes)"
+        )
+    if s.codec == "raw" and s.byte_length != raw:
+        raise CorruptCheckpointError(
+            f"{where}: {sp}.byte_length is {s.byte_length}, but {s.numel} elements of its dtype take {raw}"
+        )
+    if s.chunk_size == 0:
+        if s.codec != "raw" or s.crc32c is not None or s.frame_lengths is not None:
+            raise CorruptCheckpointError(f"{where}: {sp} has checksums or frames but chunk_size 0")
+        return
+    nchunks = -(-raw // s.chunk_size)
+    if s.crc32c is None or len(s.crc32c) != nchunks:
+        raise CorruptCheckpointError(
+            f"{where}: {sp}.crc32c must list {nchunks} checksums "
+            f"({raw} bytes in chunks of {s.chunk_size}), got {len(s.crc32c or ())}"
+        )
+    if any(c >= 1 << 32 for c in s.crc32c):
+        raise CorruptCheckpointError(f"{where}: {sp}.crc32c holds a value wider than 32 bits")
+    if s.codec == "zstd":
+        if s.frame_lengths is None or len(s.frame_lengths) != nchunks:
+            raise CorruptCheckpointError(f"{where}: {sp}.frame_lengths must list {nchunks} frames")
+        if sum(s.frame_lengths) != s.byte_length:
+            raise CorruptCheckpointError(
+                f"{where}: {sp}.frame_lengths sum to {sum(s.frame_lengths)}, byte_length is {s.byte_length}"
+            )
+    elif s.frame_lengths is not None:
+        raise CorruptCheckpointError(f"{where}: {sp}.frame_lengths given for codec 'raw'")
+
+
+def _check_no_overlap(boxes: list[Box], path: str, where: str) -> None:
+    """Sweep along dim 0: only boxes whose dim-0 intervals meet are compared."""
+    if len(boxes) < 2 or not boxes[0].ndim:
+        if len(boxes) >= 2:
+            raise CorruptCheckpointError(f"{where}: {path} has overlapping shards")
+        return
+    order = sorted(boxes, key=lambda b: b.offset[0])
+    active: list[Box] = []
+    for b in order:
+        active = [a for a in active if a.offset[0] + a.shape[0] > b.offset[0]]
+        for a in active:
+            if intersect(a, b) is not None:
+                raise CorruptCheckpointError(
+                    f"{where}: {path} shards overlap at offset {list(intersect(a, b).offset)}"  # type: ignore[union-attr]
+                )
+        active.append(b)
