@@ -1,0 +1,43 @@
+"""Shared fixtures: a real S3 server (moto) on 127.0.0.1, reached over HTTP by s3fs."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any, Iterator
+
+import pytest
+
+from streamckpt.testing import LocalS3
+
+BUCKET = "streamckpt-test"
+
+
+@pytest.fixture(scope="session")
+def local_s3() -> Iterator[LocalS3]:
+    """One moto S3 server for the whole session, with bucket ``streamckpt-test``."""
+    with LocalS3() as s3:
+        s3.make_bucket(BUCKET)
+        yield s3
+
+
+@pytest.fixture
+def s3_opts(local_s3: LocalS3) -> dict[str, Any]:
+    """storage_options for the session's S3 server (a fresh dict per test)."""
+    return local_s3.storage_options
+
+
+def _slug(request: pytest.FixtureRequest) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name).strip("-")[:60]
+
+
+@pytest.fixture
+def s3_uri(request: pytest.FixtureRequest, local_s3: LocalS3) -> str:
+    """A fresh, unique prefix in the test bucket: ``s3://streamckpt-test/<test>-<uuid>``."""
+    return f"s3://{BUCKET}/{_slug(request)}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def tmp_uri(tmp_path: Any) -> str:
+    """A fresh local directory path (not yet created) for a checkpoint."""
+    return str(tmp_path / "ckpt")
