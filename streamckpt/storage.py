@@ -6,15 +6,34 @@ caller-provided buffers (the staging buffers of the pipeline); asynchronous
 filesystems (s3fs, gcsfs, http) run on fsspec's event loop thread, so a batch of
 reads proceeds while the caller's thread does other work. Local files are read
 with ``readinto`` from a small thread pool, straight into the buffer.
+
+Fault policy (see docs/RELIABILITY.md). Two layers, one bound:
+
+* the S3 client (botocore, "standard" retry mode) retries what it can see at the
+  HTTP status level — 5xx, SlowDown/throttling, refused connections — a few
+  times with its own jittered backoff; s3fs's own retry loop is switched off so
+  the attempts do not multiply;
+* this module retries what the client cannot see — short or reset bodies, bytes
+  corrupted in transit (checksum), stalls — and anything the client gave up on,
+  with full-jitter exponential backoff, ``max_attempts`` per read and a
+  ``total_timeout`` after which no new attempt starts. A stall is detected per
+  request (``request_timeout`` to the response head and between body chunks).
+
+So a persistent outage ends in ``StorageError`` naming the object and byte range
+after at most about ``total_timeout + request_timeout`` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures as cf
+import hashlib
 import logging
+import os
 import posixpath
 import random
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -29,23 +48,35 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageErro
 
 log = logging.getLogger(__name__)
 
+_S3_PROTOCOLS = ("s3", "s3a")
+_MIN_PART = 5 << 20  # S3's smallest multipart part (all but the last)
+_SECRET_OPTION = re.compile(r"(secret|token|password|passwd|key|credential|sas|signature)", re.I)
+
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
     """How hard to try before a read or write is declared failed.
 
-    Attempts back off exponentially with full jitter; every attempt has its own
+    Attempts back off exponentially with full jitter; every request has a stall
     timeout and the whole operation a deadline, so an outage fails in bounded time.
     """
 
-    max_attempts: int = 6
-    base_delay: float = 0.05
-    max_delay: float = 2.0
-    request_timeout: float = 30.0
-    total_timeout: float = 60.0
+    max_attempts: int = 8  # requests per read/call made by this layer
+    client_attempts: int = 3  # the S3 client's own attempts per request (status-level errors)
+    base_delay: float = 0.1  # seconds; backoff before attempt k is uniform(0, base * 2**k)
+    max_delay: float = 4.0
+    request_timeout: float = 15.0  # to the response head, and between body chunks
+    total_timeout: float = 45.0  # no new attempt starts after this many seconds
     checksum_retries: int = 2  # re-fetches after a checksum mismatch before it is called corruption
 
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.client_attempts < 1 or self.checksum_retries < 0:
+            raise ValueError(f"RetryPolicy needs at least one attempt: {self}")
+        if min(self.base_delay, self.max_delay) < 0 or min(self.request_timeout, self.total_timeout) <= 0:
+            raise ValueError(f"RetryPolicy delays must be >= 0 and timeouts > 0: {self}")
+
     def delay(self, attempt: int, rng: random.Random) -> float:
+        """Full-jitter backoff before retry number ``attempt`` (1-based)."""
         return rng.uniform(0, min(self.max_delay, self.base_delay * (2 ** attempt)))
 
 
@@ -66,37 +97,107 @@ class RangeRead:
         return self.stop - self.start
 
 
+# ----------------------------------------------------------------- failures
+
+
 class _Retryable(Exception):
-    """An attempt failed in a way worth trying again."""
+    """An attempt failed in a way worth trying again (short body, bad length)."""
 
 
 class _ChecksumMismatch(Exception):
-    pass
+    """Bytes arrived but do not match their checksum; the text is the range."""
 
 
-_NOT_FOUND = (FileNotFoundError,)
+class _Truncated(Exception):
+    """The object is shorter than the requested range; the value is its size."""
+
+    def __init__(self, size: int | None) -> None:
+        super().__init__(size)
+        self.size = size
+
+
+_TRANSIENT_WORDS = (
+    "slowdown", "slow down", "reduce your request rate", "serviceunavailable", "service unavailable",
+    "internalerror", "internal error", "throttl", "requesttimeout", "timeout", "timed out", "reset",
+    "payload", "disconnect", "broken pipe", "incomplete", "connection", "temporarily", "try again",
+)
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status behind an s3fs/botocore error, if it carries one."""
+    seen = 0
+    e: BaseException | None = exc
+    while e is not None and seen < 5:
+        resp = getattr(e, "response", None)
+        if isinstance(resp, dict):
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(status, int):
+                return status
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return None
 
 
 def _is_not_found(exc: BaseException) -> bool:
-    return isinstance(exc, _NOT_FOUND)
+    return isinstance(exc, FileNotFoundError)
+
+
+def _range_not_satisfiable(exc: BaseException) -> bool:
+    return _http_status(exc) == 416 or "range is not satisfiable" in str(exc).lower() or "invalidrange" in str(
+        exc
+    ).lower()
 
 
 def _transient(exc: BaseException) -> bool:
-    """Errors worth retrying: network trouble, throttling, 5xx, timeouts."""
+    """Errors worth retrying: network trouble, throttling, 5xx, timeouts, bad bodies."""
     if isinstance(exc, (_Retryable, asyncio.TimeoutError, TimeoutError, ConnectionError)):
         return True
-    if isinstance(exc, OSError) and not _is_not_found(exc) and not isinstance(exc, PermissionError):
-        return True
+    if isinstance(exc, (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return False
+    status = _http_status(exc)
+    if status is not None:
+        return status >= 500 or status in (408, 429)
     text = f"{type(exc).__name__} {exc}".lower()
-    return any(
-        word in text
-        for word in ("slowdown", "503", "500", "internalerror", "serviceunavailable", "timeout",
-                     "reset", "payload", "disconnect", "broken pipe", "incomplete", "throttl")
+    if any(word in text for word in _TRANSIENT_WORDS):
+        return True
+    # Errors from the HTTP stack (aiohttp, botocore's HTTPClientError) are transport trouble.
+    mod = type(exc).__module__ or ""
+    return mod.startswith(("aiohttp", "botocore", "urllib3", "http.client")) or isinstance(exc, OSError) and (
+        exc.errno is None
     )
 
 
-def _safe_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
-    return dict(storage_options or {})
+def _content_range_total(value: Any) -> int | None:
+    """The total object size from a ``Content-Range: bytes a-b/total`` header."""
+    if isinstance(value, str) and "/" in value:
+        total = value.rsplit("/", 1)[1].strip()
+        if total.isdigit():
+            return int(total)
+    return None
+
+
+def _public(uri: str) -> str:
+    """A URI without query string or user:password@ part."""
+    uri = uri.split("?", 1)[0]
+    return re.sub(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@", r"\1", uri)
+
+
+def _secrets_of(options: dict[str, Any]) -> tuple[str, ...]:
+    """String values of options that look like credentials (to scrub from messages)."""
+    found: list[str] = []
+
+    def walk(d: dict[str, Any]) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v)
+            elif isinstance(v, str) and len(v) >= 4 and _SECRET_OPTION.search(str(k)):
+                found.append(v)
+
+    walk(options)
+    return tuple(sorted(set(found), key=len, reverse=True))
+
+
+# ------------------------------------------------------------------ storage
 
 
 class Storage:
@@ -111,34 +212,49 @@ class Storage:
         max_concurrency: int = 32,
     ) -> None:
         self.uri = str(uri)
-        opts = _safe_options(storage_options)
         self.policy = policy or RetryPolicy()
+        opts = dict(storage_options or {})
+        self._secrets = _secrets_of(opts)
         protocol = fsspec.core.split_protocol(self.uri)[0] or "file"
-        if protocol in ("s3", "s3a"):
-            opts.setdefault("skip_instance_cache", True)
-            ck = dict(opts.get("config_kwargs") or {})
-            # The client's own retries stay small: our policy owns the total.
-            ck.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
-            ck.setdefault("connect_timeout", self.policy.request_timeout)
-            ck.setdefault("read_timeout", self.policy.request_timeout)
-            opts["config_kwargs"] = ck
+        self._is_s3 = protocol in _S3_PROTOCOLS
+        if self._is_s3:
+            opts = self._s3_options(opts)
         try:
             self.fs, root = url_to_fs(self.uri, **opts)
         except (ImportError, ValueError, TypeError) as e:
-            raise StorageError(f"cannot open {self._public_uri()}: {e}") from None
-        if protocol in ("s3", "s3a"):
-            self.fs.retries = 2  # s3fs's internal loop; ours bounds the total
+            raise StorageError(f"cannot open {self._public_uri()}: {self._scrub(str(e))}") from None
+        if self._is_s3:
+            self.fs.retries = 1  # s3fs's own loop would multiply the client's attempts
         self.root = root.rstrip("/")
         self.max_concurrency = max(1, int(max_concurrency))
         self.is_async = bool(getattr(self.fs, "async_impl", False))
+        self._local = _is_local(self.fs)
         self._rng = random.Random()
         self._pool: cf.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
+    def _s3_options(self, opts: dict[str, Any]) -> dict[str, Any]:
+        """A private s3fs instance whose client retries a little and times out on stalls."""
+        opts.setdefault("skip_instance_cache", True)
+        ck = dict(opts.get("config_kwargs") or {})
+        ck.setdefault("retries", {"total_max_attempts": self.policy.client_attempts, "mode": "standard"})
+        ck.setdefault("connect_timeout", self.policy.request_timeout)
+        ck.setdefault("read_timeout", self.policy.request_timeout)
+        opts["config_kwargs"] = ck
+        return opts
+
+    def __repr__(self) -> str:
+        return f"Storage({self._public_uri()!r})"
+
     # ------------------------------------------------------------------ naming
 
     def _public_uri(self) -> str:
-        return self.uri.split("?", 1)[0]
+        return _public(self.uri)
+
+    def _scrub(self, text: str) -> str:
+        for s in self._secrets:
+            text = text.replace(s, "***")
+        return text
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}" if name else self.root
@@ -147,10 +263,15 @@ class Storage:
         """A user-facing address for an object (no credentials)."""
         return f"{self._public_uri().rstrip('/')}/{name}"
 
+    def _err(self, exc: BaseException) -> str:
+        return self._scrub(f"{type(exc).__name__}: {exc}")
+
     # ------------------------------------------------------------ small calls
 
     def _retry_sync(self, what: str, fn: Callable[[], Any]) -> Any:
-        deadline = time.monotonic() + self.policy.total_timeout
+        """Run a metadata/write call with this layer's retries; not-found passes through."""
+        policy = self.policy
+        deadline = time.monotonic() + policy.total_timeout
         attempt = 0
         while True:
             try:
@@ -159,30 +280,35 @@ class Storage:
                 if _is_not_found(e):
                     raise
                 attempt += 1
-                if not _transient(e) or attempt >= self.policy.max_attempts or time.monotonic() >= deadline:
-                    raise StorageError(f"{what}: {type(e).__name__}: {e} (after {attempt} attempts)") from None
-                time.sleep(self.policy.delay(attempt, self._rng))
+                if not _transient(e) or attempt >= policy.max_attempts or time.monotonic() >= deadline:
+                    raise StorageError(f"{what} failed after {attempt} attempt(s): {self._err(e)}") from None
+                log.debug("retrying %s: %s", what, self._err(e))
+                time.sleep(min(policy.delay(attempt, self._rng), max(0.0, deadline - time.monotonic())))
 
     def exists(self, name: str) -> bool:
         return bool(self._retry_sync(f"checking {self.describe(name)}", lambda: self.fs.exists(self.path(name))))
 
     def size(self, name: str) -> int:
         try:
-            return int(self._retry_sync(f"sizing {self.describe(name)}", lambda: self.fs.size(self.path(name))))
+            return int(self._retry_sync(f"sizing {self.describe(name)}", lambda: self._size(name)))
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.describe(name)} does not exist") from None
+
+    def _size(self, name: str) -> int:
+        self.fs.invalidate_cache(self.path(name))
+        return int(self.fs.size(self.path(name)))
 
     def list(self, prefix: str = "", *, recursive: bool = False) -> list[str]:
         """Names (relative to the root) of objects under ``prefix``."""
         base = self.path(prefix).rstrip("/")
+        self.fs.invalidate_cache(base)
+        what = f"listing {self.describe(prefix)}"
         try:
             if recursive:
-                found = self._retry_sync(f"listing {self.describe(prefix)}", lambda: self.fs.find(base))
+                found = self._retry_sync(what, lambda: self.fs.find(base))
             else:
-                found = self._retry_sync(
-                    f"listing {self.describe(prefix)}", lambda: self.fs.ls(base, detail=False)
-                )
-        except FileNotFoundError:
+                found = self._retry_sync(what, lambda: self.fs.ls(base, detail=False))
+        except (FileNotFoundError, NotADirectoryError):
             return []
         root = self.root.rstrip("/") + "/"
         out = []
@@ -190,31 +316,92 @@ class Storage:
             p = p.rstrip("/")
             if p.startswith(root):
                 out.append(p[len(root):])
-            elif p == self.root:
-                continue
-            else:
+            elif p != self.root:
                 out.append(posixpath.relpath(p, self.root))
-        return sorted(out)
+        return sorted(n for n in out if n and n != ".")
 
-    def read_bytes(self, name: str, start: int | None = None, stop: int | None = None) -> bytes:
-        """Read a whole (small) object or one range of it, length-checked."""
+    def read_bytes(
+        self, name: str, start: int | None = None, stop: int | None = None, *, max_bytes: int | None = None
+    ) -> bytes:
+        """Read a whole (small) object or one range of it, length-checked.
+
+        A whole-object read refuses objects larger than ``max_bytes`` before
+        fetching them, and on S3 checks the body against the ETag when it is an MD5.
+        """
         if start is None:
-            try:
-                data = self._retry_sync(f"reading {self.describe(name)}", lambda: self.fs.cat_file(self.path(name)))
-            except FileNotFoundError:
-                raise CheckpointNotFoundError(f"{self.describe(name)} does not exist") from None
-            return bytes(data)
+            return self._read_whole(name, max_bytes)
         stop = start if stop is None else stop
         buf = bytearray(stop - start)
         self.read_into([RangeRead(name, start, stop)], [memoryview(buf)]).result()
         return bytes(buf)
 
+    def _read_whole(self, name: str, max_bytes: int | None) -> bytes:
+        where = self.describe(name)
+        try:
+            if self._is_s3:
+                return fsspec.asyn.sync(self.fs.loop, self._read_whole_s3, name, max_bytes)
+            if max_bytes is not None:
+                n = self.size(name)
+                if n > max_bytes:
+                    raise CorruptCheckpointError(f"{where} is {n} bytes, more than the {max_bytes}-byte limit")
+            return bytes(self._retry_sync(f"reading {where}", lambda: self.fs.cat_file(self.path(name))))
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{where} does not exist") from None
+
+    async def _read_whole_s3(self, name: str, max_bytes: int | None) -> bytes:
+        policy = self.policy
+        where = self.describe(name)
+        bucket, key, _ = self.fs.split_path(self.path(name))
+        deadline = time.monotonic() + policy.total_timeout
+        attempt = 0
+        while True:
+            try:
+                return await self._get_whole_s3(bucket, key, where, max_bytes)
+            except (CheckpointNotFoundError, CorruptCheckpointError):
+                raise
+            except Exception as e:  # noqa: BLE001 - classified below
+                if _is_not_found(e):
+                    raise CheckpointNotFoundError(f"{where} does not exist") from None
+                attempt += 1
+                if not _transient(e) or attempt >= policy.max_attempts or time.monotonic() >= deadline:
+                    raise StorageError(f"reading {where} failed after {attempt} attempt(s): {self._err(e)}") from None
+                log.debug("retrying %s: %s", where, self._err(e))
+                await asyncio.sleep(min(policy.delay(attempt, self._rng), max(0.0, deadline - time.monotonic())))
+
+    async def _get_whole_s3(self, bucket: str, key: str, where: str, max_bytes: int | None) -> bytes:
+        timeout = self.policy.request_timeout
+        resp = await asyncio.wait_for(self.fs._call_s3("get_object", Bucket=bucket, Key=key), timeout)
+        body = resp["Body"]
+        try:
+            n = resp.get("ContentLength")
+            if not isinstance(n, int):
+                raise _Retryable("response without a Content-Length")
+            if max_bytes is not None and n > max_bytes:
+                raise CorruptCheckpointError(f"{where} is {n} bytes, more than the {max_bytes}-byte limit")
+            buf = bytearray(n)
+            got = await self._read_body(body, memoryview(buf))
+            if got != n:
+                raise _Retryable(f"short body: {got} of {n} bytes")
+        finally:
+            body.close()
+        etag = str(resp.get("ETag") or "").strip('"')
+        if re.fullmatch(r"[0-9a-f]{32}", etag) and hashlib.md5(buf, usedforsecurity=False).hexdigest() != etag:
+            raise _Retryable("body does not match its ETag (corrupted in transit)")
+        return bytes(buf)
+
     def write_bytes(self, name: str, data: bytes) -> None:
+        """Write a small object whole; on local disk via a temporary name and rename."""
+        if self._local:
+            with self.open_write(name) as up:
+                up.write(data)
+            return
         self._retry_sync(f"writing {self.describe(name)}", lambda: self.fs.pipe_file(self.path(name), data))
 
     def delete(self, name: str, *, recursive: bool = False) -> None:
         try:
-            self.fs.rm(self.path(name), recursive=recursive)
+            self._retry_sync(
+                f"deleting {self.describe(name)}", lambda: self.fs.rm(self.path(name), recursive=recursive)
+            )
         except FileNotFoundError:
             pass
 
@@ -230,9 +417,14 @@ class Storage:
         """Start fetching every read into its buffer (``len == read.length``).
 
         Returns a future that resolves to the number of requests made, or raises
-        ``StorageError`` / ``CorruptCheckpointError`` naming object and range.
+        ``StorageError`` / ``CorruptCheckpointError`` / ``CheckpointNotFoundError``
+        naming object and range.
         """
+        if len(reads) != len(buffers):
+            raise ValueError(f"{len(reads)} reads but {len(buffers)} buffers")
         for r, b in zip(reads, buffers):
+            if r.start < 0 or r.stop < r.start:
+                raise ValueError(f"bad range [{r.start}, {r.stop}) of {r.name!r}")
             if len(b) != r.length:
                 raise ValueError(f"buffer of {len(b)} bytes for a {r.length}-byte read")
         if self.is_async:
@@ -247,7 +439,7 @@ class Storage:
             async with sem:
                 await self._read_one_async(r, b, counter)
 
-        tasks = [asyncio.ensure_future(one(r, b)) for r, b in zip(reads, buffers)]
+        tasks = [asyncio.ensure_future(one(r, b)) for r, b in zip(reads, buffers) if r.length > 0]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -259,48 +451,103 @@ class Storage:
 
     async def _read_one_async(self, r: RangeRead, buf: memoryview, counter: list[int]) -> None:
         policy = self.policy
+        where = f"{self.describe(r.name)} bytes [{r.start}, {r.stop})"
         deadline = time.monotonic() + policy.total_timeout
         attempt = 0
         bad_sums = 0
-        path = self.path(r.name)
         while True:
             counter[0] += 1
             try:
-                remaining = max(0.01, deadline - time.monotonic())
-                data = await asyncio.wait_for(
-                    self.fs._cat_file(path, start=r.start, end=r.stop),
-                    timeout=min(policy.request_timeout, remaining),
-                )
-                self._land(r, data, buf)
+                await self._fetch_async(r, buf)
+                _verify(r, buf)
                 return
             except _ChecksumMismatch as e:
                 bad_sums += 1
                 if bad_sums > policy.checksum_retries:
                     raise CorruptCheckpointError(
-                        f"checksum mismatch in {self.describe(r.name)} bytes {e} "
-                        f"(persisted over {bad_sums} reads): the stored object is corrupt"
+                        f"checksum mismatch in {self.describe(r.name)} bytes {e} (same on {bad_sums} reads): "
+                        "the stored object is corrupt"
                     ) from None
                 log.warning("checksum mismatch in %s bytes %s; re-fetching", self.describe(r.name), e)
+                continue
+            except _Truncated as e:
+                raise self._truncated(r, e.size) from None
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - classified below
                 if _is_not_found(e):
                     raise CheckpointNotFoundError(f"{self.describe(r.name)} does not exist") from None
+                if _range_not_satisfiable(e) or isinstance(e, _Retryable):
+                    size = await self._size_async(r.name)
+                    if size is not None and size < r.stop:
+                        raise self._truncated(r, size) from None
                 attempt += 1
                 if not _transient(e) or attempt >= policy.max_attempts or time.monotonic() >= deadline:
                     raise StorageError(
-                        f"reading {self.describe(r.name)} bytes [{r.start}, {r.stop}) failed after "
-                        f"{attempt} attempts: {type(e).__name__}: {e}"
+                        f"reading {where} failed after {attempt} attempt(s): {self._err(e)}"
                     ) from None
-                log.debug("retrying %s [%d, %d): %s", self.describe(r.name), r.start, r.stop, e)
-                await asyncio.sleep(policy.delay(attempt, self._rng))
+                log.debug("retrying %s: %s", where, self._err(e))
+                await asyncio.sleep(min(policy.delay(attempt, self._rng), max(0.0, deadline - time.monotonic())))
 
-    def _land(self, r: RangeRead, data: bytes | memoryview, buf: memoryview) -> None:
-        """Length-check, copy into the staging buffer, verify checksums there."""
+    def _truncated(self, r: RangeRead, size: int | None) -> CorruptCheckpointError:
+        has = "fewer bytes" if size is None else f"{size} bytes"
+        return CorruptCheckpointError(
+            f"{self.describe(r.name)} is truncated: bytes [{r.start}, {r.stop}) requested, the object has {has}"
+        )
+
+    async def _size_async(self, name: str) -> int | None:
+        """The object's size now (None if it cannot be found out)."""
+        try:
+            self.fs.invalidate_cache(self.path(name))
+            return int(await asyncio.wait_for(self.fs._size(self.path(name)), self.policy.request_timeout))
+        except Exception:  # noqa: BLE001 - only a hint for the message
+            return None
+
+    async def _fetch_async(self, r: RangeRead, buf: memoryview) -> None:
+        """One attempt: fetch the range into ``buf`` with exact length (no checksum)."""
+        if self._is_s3:
+            await self._fetch_s3(r, buf)
+            return
+        data = await asyncio.wait_for(
+            self.fs._cat_file(self.path(r.name), start=r.start, end=r.stop),
+            self.policy.request_timeout + r.length / (1 << 20),
+        )
         if len(data) != r.length:
             raise _Retryable(f"short read: got {len(data)} of {r.length} bytes")
         buf[:] = data
-        _verify(r, buf)
+
+    async def _fetch_s3(self, r: RangeRead, buf: memoryview) -> None:
+        """A ranged GET streamed straight into ``buf``; the client's chunks are the only copy."""
+        bucket, key, _ = self.fs.split_path(self.path(r.name))
+        resp = await asyncio.wait_for(
+            self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={r.start}-{r.stop - 1}"),
+            self.policy.request_timeout,
+        )
+        body = resp["Body"]
+        try:
+            total = _content_range_total(resp.get("ContentRange"))
+            if total is not None and total < r.stop:
+                raise _Truncated(total)
+            n = resp.get("ContentLength")
+            if n != r.length:
+                raise _Retryable(f"response of {n} bytes for a {r.length}-byte range")
+            got = await self._read_body(body, buf)
+            if got != r.length:
+                raise _Retryable(f"short body: got {got} of {r.length} bytes")
+        finally:
+            body.close()
+
+    async def _read_body(self, body: Any, buf: memoryview) -> int:
+        """Read a response body into ``buf`` (stall-checked per chunk); returns bytes read."""
+        got = 0
+        while got < len(buf):
+            n = await asyncio.wait_for(body.readinto(buf[got:]), self.policy.request_timeout)
+            if not n:
+                break
+            got += n
+        return got
+
+    # ------------------------------------------------------ local range reads
 
     def _thread_pool(self) -> cf.ThreadPoolExecutor:
         with self._pool_lock:
@@ -315,14 +562,18 @@ class Storage:
         counter = [0]
         by_file: dict[str, list[int]] = {}
         for i, r in enumerate(reads):
-            by_file.setdefault(r.name, []).append(i)
+            if r.length > 0:
+                by_file.setdefault(r.name, []).append(i)
         for name, idxs in by_file.items():
             try:
-                f = self.fs.open(self.path(name), "rb", block_size=0) if not _is_local(self.fs) else open(
-                    self.fs._strip_protocol(self.path(name)), "rb", buffering=0
-                )
+                if self._local:
+                    f: BinaryIO = open(self.fs._strip_protocol(self.path(name)), "rb", buffering=0)
+                else:
+                    f = self.fs.open(self.path(name), "rb", block_size=0)
             except FileNotFoundError:
                 raise CheckpointNotFoundError(f"{self.describe(name)} does not exist") from None
+            except OSError as e:
+                raise StorageError(f"cannot open {self.describe(name)}: {self._err(e)}") from None
             with f:
                 for i in idxs:
                     self._read_one_sync(f, reads[i], buffers[i], counter)
@@ -342,29 +593,34 @@ class Storage:
                         break
                     got += n
                 if got != r.length:
-                    raise CorruptCheckpointError(
-                        f"{self.describe(r.name)} is truncated: bytes [{r.start}, {r.stop}) requested, "
-                        f"only {got} available"
-                    )
+                    raise self._truncated(r, r.start + got if got else None)
                 _verify(r, buf)
                 return
             except _ChecksumMismatch as e:
                 bad_sums += 1
                 if bad_sums > self.policy.checksum_retries:
                     raise CorruptCheckpointError(
-                        f"checksum mismatch in {self.describe(r.name)} bytes {e}: the stored object is corrupt"
+                        f"checksum mismatch in {self.describe(r.name)} bytes {e} (same on {bad_sums} reads): "
+                        "the stored object is corrupt"
                     ) from None
             except OSError as e:
                 attempt += 1
                 if attempt >= self.policy.max_attempts:
                     raise StorageError(
-                        f"reading {self.describe(r.name)} bytes [{r.start}, {r.stop}) failed: {e}"
+                        f"reading {self.describe(r.name)} bytes [{r.start}, {r.stop}) failed: {self._err(e)}"
                     ) from None
+                time.sleep(self.policy.delay(attempt, self._rng))
 
     # ---------------------------------------------------------------- writes
 
     def open_write(self, name: str, *, block_size: int = 16 << 20) -> "Upload":
-        """A streaming upload (multipart on object stores); commit on ``close``."""
+        """A streaming upload that becomes visible only on ``commit``.
+
+        S3: a multipart upload (``block_size`` per part, each retried); local: a
+        temporary file renamed on commit; elsewhere fsspec's buffered writer.
+        """
+        if self._is_s3:
+            return _S3Upload(self, name, block_size)
         return Upload(self, name, block_size)
 
     def close(self) -> None:
@@ -386,20 +642,20 @@ def _verify(r: RangeRead, buf: memoryview) -> None:
 class Upload:
     """A write stream that either commits whole on ``commit`` or leaves nothing.
 
-    Object stores: fsspec's buffered multipart upload (``block_size`` per part);
-    an aborted upload is discarded. Local files: written under a temporary name
-    and renamed on commit.
+    Local files: written under a temporary name and renamed on commit. Other
+    fsspec filesystems: fsspec's buffered writer, discarded on abort.
     """
 
     def __init__(self, storage: Storage, name: str, block_size: int) -> None:
         self.storage = storage
         self.name = name
         self.bytes_written = 0
+        self._done = False
         fs = storage.fs
         self._local = _is_local(fs)
         final = storage.path(name)
         self._final = final
-        self._tmp = f"{final}.tmp-{random.getrandbits(48):012x}" if self._local else final
+        self._tmp = f"{final}.tmp-{os.getpid()}-{random.getrandbits(40):010x}" if self._local else final
         parent = posixpath.dirname(self._tmp)
         if parent:
             try:
@@ -407,38 +663,52 @@ class Upload:
             except Exception:  # noqa: BLE001 - object stores have no directories
                 pass
         try:
-            self._f = fs.open(self._tmp, "wb", block_size=block_size) if not self._local else fs.open(self._tmp, "wb")
+            self._f = fs.open(self._tmp, "wb") if self._local else fs.open(self._tmp, "wb", block_size=block_size)
         except Exception as e:  # noqa: BLE001
-            raise StorageError(f"cannot open {storage.describe(name)} for writing: {e}") from None
+            raise StorageError(f"cannot open {storage.describe(name)} for writing: {storage._err(e)}") from None
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         try:
             self._f.write(data)
         except Exception as e:  # noqa: BLE001
-            raise StorageError(f"writing {self.storage.describe(self.name)} failed at byte {self.bytes_written}: {e}") from None
+            raise StorageError(
+                f"writing {self.storage.describe(self.name)} failed at byte {self.bytes_written}: "
+                f"{self.storage._err(e)}"
+            ) from None
         self.bytes_written += len(data)
 
     def commit(self) -> None:
+        if self._done:
+            return
+        self._done = True
         try:
             self._f.close()
             if self._local:
-                self.storage.fs.mv(self._tmp, self._final)
+                os.replace(self._tmp, self._final)
         except Exception as e:  # noqa: BLE001
-            raise StorageError(f"committing {self.storage.describe(self.name)} failed: {e}") from None
+            self._cleanup()
+            raise StorageError(f"committing {self.storage.describe(self.name)} failed: {self.storage._err(e)}") from None
 
     def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
         try:
             discard = getattr(self._f, "discard", None)
             if discard is not None and not self._local:
                 discard()
+                self._f.closed = True  # fsspec would otherwise flush the discarded buffer at exit
             else:
                 self._f.close()
         except Exception:  # noqa: BLE001 - best effort on an already failing path
             pass
+        self._cleanup()
+
+    def _cleanup(self) -> None:
         if self._local:
             try:
-                self.storage.fs.rm(self._tmp)
-            except Exception:  # noqa: BLE001
+                os.remove(self._tmp)
+            except OSError:
                 pass
 
     def __enter__(self) -> "Upload":
@@ -449,6 +719,91 @@ class Upload:
             self.commit()
         else:
             self.abort()
+
+
+class _S3Upload(Upload):
+    """S3 multipart upload with per-part retries; at most one part buffered.
+
+    Small objects (one part) are a single PUT at commit. Nothing is visible
+    under the name before ``commit``; ``abort`` aborts the multipart upload.
+    """
+
+    def __init__(self, storage: Storage, name: str, block_size: int) -> None:  # noqa: D107
+        self.storage = storage
+        self.name = name
+        self.bytes_written = 0
+        self._done = False
+        self._local = False
+        self._block = max(_MIN_PART, int(block_size))
+        self._buf = bytearray()
+        self._parts: list[dict[str, Any]] = []
+        self._upload_id: str | None = None
+        self._bucket, self._key, _ = storage.fs.split_path(storage.path(name))
+
+    def _call(self, what: str, method: str, **kwargs: Any) -> Any:
+        st = self.storage
+        return st._retry_sync(
+            f"{what} {st.describe(self.name)}",
+            lambda: st.fs.call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs),
+        )
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._done:
+            raise StorageError(f"{self.storage.describe(self.name)}: write after commit/abort")
+        self._buf += data
+        self.bytes_written += len(data)
+        while len(self._buf) >= self._block:
+            part = bytes(self._buf[:self._block])
+            del self._buf[:self._block]
+            self._send(part)
+
+    def _send(self, part: bytes) -> None:
+        try:
+            if self._upload_id is None:
+                self._upload_id = self._call("starting upload of", "create_multipart_upload")["UploadId"]
+            number = len(self._parts) + 1
+            md5 = base64.b64encode(hashlib.md5(part, usedforsecurity=False).digest()).decode()
+            resp = self._call(
+                f"uploading part {number} of", "upload_part",
+                UploadId=self._upload_id, PartNumber=number, Body=part, ContentMD5=md5,
+            )
+            self._parts.append({"PartNumber": number, "ETag": resp["ETag"]})
+        except BaseException:
+            self.abort()
+            raise
+
+    def commit(self) -> None:
+        if self._done:
+            return
+        try:
+            if self._upload_id is None:
+                body = bytes(self._buf)
+                md5 = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
+                self._call("writing", "put_object", Body=body, ContentMD5=md5)
+            else:
+                if self._buf or not self._parts:
+                    self._send(bytes(self._buf))
+                self._call(
+                    "completing upload of", "complete_multipart_upload",
+                    UploadId=self._upload_id, MultipartUpload={"Parts": self._parts},
+                )
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        self._buf = bytearray()
+        self.storage.fs.invalidate_cache(self.storage.path(self.name))
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._buf = bytearray()
+        if self._upload_id is not None:
+            try:
+                self._call("aborting upload of", "abort_multipart_upload", UploadId=self._upload_id)
+            except Exception as e:  # noqa: BLE001 - best effort on an already failing path
+                log.warning("could not abort the multipart upload of %s: %s", self.storage.describe(self.name), e)
 
 
 def iter_chunks(data: memoryview, size: int) -> Iterator[memoryview]:
