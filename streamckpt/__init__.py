@@ -1,5 +1,6 @@
 """streamckpt: stream sharded PyTorch checkpoints from object storage into any layout."""
 
+from .api import inspect, latest, load, load_full, merge, save
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -12,5 +13,27 @@ from .errors import (
     TransformError,
     UnsupportedVersionError,
 )
+from .results import CheckpointInfo, LoadResult, SaveResult, TensorInfo
+from .sharded import ShardedTensor
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "save", "load", "load_full", "merge", "inspect", "latest",
+    "ShardedTensor", "LoadResult", "SaveResult", "CheckpointInfo", "TensorInfo",
+    "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
+    "IncompatibleStateDictError", "MissingKeysError", "PeerError", "StorageError", "TransformError",
+    "UnsupportedVersionError",
+]
+
+
+def _lazy_transforms() -> object:  # pragma: no cover - convenience
+    from .transforms import Transforms
+
+    return Transforms
+
+
+def __getattr__(name: str) -> object:
+    if name == "Transforms":
+        return _lazy_transforms()
+    raise AttributeError(f"module 'streamckpt' has no attribute {name!r}")

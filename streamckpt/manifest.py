@@ -110,6 +110,7 @@ def to_json(m: Manifest) -> bytes:
     doc = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
+        **({"kind": m.kind} if m.kind != FORMAT_NAME else {}),
         "files": {name: {"size": size} for name, size in m.files.items()},
         "tensors": {
             name: {
@@ -176,7 +177,10 @@ def from_json(data: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
     metadata = obj.get("metadata", {})
     p.mapping(values, "values")
     p.mapping(metadata, "metadata")
-    m = Manifest(tensors=tensors, files=files, values=values, metadata=metadata)
+    kind = obj.get("kind", FORMAT_NAME)
+    if kind not in (FORMAT_NAME, "safetensors", "dcp"):
+        raise CorruptCheckpointError(f"{where}: field 'kind' is {kind!r}")
+    m = Manifest(tensors=tensors, files=files, values=values, metadata=metadata, kind=kind)
     validate(m, where=where)
     return m
 

@@ -1,0 +1,43 @@
+"""Turning a URI into a ``Manifest``, whatever wrote the checkpoint.
+
+Detection order: streamckpt (``manifest.json``), Hugging Face safetensors,
+PyTorch DCP (``.metadata``). Readers only read metadata, never tensor data.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..errors import CheckpointNotFoundError
+from ..manifest import Manifest
+from ..storage import Storage
+from .native import read_native_manifest
+
+log = logging.getLogger(__name__)
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """The checkpoint at ``storage``'s prefix, as a validated Manifest."""
+    m = read_native_manifest(storage)
+    if m is not None:
+        return m
+    try:
+        from .hf import read_hf_manifest
+    except ImportError:  # pragma: no cover - module lands separately
+        read_hf_manifest = None  # type: ignore[assignment]
+    if read_hf_manifest is not None:
+        m = read_hf_manifest(storage)
+        if m is not None:
+            return m
+    try:
+        from .dcp import read_dcp_manifest
+    except ImportError:  # pragma: no cover
+        read_dcp_manifest = None  # type: ignore[assignment]
+    if read_dcp_manifest is not None:
+        m = read_dcp_manifest(storage)
+        if m is not None:
+            return m
+    raise CheckpointNotFoundError(
+        f"no checkpoint at {storage.describe('')}: expected manifest.json (streamckpt), "
+        f"*.safetensors (Hugging Face) or .metadata (PyTorch DCP)"
+    )

@@ -1,0 +1,189 @@
+"""The public functions: wiring of storage, formats, planner, pipeline and comm."""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from datetime import datetime
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from . import dtypes
+from .comm import SoloComm, make_comm
+from .errors import CheckpointError, MissingKeysError
+from .formats import read_manifest
+from .loader import LoadRequest, run_load
+from .manifest import MANIFEST_NAME
+from .plan import PlanOptions
+from .results import CheckpointInfo, LoadResult, SaveResult, TensorInfo
+from .saver import run_save
+from .storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+def _transforms(obj: Any, storage_options: dict[str, Any] | None) -> Any:
+    if obj is None:
+        return None
+    from .transforms import as_transforms
+
+    return as_transforms(obj, storage_options)
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    uri: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    process_group: Any = None,
+    compression: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> SaveResult:
+    """Save a (sharded) state_dict to ``uri``; collective when a group is initialized."""
+    comm = make_comm(process_group)
+    storage = Storage(uri, storage_options)
+    try:
+        return run_save(comm, storage, state_dict, compression=compression, metadata=metadata, overwrite=overwrite)
+    finally:
+        storage.close()
+
+
+def load(
+    state_dict: Mapping[str, Any],
+    uri: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    process_group: Any = None,
+    transforms: Any = None,
+    strict: bool = True,
+    read_once: bool = True,
+    memory_budget: int = 256 * 2**20,
+    max_concurrency: int = 32,
+    progress: Callable[[int], None] | None = None,
+) -> LoadResult:
+    """Fill ``state_dict``'s tensors in place from the checkpoint at ``uri``."""
+    if memory_budget <= 0 or max_concurrency <= 0:
+        raise CheckpointError("memory_budget and max_concurrency must be positive")
+    comm = make_comm(process_group)
+    storage = Storage(uri, storage_options, max_concurrency=max_concurrency)
+    try:
+        req = LoadRequest(
+            state_dict=state_dict,
+            strict=strict,
+            options=PlanOptions(memory_budget=memory_budget, read_once=read_once),
+            transforms=_transforms(transforms, storage_options),
+            progress=progress,
+        )
+        return run_load(comm, storage, req)
+    finally:
+        storage.close()
+
+
+def load_full(
+    uri: str,
+    *,
+    keys: Iterable[str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    transforms: Any = None,
+    memory_budget: int = 256 * 2**20,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Every tensor (or ``keys``) of a checkpoint, whole, in this process."""
+    storage = Storage(uri, storage_options)
+    try:
+        manifest = read_manifest(storage)
+        tf = _transforms(transforms, storage_options)
+        if tf is not None:
+            view = tf.apply({k: (t.shape, t.dtype) for k, t in manifest.tensors.items()})
+            shapes = {k: (tuple(v.shape), v.dtype) for k, v in view.tensors.items()}
+        else:
+            shapes = {k: (t.shape, t.dtype) for k, t in manifest.tensors.items()}
+        wanted = list(shapes) if keys is None else list(keys)
+        absent = [k for k in wanted if k not in shapes]
+        if absent:
+            raise MissingKeysError(
+                f"{len(absent)} key(s) not in {storage.describe('')}: {', '.join(absent[:10])}", missing_keys=absent
+            )
+        out = {
+            k: torch.empty(shapes[k][0], dtype=dtypes.to_torch(shapes[k][1]), device=device) for k in wanted
+        }
+        req = LoadRequest(out, strict=True, options=PlanOptions(memory_budget=memory_budget), transforms=tf)
+        run_load(SoloComm(), storage, req)
+        return out
+    finally:
+        storage.close()
+
+
+def inspect(uri: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
+    """Describe a checkpoint (any supported kind) from its metadata alone."""
+    storage = Storage(uri, storage_options)
+    try:
+        m = read_manifest(storage)
+    finally:
+        storage.close()
+    tensors = {
+        k: TensorInfo(shape=t.shape, dtype=t.dtype, shards=len(t.shards), bytes=t.nbytes)
+        for k, t in m.tensors.items()
+    }
+    return CheckpointInfo(
+        uri=storage.describe("").rstrip("/"), kind=m.kind, tensors=tensors, total_bytes=m.total_bytes,
+        metadata=m.metadata, values=m.values, files=dict(m.files),
+    )
+
+
+def latest(root_uri: str, *, storage_options: dict[str, Any] | None = None) -> str | None:
+    """The newest committed checkpoint directly under ``root_uri`` (by manifest time), or None."""
+    storage = Storage(root_uri, storage_options)
+    try:
+        best: tuple[float, str] | None = None
+        for name in storage.list(""):
+            base = posixpath.basename(name.rstrip("/"))
+            try:
+                info = storage.fs.info(storage.path(f"{base}/{MANIFEST_NAME}"))
+            except FileNotFoundError:
+                continue
+            except Exception as e:  # noqa: BLE001 - a non-directory entry, etc.
+                log.debug("latest: skipping %s: %s", base, e)
+                continue
+            key = (_mtime(info), base)
+            if best is None or key > best:
+                best = key
+        if best is None:
+            return None
+        return f"{str(root_uri).rstrip('/')}/{best[1]}"
+    finally:
+        storage.close()
+
+
+def _mtime(info: Mapping[str, Any]) -> float:
+    for field in ("LastModified", "mtime", "updated", "last_modified", "created"):
+        v = info.get(field)
+        if isinstance(v, datetime):
+            return v.timestamp()
+        if isinstance(v, (int, float)):
+            return float(v)
+        if isinstance(v, str):
+            try:
+                return datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return 0.0
+
+
+def merge(
+    uri: str,
+    out_uri: str,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    skip: Sequence[str] = (),
+    storage_options: dict[str, Any] | None = None,
+    out_storage_options: dict[str, Any] | None = None,
+    process_group: Any = None,
+) -> None:
+    """Write a checkpoint as a Hugging Face safetensors directory (see streamckpt.merge)."""
+    from .merge import merge as _merge
+
+    _merge(uri, out_uri, max_shard_bytes=max_shard_bytes, skip=skip, storage_options=storage_options,
+           out_storage_options=out_storage_options, process_group=process_group)

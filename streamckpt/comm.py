@@ -1,0 +1,161 @@
+"""The few torch.distributed calls streamckpt makes, behind one small class.
+
+``Comm`` carries bytes (JSON documents, never pickles), agrees on failure so
+that an error on one rank raises on every rank, and runs one grouped
+send/recv per pipeline round. ``SoloComm`` is the single-process case.
+Every call is bounded by the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from . import errors as _errors
+from .errors import CheckpointError, PeerError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class P2P:
+    peer: int  # group rank
+    tensor: torch.Tensor
+    tag: int
+
+
+def encode_error(exc: BaseException | None, rank: int) -> dict[str, Any] | None:
+    if exc is None:
+        return None
+    cls = type(exc).__name__ if isinstance(exc, CheckpointError) else "CheckpointError"
+    return {"rank": rank, "cls": cls, "msg": str(exc) or type(exc).__name__, "type": type(exc).__name__}
+
+
+def raise_agreed(failures: Sequence[dict[str, Any]], own: BaseException | None) -> None:
+    """Raise on this rank after an agreed failure: its own error, or a peer's as the same class."""
+    if own is not None:
+        raise own
+    first = min(failures, key=lambda f: f["rank"])
+    cls = getattr(_errors, first["cls"], None)
+    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+        cls = PeerError
+    msg = f"rank {first['rank']} failed: {first['msg']}"
+    if cls is _errors.MissingKeysError:
+        raise _errors.MissingKeysError(msg)
+    exc = cls(msg)
+    raise exc
+
+
+class SoloComm:
+    """One process, no group: every collective is the identity."""
+
+    rank = 0
+    world_size = 1
+    device = torch.device("cpu")
+    backend = "none"
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        return [data]
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        return data or b""
+
+    def agree(self, exc: BaseException | None) -> None:
+        if exc is not None:
+            raise exc
+
+    def exchange(self, sends: Sequence[P2P], recvs: Sequence[P2P]) -> list[Any]:
+        if sends or recvs:
+            raise RuntimeError("internal: point-to-point traffic in a single-process load")
+        return []
+
+    def barrier(self) -> None:
+        return None
+
+
+class GroupComm:
+    """A torch.distributed process group (gloo on CPU, NCCL on GPU)."""
+
+    def __init__(self, group: Any | None) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.backend = str(dist.get_backend(self.group)).lower()
+        if self.backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+
+    def _global(self, group_rank: int) -> int:
+        if self.group is self.dist.group.WORLD:
+            return group_rank
+        return self.dist.get_global_rank(self.group, group_rank)
+
+    def _int_tensor(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.int64, device=self.device)
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        sizes = [self._int_tensor([0]) for _ in range(self.world_size)]
+        self.dist.all_gather(sizes, self._int_tensor([len(data)]), group=self.group)
+        lens = [int(s.item()) for s in sizes]
+        width = max(max(lens), 1)
+        buf = torch.zeros(width, dtype=torch.uint8)
+        if data:
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = buf.to(self.device)
+        out = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
+        self.dist.all_gather(out, buf, group=self.group)
+        return [bytes(o[:n].cpu().numpy().tobytes()) for o, n in zip(out, lens)]
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        n = self._int_tensor([len(data) if data is not None and self.rank == src else 0])
+        self.dist.broadcast(n, self._global(src), group=self.group)
+        size = int(n.item())
+        buf = torch.empty(size, dtype=torch.uint8)
+        if self.rank == src and size:
+            buf.copy_(torch.frombuffer(bytearray(data or b""), dtype=torch.uint8))
+        buf = buf.to(self.device)
+        if size:
+            self.dist.broadcast(buf, self._global(src), group=self.group)
+        return bytes(buf.cpu().numpy().tobytes())
+
+    def agree(self, exc: BaseException | None) -> None:
+        """All ranks learn whether any failed; if so every rank raises."""
+        flag = self._int_tensor([1 if exc is not None else 0])
+        self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group)
+        if int(flag.item()) == 0:
+            return
+        blob = json.dumps(encode_error(exc, self.rank)).encode()
+        failures = [json.loads(b) for b in self.all_gather_bytes(blob)]
+        raise_agreed([f for f in failures if f], exc)
+
+    def exchange(self, sends: Sequence[P2P], recvs: Sequence[P2P]) -> list[Any]:
+        ops = [self.dist.P2POp(self.dist.isend, s.tensor, self._global(s.peer), self.group, s.tag) for s in sends]
+        ops += [self.dist.P2POp(self.dist.irecv, r.tensor, self._global(r.peer), self.group, r.tag) for r in recvs]
+        if not ops:
+            return []
+        return self.dist.batch_isend_irecv(ops)
+
+    def barrier(self) -> None:
+        self.dist.barrier(group=self.group)
+
+
+def make_comm(process_group: Any | None) -> SoloComm | GroupComm:
+    """A group communicator when torch.distributed is initialized, else the solo one."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return SoloComm()
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return SoloComm()
+    comm = GroupComm(process_group)
+    if comm.world_size == 1:
+        return SoloComm()
+    return comm

@@ -1,0 +1,139 @@
+"""One ``load`` on one rank: agree on the manifest and everyone's targets, plan,
+execute, report. The rank-0-reads-and-broadcasts pattern keeps metadata
+requests at one per load, whatever the world size."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from . import manifest as mf
+from .comm import GroupComm, SoloComm, encode_error, raise_agreed
+from .errors import CheckpointError, MissingKeysError
+from .formats import read_manifest
+from .pipeline import Destinations, Executor
+from .plan import IdentityView, LoadPlan, PlanOptions, build_plan
+from .results import LoadResult
+from .storage import Storage
+from .targets import LocalTarget, TargetSpec, ValueSlot, collect
+
+log = logging.getLogger(__name__)
+
+
+def share_manifest(comm: SoloComm | GroupComm, storage: Storage) -> mf.Manifest:
+    """Rank 0 reads the checkpoint's metadata; every rank gets the same Manifest."""
+    if isinstance(comm, SoloComm):
+        return read_manifest(storage)
+    blob: bytes | None = None
+    own: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            blob = b"M" + mf.to_json(read_manifest(storage))
+        except CheckpointError as e:
+            own = e
+            blob = b"E" + json.dumps(encode_error(e, 0)).encode()
+    data = comm.broadcast_bytes(blob, src=0)
+    if data[:1] == b"E":
+        raise_agreed([json.loads(data[1:])], own)
+    return mf.from_json(data[1:], where=storage.describe(mf.MANIFEST_NAME))
+
+
+def gather_targets(comm: SoloComm | GroupComm, specs: list[TargetSpec], own: BaseException | None) -> list[list[TargetSpec]]:
+    """Every rank's target specs (JSON over the wire), or an agreed failure."""
+    if isinstance(comm, SoloComm):
+        if own is not None:
+            raise own
+        return [specs]
+    doc = {"error": encode_error(own, comm.rank)} if own is not None else {"targets": [s.to_json() for s in specs]}
+    gathered = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(doc).encode())]
+    failures = [g["error"] for g in gathered if "error" in g]
+    if failures:
+        raise_agreed(failures, own)
+    return [[TargetSpec.from_json(v) for v in g["targets"]] for g in gathered]
+
+
+@dataclass(slots=True)
+class LoadRequest:
+    state_dict: Mapping[str, Any]
+    strict: bool
+    options: PlanOptions
+    transforms: Any  # streamckpt.transforms.Transforms | None
+    progress: Callable[[int], None] | None = None
+
+
+def _view(manifest: mf.Manifest, transforms: Any) -> Any:
+    if transforms is None:
+        return IdentityView(manifest)
+    source = {k: (t.shape, t.dtype) for k, t in manifest.tensors.items()}
+    view = transforms.apply(source)
+    if not hasattr(view, "transformed"):
+        try:
+            view.transformed = True
+        except AttributeError:
+            pass
+    return view
+
+
+def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> LoadResult:
+    t0 = time.perf_counter()
+    own: BaseException | None = None
+    targets: list[LocalTarget] = []
+    values: list[ValueSlot] = []
+    try:
+        targets, values = collect(req.state_dict)
+    except CheckpointError as e:
+        own = e
+    manifest = share_manifest(comm, storage)
+    all_specs = gather_targets(comm, [t.spec for t in targets], own)
+    plan: LoadPlan | None = None
+    view: Any = None
+    missing: list[str] = []
+    try:
+        view = _view(manifest, req.transforms)
+        plan = build_plan(manifest, all_specs, req.options, view)
+        missing = plan.missing[comm.rank] + [v.key for v in values if v.key not in manifest.values]
+        any_missing = any(plan.missing) or bool(missing)
+        if req.strict and any_missing:
+            mine = sorted(set(missing))
+            raise MissingKeysError(
+                f"{len(mine)} key(s) of the state_dict are not in the checkpoint {storage.describe('')}: "
+                f"{', '.join(mine[:10])}{' ...' if len(mine) > 10 else ''} (use strict=False to load the rest)"
+                if mine else "another rank's state_dict has keys missing from the checkpoint",
+                missing_keys=mine,
+            )
+    except CheckpointError as e:
+        own = e
+    comm.agree(own)
+    if plan is None:  # pragma: no cover - agree() raised already
+        raise CheckpointError("internal: no plan after agreement")
+    dest = Destinations({
+        uid: t.tensor for uid, t in zip(plan.rank_targets[comm.rank], targets) if uid >= 0
+    })
+    with torch.no_grad():
+        stats = Executor(plan, comm, storage, dest, progress=req.progress).run()
+    for v in values:
+        if v.key in manifest.values:
+            v.container[v.name] = manifest.values[v.key]
+    mine_keys = {t.spec.key for t in targets} | {v.key for v in values}
+    view_names = set(view.tensors)
+    result = LoadResult(
+        missing_keys=sorted(set(missing)),
+        unexpected_keys=sorted(k for k in view_names | set(manifest.values) if k not in mine_keys),
+        bytes_read=stats.bytes_read,
+        bytes_needed=sum(t.spec.nbytes for t in targets if t.spec.key not in missing),
+        requests=stats.requests,
+        bytes_sent=stats.bytes_sent,
+        bytes_received=stats.bytes_received,
+        seconds=time.perf_counter() - t0,
+        rounds=stats.rounds,
+        staging_bytes=stats.staging_bytes,
+        kind=manifest.kind,
+    )
+    if comm.rank == 0:
+        log.info("streamckpt load %s: %s", storage.describe(""), result)
+    return result

@@ -1,0 +1,113 @@
+"""What the public calls return: plain dataclasses with readable ``__str__``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+@dataclass(slots=True)
+class LoadResult:
+    """Per-rank statistics of one ``load`` (and the keys that did not match)."""
+
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    bytes_needed: int = 0
+    requests: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+    staging_bytes: int = 0
+    kind: str = "streamckpt"
+
+    @property
+    def read_amplification(self) -> float:
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 0.0
+
+    def __str__(self) -> str:
+        mbps = self.bytes_needed / self.seconds / 1e6 if self.seconds else 0.0
+        return (
+            f"LoadResult(needed={human_bytes(self.bytes_needed)}, read={human_bytes(self.bytes_read)}, "
+            f"requests={self.requests}, sent={human_bytes(self.bytes_sent)}, "
+            f"received={human_bytes(self.bytes_received)}, rounds={self.rounds}, "
+            f"seconds={self.seconds:.3f}, {mbps:.1f} MB/s, missing={len(self.missing_keys)}, "
+            f"unexpected={len(self.unexpected_keys)})"
+        )
+
+
+@dataclass(slots=True)
+class SaveResult:
+    """Per-rank statistics of one ``save``."""
+
+    bytes_written: int = 0
+    files: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    uri: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: str
+    shards: int
+    bytes: int
+
+
+@dataclass(slots=True)
+class CheckpointInfo:
+    """What ``inspect`` reports about a checkpoint, without reading tensor data."""
+
+    uri: str
+    kind: str
+    tensors: dict[str, TensorInfo]
+    total_bytes: int
+    metadata: dict[str, Any]
+    values: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(self.files.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "uri": self.uri,
+            "kind": self.kind,
+            "total_bytes": self.total_bytes,
+            "stored_bytes": self.stored_bytes,
+            "tensors": {
+                k: {"shape": list(t.shape), "dtype": t.dtype, "shards": t.shards, "bytes": t.bytes}
+                for k, t in self.tensors.items()
+            },
+            "files": self.files,
+            "values": self.values,
+            "metadata": self.metadata,
+        }
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.uri}  [{self.kind}]",
+            f"{len(self.tensors)} tensors, {human_bytes(self.total_bytes)} of tensor data, "
+            f"{len(self.files)} files ({human_bytes(self.stored_bytes)} stored)",
+        ]
+        if self.tensors:
+            width = min(60, max(len(k) for k in self.tensors))
+            lines.append(f"{'name':<{width}}  {'dtype':<8} {'shape':<22} {'shards':>6} {'bytes':>11}")
+            for k, t in self.tensors.items():
+                shape = "x".join(map(str, t.shape)) or "()"
+                lines.append(f"{k:<{width}}  {t.dtype:<8} {shape:<22} {t.shards:>6} {human_bytes(t.bytes):>11}")
+        if self.values:
+            lines.append(f"values: {', '.join(sorted(self.values))}")
+        if self.metadata:
+            lines.append(f"metadata: {self.metadata}")
+        return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""Turning a state_dict into plain target descriptions (and back for values).
+
+A state_dict value is a plain tensor (a whole replica), a DTensor, a
+``ShardedTensor``, a nested dict (keys joined with ``.``) or a JSON value. The
+``TargetSpec`` of each tensor is plain data (gathered across ranks to plan);
+the ``LocalTarget`` keeps the tensor that bytes are written into. No I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+from . import dtypes
+from .errors import IncompatibleStateDictError
+from .regions import Box
+from .sharded import ShardedTensor
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSpec:
+    """What one rank holds of one tensor: a box (maybe a flat range of it)."""
+
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    flat_range: tuple[int, int] | None = None
+
+    @property
+    def box(self) -> Box:
+        return Box(self.offset, self.shape)
+
+    @property
+    def numel(self) -> int:
+        if self.flat_range is not None:
+            return self.flat_range[1] - self.flat_range[0]
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtypes.itemsize(self.dtype)
+
+    def to_json(self) -> list[Any]:
+        return [self.key, self.dtype, list(self.global_shape), list(self.offset), list(self.shape),
+                list(self.flat_range) if self.flat_range else None]
+
+    @staticmethod
+    def from_json(v: list[Any]) -> "TargetSpec":
+        return TargetSpec(v[0], v[1], tuple(v[2]), tuple(v[3]), tuple(v[4]),
+                          tuple(v[5]) if v[5] else None)  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class LocalTarget:
+    spec: TargetSpec
+    tensor: torch.Tensor  # the rank's local tensor: box-shaped, or 1-D for flat ranges
+
+
+@dataclass(slots=True)
+class ValueSlot:
+    """A non-tensor leaf: where to put the restored value."""
+
+    key: str
+    container: dict[str, Any]
+    name: str
+    value: Any
+
+
+def iter_leaves(state_dict: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, dict, str, Any]]:
+    """``(dotted_key, container, name, value)`` for every leaf of a nested dict."""
+    for name, value in state_dict.items():
+        if not isinstance(name, str):
+            raise IncompatibleStateDictError(f"state_dict key {name!r} under {prefix or '<root>'!r} is not a string")
+        key = f"{prefix}{name}"
+        if isinstance(value, Mapping):
+            yield from iter_leaves(value, key + ".")
+        else:
+            yield key, state_dict, name, value  # type: ignore[misc]
+
+
+def is_tensor_like(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, ShardedTensor))
+
+
+def _is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(value, DTensor)
+
+
+def target_of(key: str, value: Any) -> LocalTarget | None:
+    """The target for one leaf, or None when this rank holds nothing of it."""
+    if isinstance(value, ShardedTensor):
+        code = dtypes.to_code(value.dtype, where=key)
+        return LocalTarget(
+            TargetSpec(key, code, value.global_shape, value.global_offset,
+                       tuple(value.local_shape or ()), value.flat_range),
+            value.local_tensor,
+        )
+    if _is_dtensor(value):
+        return _dtensor_target(key, value)
+    if isinstance(value, torch.Tensor):
+        code = dtypes.to_code(value.dtype, where=key)
+        shape = tuple(value.shape)
+        return LocalTarget(TargetSpec(key, code, shape, (0,) * len(shape), shape), value)
+    return None
+
+
+def _dtensor_target(key: str, value: Any) -> LocalTarget | None:
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(isinstance(p, Partial) for p in value.placements):
+        raise IncompatibleStateDictError(
+            f"{key}: DTensor with a Partial placement cannot be saved or loaded; "
+            f"redistribute it to Shard/Replicate first"
+        )
+    mesh = value.device_mesh
+    if mesh.get_coordinate() is None:
+        return None  # this rank is not in the tensor's mesh: it needs nothing
+    global_shape = tuple(value.shape)
+    local_shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, value.placements)
+    local = value.to_local()
+    if tuple(local.shape) != tuple(local_shape):
+        raise IncompatibleStateDictError(
+            f"{key}: DTensor local shape {list(local.shape)} differs from the layout's {list(local_shape)}"
+        )
+    code = dtypes.to_code(local.dtype, where=key)
+    return LocalTarget(TargetSpec(key, code, global_shape, tuple(offset), tuple(local_shape)), local)
+
+
+def check_json_value(key: str, value: Any) -> None:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise IncompatibleStateDictError(
+            f"{key}: value of type {type(value).__name__} is neither a tensor nor JSON-serializable ({e})"
+        ) from None
+
+
+def collect(state_dict: Mapping[str, Any], *, for_save: bool = False) -> tuple[list[LocalTarget], list[ValueSlot]]:
+    """Split a state_dict into tensor targets and non-tensor value slots."""
+    if not isinstance(state_dict, Mapping):
+        raise IncompatibleStateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    targets: list[LocalTarget] = []
+    values: list[ValueSlot] = []
+    seen: set[str] = set()
+    for key, container, name, value in iter_leaves(state_dict):
+        if key in seen:
+            raise IncompatibleStateDictError(f"state_dict key {key!r} appears twice after joining nested keys with '.'")
+        seen.add(key)
+        if is_tensor_like(value) or _is_dtensor(value):
+            t = target_of(key, value)
+            if t is not None:
+                if t.tensor.device.type == "meta":
+                    raise IncompatibleStateDictError(f"{key}: tensor is on the meta device; allocate it first")
+                targets.append(t)
+        else:
+            if for_save:
+                check_json_value(key, value)
+            values.append(ValueSlot(key, container, name, value))  # type: ignore[arg-type]
+    return targets, values
+
+
+def copy_in(fn: Callable[[], None]) -> None:
+    """Run a tensor write without autograd tracking (targets may require grad)."""
+    with torch.no_grad():
+        fn()

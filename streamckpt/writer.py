@@ -1,0 +1,118 @@
+"""Writing one rank's data file: shards streamed chunk by chunk with CRC32C.
+
+Uncompressed files are valid safetensors files (one entry per shard, named
+``key@offset`` plus ``#start-stop`` for flat ranges); the header is known
+before any byte is written, so the file streams. zstd files hold independent
+frames back to back (one per chunk) and no header: the manifest holds every
+frame's length. Only one chunk of one tensor is ever copied into host memory
+at a time (the tensor itself must be contiguous or is made so).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import zstandard
+
+from . import dtypes
+from .checksum import crc32c
+from .manifest import Shard
+from .storage import Storage
+from .targets import TargetSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_SIZE = 1 << 20
+ZSTD_LEVEL = 3
+
+
+@dataclass(slots=True)
+class ShardToWrite:
+    spec: TargetSpec
+    tensor: torch.Tensor
+
+
+def entry_name(spec: TargetSpec) -> str:
+    name = f"{spec.key}@{','.join(map(str, spec.offset))}"
+    if spec.flat_range is not None:
+        name += f"#{spec.flat_range[0]}-{spec.flat_range[1]}"
+    return name
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's elements (contiguous, on its device)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _safetensors_header(items: Sequence[ShardToWrite]) -> tuple[bytes, list[int]]:
+    header: dict[str, object] = {"__metadata__": {"format": "streamckpt"}}
+    offsets = []
+    pos = 0
+    for it in items:
+        n = it.spec.nbytes
+        shape = list(it.spec.shape) if it.spec.flat_range is None else [it.spec.numel]
+        header[entry_name(it.spec)] = {"dtype": it.spec.dtype, "shape": shape, "data_offsets": [pos, pos + n]}
+        offsets.append(pos)
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    pad = (-(len(raw) + 8)) % 64  # data starts 64-byte aligned
+    raw += b" " * pad
+    return len(raw).to_bytes(8, "little") + raw, offsets
+
+
+def write_data_file(
+    storage: Storage,
+    name: str,
+    items: Sequence[ShardToWrite],
+    *,
+    compression: str | None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[list[tuple[str, Shard]], int]:
+    """Stream ``items`` into file ``name``; return ``(key, Shard)`` records and the file size."""
+    records: list[tuple[str, Shard]] = []
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL) if compression == "zstd" else None
+    with storage.open_write(name) as up:
+        if cctx is None:
+            head, _ = _safetensors_header(items)
+            up.write(head)
+        for it in items:
+            start = up.bytes_written
+            data = _bytes_of(it.tensor)
+            crcs: list[int] = []
+            frames: list[int] = []
+            for lo in range(0, data.numel(), chunk_size):
+                chunk = data[lo: lo + chunk_size]
+                if chunk.device.type != "cpu":
+                    chunk = chunk.cpu()
+                mv = memoryview(chunk.numpy())
+                if cctx is not None:
+                    mv = memoryview(cctx.compress(mv))
+                    frames.append(len(mv))
+                crcs.append(crc32c(mv))
+                up.write(mv)
+            spec = it.spec
+            records.append((spec.key, Shard(
+                offset=spec.offset, shape=spec.shape, file=name,
+                byte_offset=start, byte_length=up.bytes_written - start,
+                flat_range=spec.flat_range, codec="zstd" if cctx else "raw",
+                chunk_size=chunk_size, crc32c=tuple(crcs),
+                frame_lengths=tuple(frames) if cctx else None,
+            )))
+        size = up.bytes_written
+    log.debug("wrote %s: %d shards, %d bytes", storage.describe(name), len(records), size)
+    return records, size
+
+
+def check_tensor_bytes(spec: TargetSpec, tensor: torch.Tensor) -> None:
+    """The local tensor must hold exactly the spec's elements in the spec's dtype."""
+    if tensor.numel() != spec.numel or dtypes.to_code(tensor.dtype, where=spec.key) != spec.dtype:
+        raise ValueError(f"internal: {spec.key} tensor does not match its spec")
