@@ -1,0 +1,731 @@
+"""PyTorch DCP checkpoints (``.metadata`` + ``*.distcp``) read in place.
+
+``.metadata`` is a pickle. It is parsed by an allow-list unpickler that maps the
+few globals DCP writes (its metadata dataclasses, ``torch.Size``, dtypes, a path
+class, ``OrderedDict``) onto inert stand-ins defined here; any other global is a
+``CorruptCheckpointError`` raised before it could be resolved, so a hostile file
+never runs code.
+
+Each tensor chunk is one ``torch.save`` record (a ZIP with STORED entries) at a
+byte range of a ``.distcp`` file. Instead of loading items whole (DCP's own
+reader does), the item's central directory, its small ``data.pkl`` (read with a
+second allow-list unpickler that builds no tensor) and the storage record's local
+header are fetched with small range reads; the tensor's raw bytes then have an
+exact file address and any slice of a chunk is a range read. Small reads of
+neighbouring items are coalesced: an item's tail and the next item's head are
+one request, so locating N items costs about N requests of a few KiB.
+Non-tensor entries (``torch.save`` of Python objects) are read whole, unpickled
+with builtins only, and kept when JSON-safe; the rest are reported as unloadable.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import pickle
+import posixpath
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .. import dtypes
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..manifest import MAX_NDIM, Manifest, Shard, TensorMeta, check_relative_name, validate
+from ..storage import RangeRead, Storage
+
+log = logging.getLogger(__name__)
+
+KIND = "dcp"
+METADATA_NAME = ".metadata"
+MAX_METADATA_BYTES = 512 << 20
+MAX_PICKLE_BYTES = 1 << 20  # an item's data.pkl: a few hundred bytes in practice
+MAX_VALUE_ITEM_BYTES = 16 << 20  # non-tensor entries larger than this are not restored
+HEAD_BYTES = 4096  # local headers of data.pkl and the storage record
+TAIL_BYTES = 4096  # end-of-central-directory and the central directory
+MAX_GAP = 64 << 10  # coalesce locating reads closer than this
+MAX_WINDOW = 8 << 20
+
+_MDI = "torch.distributed.checkpoint.metadata"
+
+
+# --------------------------------------------------------------- inert stand-ins
+
+
+class _Sealed(type):
+    """Classes whose attributes a pickle cannot change (BUILD on a class object)."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise TypeError(f"cannot set {name!r} on {cls.__name__}")
+
+    def __delattr__(cls, name: str) -> None:
+        raise TypeError(f"cannot delete {name!r} on {cls.__name__}")
+
+
+class _Record(metaclass=_Sealed):
+    """An inert stand-in for an allow-listed dataclass: it only stores fields."""
+
+    fields: tuple[str, ...] = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if len(args) > len(self.fields):
+            raise TypeError(f"{type(self).__name__} takes {len(self.fields)} fields")
+        self.__dict__.update(zip(self.fields, args))
+        self.__setstate__(kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and state[0] is None:
+            state = state[1]  # (dict_state, slot_state) with no dict state
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise TypeError(f"unexpected state for {type(self).__name__}")
+        self.__dict__.update(state)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.__dict__.get(name, default)
+
+
+class _Metadata(_Record):
+    fields = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+
+
+class _TensorStorageMetadata(_Record):
+    fields = ("properties", "size", "chunks")
+
+
+class _ChunkStorageMetadata(_Record):
+    fields = ("offsets", "sizes")
+
+
+class _BytesStorageMetadata(_Record):
+    pass
+
+
+class _TensorProperties(_Record):
+    fields = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple):  # DCP pickles a tuple (its __getstate__)
+            self.__dict__.update(zip(self.fields, state))
+        else:
+            super().__setstate__(state)
+
+
+class _MetadataIndex(_Record):
+    fields = ("fqn", "offset", "index")
+
+
+class _StorageInfo(_Record):
+    fields = ("relative_path", "offset", "length", "transform_descriptors")
+
+
+class _StorageMeta(_Record):
+    fields = ("checkpoint_id", "save_id", "load_id", "modules")
+
+
+class _Inert:
+    """A callable or marker a pickle may name but never change: BUILD on it (which
+    would otherwise set attributes such as a function's ``__defaults__``) fails."""
+
+    __slots__ = ("_fn", "value")
+
+    def __init__(self, fn: Callable[..., Any] | None = None, value: Any = None) -> None:
+        object.__setattr__(self, "_fn", fn)
+        object.__setattr__(self, "value", value)
+
+    def __call__(self, *args: Any) -> Any:
+        if self._fn is None:
+            raise TypeError("not callable")
+        return self._fn(*args)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise TypeError("immutable")
+
+    def __setstate__(self, state: Any) -> None:
+        raise TypeError("immutable")
+
+
+def _size(dims: Any = ()) -> tuple[int, ...]:
+    """torch.Size stand-in: a tuple of non-negative ints."""
+    out = tuple(dims)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in out):
+        raise TypeError("torch.Size of non-integers")
+    return out
+
+
+def _name(*parts: Any) -> str:
+    """Stand-in for layouts, memory-format enums and paths (pickled as their
+    parts): kept as text only."""
+    return posixpath.join(*(str(p) for p in parts)) if parts else ""
+
+
+_inert_name = _Inert(_name)
+_inert_size = _Inert(_size)
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: obj for name in dir(torch) if isinstance(obj := getattr(torch, name), torch.dtype)
+}
+
+_METADATA_GLOBALS: dict[tuple[str, str], Any] = {
+    (_MDI, "Metadata"): _Metadata,
+    (_MDI, "TensorStorageMetadata"): _TensorStorageMetadata,
+    (_MDI, "ChunkStorageMetadata"): _ChunkStorageMetadata,
+    (_MDI, "BytesStorageMetadata"): _BytesStorageMetadata,
+    (_MDI, "TensorProperties"): _TensorProperties,
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"): _TensorProperties,
+    (_MDI, "MetadataIndex"): _MetadataIndex,
+    (_MDI, "StorageMeta"): _StorageMeta,
+    (_MDI, "_MEM_FORMAT_ENCODING"): _inert_name,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch.serialization", "_get_layout"): _inert_name,
+    ("torch", "Size"): _inert_size,
+    ("pathlib", "PosixPath"): _inert_name,
+    ("pathlib", "WindowsPath"): _inert_name,
+    ("pathlib", "PurePosixPath"): _inert_name,
+    ("pathlib", "PureWindowsPath"): _inert_name,
+    ("pathlib", "Path"): _inert_name,
+    ("collections", "OrderedDict"): dict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Resolves only the globals in ``allowed`` (plus torch dtypes when asked);
+    anything else raises before a callable is ever looked up."""
+
+    def __init__(self, data: bytes, *, allowed: dict[tuple[str, str], Any], where: str,
+                 dtypes_ok: bool = True, persistent: Callable[[Any], Any] | None = None) -> None:
+        super().__init__(io.BytesIO(data))
+        self._allowed = allowed
+        self._where = where
+        self._dtypes_ok = dtypes_ok
+        self._persistent = persistent
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._allowed.get((module, name))
+        if found is None and self._dtypes_ok and module == "torch":
+            found = _TORCH_DTYPES.get(name)
+        if found is None:
+            raise _Refused(f"{self._where}: pickle references {module}.{name}, which is not on the allow-list")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise _Refused(f"{self._where}: unexpected persistent id in pickle")
+        return self._persistent(pid)
+
+
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
+def safe_unpickle(data: bytes, *, allowed: dict[tuple[str, str], Any], where: str, dtypes_ok: bool = True,
+                  persistent: Callable[[Any], Any] | None = None) -> Any:
+    """Unpickle with an allow-list; every failure is a ``CorruptCheckpointError``."""
+    try:
+        return RestrictedUnpickler(
+            data, allowed=allowed, where=where, dtypes_ok=dtypes_ok, persistent=persistent
+        ).load()
+    except _Refused as e:
+        raise CorruptCheckpointError(f"{e}; refusing to load it") from None
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any malformed pickle is corrupt input
+        raise CorruptCheckpointError(f"{where}: malformed pickle ({type(e).__name__}: {e})") from None
+
+
+# ---------------------------------------------------------------- typed metadata
+
+
+@dataclass(frozen=True, slots=True)
+class ItemInfo:
+    """Where one DCP item's ``torch.save`` record lives."""
+
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class DcpTensor:
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...], ItemInfo], ...]  # (offsets, sizes, item)
+
+
+@dataclass(frozen=True, slots=True)
+class DcpMetadata:
+    tensors: dict[str, DcpTensor]
+    values: dict[str, ItemInfo]  # non-tensor (bytes) entries
+    version: str | None
+
+
+def parse_metadata(data: bytes, *, where: str) -> DcpMetadata:
+    """Unpickle ``.metadata`` safely and check every field's type and bounds."""
+    md = safe_unpickle(data, allowed=_METADATA_GLOBALS, where=where)
+    if not isinstance(md, _Metadata):
+        raise CorruptCheckpointError(f"{where}: not a DCP Metadata object")
+    sdm = md.get("state_dict_metadata")
+    storage = md.get("storage_data")
+    if not isinstance(sdm, dict) or not isinstance(storage, dict):
+        raise CorruptCheckpointError(f"{where}: state_dict_metadata and storage_data must be dicts")
+    infos = _storage_infos(storage, where)
+    tensors: dict[str, DcpTensor] = {}
+    values: dict[str, ItemInfo] = {}
+    for fqn, entry in sdm.items():
+        if not isinstance(fqn, str):
+            raise CorruptCheckpointError(f"{where}: state_dict_metadata key {fqn!r} is not a string")
+        if isinstance(entry, _BytesStorageMetadata):
+            values[fqn] = _item(infos, fqn, None, where)
+        elif isinstance(entry, _TensorStorageMetadata):
+            tensors[fqn] = _tensor(fqn, entry, infos, where)
+        else:
+            raise CorruptCheckpointError(f"{where}: entry {fqn!r} has unknown type {type(entry).__name__}")
+    version = md.get("version")
+    return DcpMetadata(tensors=tensors, values=values, version=version if isinstance(version, str) else None)
+
+
+def _storage_infos(storage: dict[Any, Any], where: str) -> dict[tuple[str, tuple[int, ...] | None], ItemInfo]:
+    out: dict[tuple[str, tuple[int, ...] | None], ItemInfo] = {}
+    for idx, info in storage.items():
+        if not isinstance(idx, _MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise CorruptCheckpointError(f"{where}: storage_data entries must be MetadataIndex -> _StorageInfo")
+        fqn, offset = idx.get("fqn"), idx.get("offset")
+        path, start, length = info.get("relative_path"), info.get("offset"), info.get("length")
+        if not isinstance(fqn, str) or not (offset is None or isinstance(offset, tuple)):
+            raise CorruptCheckpointError(f"{where}: malformed MetadataIndex {fqn!r}")
+        if not isinstance(path, str) or not _nonneg(start) or not _nonneg(length):
+            raise CorruptCheckpointError(f"{where}: storage info of {fqn!r} is malformed")
+        check_relative_name(path, where=f"{where}: storage info of {fqn!r}")
+        if info.get("transform_descriptors"):
+            raise CorruptCheckpointError(
+                f"{where}: item {fqn!r} was written through DCP stream transforms "
+                f"{info.get('transform_descriptors')!r} (e.g. compression); streamckpt cannot range-read those"
+            )
+        out[(fqn, offset)] = ItemInfo(path, start, length)
+    return out
+
+
+def _nonneg(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _item(infos: dict[Any, ItemInfo], fqn: str, offset: tuple[int, ...] | None, where: str) -> ItemInfo:
+    try:
+        return infos[(fqn, offset)]
+    except KeyError:
+        at = "" if offset is None else f" chunk at offset {list(offset)}"
+        raise CorruptCheckpointError(f"{where}: no storage info for {fqn!r}{at}") from None
+
+
+def _tensor(fqn: str, entry: _TensorStorageMetadata, infos: dict[Any, ItemInfo], where: str) -> DcpTensor:
+    props, size, chunks = entry.get("properties"), entry.get("size"), entry.get("chunks")
+    dtype = props.get("dtype") if isinstance(props, _TensorProperties) else None
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"{where}: tensor {fqn!r} has no dtype")
+    code = dtypes.to_code(dtype, where=fqn) if dtype in _CODES else None
+    if code is None:
+        raise CorruptCheckpointError(f"{where}: tensor {fqn!r} has dtype {dtype}, which streamckpt cannot store")
+    if not isinstance(size, tuple) or len(size) > MAX_NDIM or not isinstance(chunks, list):
+        raise CorruptCheckpointError(f"{where}: tensor {fqn!r} has a malformed size or chunk list")
+    out = []
+    for c in chunks:
+        offs, sizes = (c.get("offsets"), c.get("sizes")) if isinstance(c, _ChunkStorageMetadata) else (None, None)
+        if not isinstance(offs, tuple) or not isinstance(sizes, tuple) or len(offs) != len(size) or len(sizes) != len(size):
+            raise CorruptCheckpointError(f"{where}: tensor {fqn!r} has a malformed chunk")
+        out.append((offs, sizes, _item(infos, fqn, offs, where)))
+    return DcpTensor(dtype=code, shape=size, chunks=tuple(out))
+
+
+_CODES = {dtypes.to_torch(c) for c in dtypes.SUPPORTED_CODES}
+
+
+# ------------------------------------------------------------- item data.pkl
+
+
+@dataclass(frozen=True, slots=True)
+class _StorageRef:
+    key: str
+    dtype: torch.dtype | None  # None: an UntypedStorage (bytes); the tensor carries the dtype
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """What an item's data.pkl says: which storage record, where, what shape."""
+
+    storage_key: str
+    storage_numel: int  # in elements of ``dtype``
+    dtype: torch.dtype
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _StorageType(_Inert):
+    """A storage class named in a data.pkl; ``value`` is its dtype (None: untyped bytes)."""
+
+    __slots__ = ()
+
+
+_LEGACY_STORAGES = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
+}
+
+
+def _rebuild_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *_rest: Any) -> "_Rebuilt":
+    return _Rebuilt(storage, storage_offset, size, stride, None)
+
+
+def _rebuild_v3(storage: Any, storage_offset: Any, size: Any, stride: Any, _rg: Any, _hooks: Any,
+                dtype: Any, *_rest: Any) -> "_Rebuilt":
+    return _Rebuilt(storage, storage_offset, size, stride, dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class _Rebuilt:
+    storage: Any
+    storage_offset: Any
+    size: Any
+    stride: Any
+    dtype: Any
+
+
+_ITEM_GLOBALS: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _Inert(_rebuild_v2),
+    ("torch._utils", "_rebuild_tensor_v3"): _Inert(_rebuild_v3),
+    ("torch.storage", "UntypedStorage"): _StorageType(value=None),
+    ("collections", "OrderedDict"): dict,
+    ("torch", "Size"): _inert_size,
+    **{("torch", n): _StorageType(value=dt) for n, dt in _LEGACY_STORAGES.items()},
+}
+
+def _latin1(text: Any, encoding: Any = "latin1") -> bytes:
+    """Protocol-2 pickles spell ``bytes`` as ``_codecs.encode(text, "latin1")``."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise TypeError("only _codecs.encode(str, 'latin1') is allowed")
+    return text.encode("latin1")
+
+
+_VALUE_GLOBALS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): dict,
+    ("_codecs", "encode"): _Inert(_latin1),
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("__builtin__", "set"): set,  # protocol-2 pickles spell builtins the Python 2 way
+    ("__builtin__", "frozenset"): frozenset,
+}
+
+
+def _storage_pid(where: str) -> Callable[[Any], _StorageRef]:
+    def load(pid: Any) -> _StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise CorruptCheckpointError(f"{where}: unexpected persistent id {pid!r:.80}")
+        _, stype, key, _location, numel = pid
+        if not isinstance(stype, _StorageType) or not isinstance(key, str) or not _nonneg(numel):
+            raise CorruptCheckpointError(f"{where}: malformed storage reference {pid!r:.80}")
+        return _StorageRef(key, stype.value, numel)
+    return load
+
+
+def parse_tensor_pickle(data: bytes, *, where: str) -> TensorRef:
+    """Read a ``torch.save``'d tensor's data.pkl without building a tensor."""
+    r = safe_unpickle(data, allowed=_ITEM_GLOBALS, where=where, persistent=_storage_pid(where))
+    if not isinstance(r, _Rebuilt) or not isinstance(r.storage, _StorageRef):
+        raise CorruptCheckpointError(f"{where}: the item is not a single plain tensor")
+    st = r.storage
+    dtype = st.dtype if st.dtype is not None else r.dtype
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"{where}: the item's tensor has no dtype")
+    numel = st.numel if st.dtype is not None else st.numel // max(1, dtype.itemsize)
+    try:
+        size, stride = _size(r.size), _size(r.stride)
+    except TypeError:
+        raise CorruptCheckpointError(f"{where}: malformed size/stride in the item") from None
+    if not _nonneg(r.storage_offset) or len(size) != len(stride):
+        raise CorruptCheckpointError(f"{where}: malformed storage offset or stride in the item")
+    return TensorRef(st.key, numel, dtype, r.storage_offset, size, stride)
+
+
+def is_row_major(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for d, s in zip(reversed(size), reversed(stride)):
+        if d != 1 and s != expected:
+            return False
+        expected *= d
+    return True
+
+
+# -------------------------------------------------------- ranged item access
+
+
+class RangeCache:
+    """Bytes of a few windows of several files, fetched in one concurrent batch;
+    a request outside them costs one more range read."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._windows: dict[str, list[tuple[int, bytes]]] = {}
+        self.requests = 0
+        self.bytes_read = 0
+
+    def prefetch(self, wanted: list[tuple[str, int, int]]) -> None:
+        reads = _coalesce(wanted)
+        bufs = [bytearray(r.length) for r in reads]
+        if reads:
+            self.requests += self.storage.read_into(reads, [memoryview(b) for b in bufs]).result()
+        for r, b in zip(reads, bufs):
+            self._windows.setdefault(r.name, []).append((r.start, bytes(b)))
+            self.bytes_read += r.length
+
+    def get(self, name: str, start: int, stop: int) -> bytes:
+        for w_start, data in self._windows.get(name, ()):
+            if w_start <= start and stop <= w_start + len(data):
+                return data[start - w_start:stop - w_start]
+        data = self.storage.read_bytes(name, start, stop)
+        self.requests += 1
+        self.bytes_read += stop - start
+        self._windows.setdefault(name, []).append((start, data))
+        return data
+
+
+def _coalesce(wanted: list[tuple[str, int, int]]) -> list[RangeRead]:
+    out: list[RangeRead] = []
+    for name, start, stop in sorted(wanted):
+        last = out[-1] if out else None
+        if last is not None and last.name == name and start <= last.stop + MAX_GAP and \
+                max(stop, last.stop) - last.start <= MAX_WINDOW:
+            out[-1] = RangeRead(name, last.start, max(stop, last.stop))
+        elif stop > start:
+            out.append(RangeRead(name, start, stop))
+    return out
+
+
+class _ItemFile(io.RawIOBase):
+    """A seekable read-only view of one item, served from a ``RangeCache``."""
+
+    def __init__(self, cache: RangeCache, item: ItemInfo) -> None:
+        self._cache, self._item, self._pos = cache, item, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._item.length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        stop = self._item.length if n is None or n < 0 else min(self._item.length, self._pos + n)
+        if stop <= self._pos:
+            return b""
+        data = self._cache.get(self._item.file, self._item.offset + self._pos, self._item.offset + stop)
+        self._pos = stop
+        return data
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+
+@dataclass(frozen=True, slots=True)
+class LocatedTensor:
+    """A chunk's raw bytes: absolute offset in its file, and what they hold."""
+
+    byte_offset: int
+    ref: TensorRef
+
+
+def locate_tensor(cache: RangeCache, item: ItemInfo, *, where: str) -> LocatedTensor:
+    """Find the raw bytes of the tensor inside one ``torch.save`` item."""
+    try:
+        zf = zipfile.ZipFile(_ItemFile(cache, item))
+    except (zipfile.BadZipFile, ValueError, EOFError, struct.error) as e:
+        raise CorruptCheckpointError(f"{where}: not a torch.save ZIP record ({e})") from None
+    infos = zf.infolist()
+    pkl = _one(infos, lambda n: n.endswith("/data.pkl") or n == "data.pkl", "data.pkl", where)
+    root = pkl.filename[: -len("data.pkl")]
+    for zi in infos:
+        if zi.filename.endswith("byteorder") and zi.file_size <= 16:
+            if _member(cache, item, zi, where).strip() not in (b"little", b""):
+                raise CorruptCheckpointError(f"{where}: big-endian torch.save records are not supported")
+    if pkl.file_size > MAX_PICKLE_BYTES:
+        raise CorruptCheckpointError(f"{where}: data.pkl of {pkl.file_size} bytes is too large for one tensor")
+    ref = parse_tensor_pickle(_member(cache, item, pkl, where), where=where)
+    rec = _one(infos, lambda n: n == f"{root}data/{ref.storage_key}", f"data/{ref.storage_key}", where)
+    itemsize = ref.dtype.itemsize
+    if rec.compress_type != zipfile.ZIP_STORED or rec.file_size != ref.storage_numel * itemsize:
+        raise CorruptCheckpointError(
+            f"{where}: storage record of {rec.file_size} bytes (method {rec.compress_type}) does not hold "
+            f"{ref.storage_numel} elements of {ref.dtype}"
+        )
+    numel = math.prod(ref.size)
+    if ref.storage_offset + numel > ref.storage_numel or (numel and not is_row_major(ref.size, ref.stride)):
+        raise CorruptCheckpointError(
+            f"{where}: tensor view (offset {ref.storage_offset}, size {list(ref.size)}, stride {list(ref.stride)}) "
+            f"is not a row-major range of its {ref.storage_numel}-element storage"
+        )
+    start = _data_start(cache, item, rec, where)
+    if start + rec.file_size > item.length:
+        raise CorruptCheckpointError(f"{where}: storage record runs past the end of the item")
+    return LocatedTensor(item.offset + start + ref.storage_offset * itemsize, ref)
+
+
+def _one(infos: list[zipfile.ZipInfo], match: Callable[[str], bool], what: str, where: str) -> zipfile.ZipInfo:
+    found = [zi for zi in infos if match(zi.filename)]
+    if len(found) != 1:
+        raise CorruptCheckpointError(f"{where}: expected one {what} in the torch.save record, found {len(found)}")
+    return found[0]
+
+
+def _data_start(cache: RangeCache, item: ItemInfo, zi: zipfile.ZipInfo, where: str) -> int:
+    """Offset (in the item) of a member's data: after its local header."""
+    head = _ItemFile(cache, item)
+    head.seek(zi.header_offset)
+    fixed = head.read(30)
+    if len(fixed) != 30 or fixed[:4] != b"PK\x03\x04":
+        raise CorruptCheckpointError(f"{where}: bad local header for {zi.filename!r}")
+    name_len, extra_len = struct.unpack("<HH", fixed[26:30])
+    return zi.header_offset + 30 + name_len + extra_len
+
+
+def _member(cache: RangeCache, item: ItemInfo, zi: zipfile.ZipInfo, where: str) -> bytes:
+    if zi.compress_type != zipfile.ZIP_STORED:
+        raise CorruptCheckpointError(f"{where}: {zi.filename!r} is compressed; torch.save stores members")
+    start = _data_start(cache, item, zi, where)
+    f = _ItemFile(cache, item)
+    f.seek(start)
+    data = f.read(zi.file_size)
+    if len(data) != zi.file_size:
+        raise CorruptCheckpointError(f"{where}: {zi.filename!r} runs past the end of the item")
+    return data
+
+
+def read_value(cache: RangeCache, item: ItemInfo, *, where: str) -> Any:
+    """A non-tensor entry's Python value (builtins only), or raise ``CorruptCheckpointError``."""
+    try:
+        zf = zipfile.ZipFile(_ItemFile(cache, item))
+    except (zipfile.BadZipFile, ValueError, EOFError, struct.error):
+        raise CorruptCheckpointError(f"{where}: raw bytes, not a torch.save record") from None
+    pkl = _one(zf.infolist(), lambda n: n.endswith("/data.pkl") or n == "data.pkl", "data.pkl", where)
+    if pkl.file_size > MAX_VALUE_ITEM_BYTES:
+        raise CorruptCheckpointError(f"{where}: value of {pkl.file_size} bytes is too large to restore")
+    return safe_unpickle(_member(cache, item, pkl, where), allowed=_VALUE_GLOBALS, where=where, dtypes_ok=False)
+
+
+def json_safe(value: Any) -> bool:
+    """True for values that survive a JSON round trip unchanged."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False)) == value and _plain(value)
+    except (TypeError, ValueError, RecursionError):
+        return False
+
+
+def _plain(v: Any) -> bool:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    if isinstance(v, list):
+        return all(_plain(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _plain(x) for k, x in v.items())
+    return False
+
+
+# ----------------------------------------------------------------- the reader
+
+
+def read_dcp_manifest(storage: Storage) -> Manifest | None:
+    """The Manifest of a DCP checkpoint at ``storage``'s prefix, or None when the
+    prefix has no ``.metadata``."""
+    if not storage.exists(METADATA_NAME):
+        return None
+    where = storage.describe(METADATA_NAME)
+    size = storage.size(METADATA_NAME)
+    if size > MAX_METADATA_BYTES:
+        raise CorruptCheckpointError(f"{where}: {size} bytes exceeds the {MAX_METADATA_BYTES}-byte limit")
+    md = parse_metadata(storage.read_bytes(METADATA_NAME), where=where)
+    items = [c[2] for t in md.tensors.values() for c in t.chunks] + list(md.values.values())
+    files = {name: storage.size(name) for name in sorted({i.file for i in items})}
+    for item in items:
+        if item.offset + item.length > files[item.file]:
+            raise CorruptCheckpointError(
+                f"{storage.describe(item.file)}: item [{item.offset}, {item.offset + item.length}) runs past "
+                f"the end of the {files[item.file]}-byte file"
+            )
+    cache = RangeCache(storage)
+    cache.prefetch(_locating_windows(md))
+    tensors = {fqn: _tensor_meta(cache, storage, fqn, t) for fqn, t in md.tensors.items()}
+    values, unloadable = _values(cache, storage, md)
+    metadata: dict[str, Any] = {"dcp_version": md.version}
+    if unloadable:
+        metadata["unloadable_keys"] = sorted(unloadable)
+        metadata["unloadable_reasons"] = unloadable
+    log.debug("DCP manifest: %d tensors, %d values; locating cost %d requests, %d bytes",
+              len(tensors), len(values), cache.requests, cache.bytes_read)
+    manifest = Manifest(tensors=tensors, files=files, values=values, metadata=metadata, kind=KIND)
+    validate(manifest, where=where)
+    return manifest
+
+
+def _locating_windows(md: DcpMetadata) -> list[tuple[str, int, int]]:
+    out = []
+    for t in md.tensors.values():
+        for _, _, it in t.chunks:
+            end = it.offset + it.length
+            out.append((it.file, it.offset, min(end, it.offset + HEAD_BYTES)))
+            out.append((it.file, max(it.offset, end - TAIL_BYTES), end))
+    for it in md.values.values():
+        if it.length <= MAX_VALUE_ITEM_BYTES:
+            out.append((it.file, it.offset, it.offset + it.length))
+    return out
+
+
+def _tensor_meta(cache: RangeCache, storage: Storage, fqn: str, t: DcpTensor) -> TensorMeta:
+    shards = []
+    for offs, sizes, item in t.chunks:
+        where = f"{storage.describe(item.file)} [{item.offset}, {item.offset + item.length}) ({fqn!r} chunk {list(offs)})"
+        loc = locate_tensor(cache, item, where=where)
+        code = dtypes.to_code(loc.ref.dtype, where=where) if loc.ref.dtype in _CODES else None
+        if code != t.dtype or loc.ref.size != sizes:
+            raise CorruptCheckpointError(
+                f"{where}: item holds {loc.ref.dtype} {list(loc.ref.size)}, metadata says {t.dtype} {list(sizes)}"
+            )
+        shards.append(Shard(
+            offset=offs, shape=sizes, file=item.file, byte_offset=loc.byte_offset,
+            byte_length=math.prod(sizes) * loc.ref.dtype.itemsize, codec="raw", chunk_size=0,
+        ))
+    return TensorMeta(dtype=t.dtype, shape=t.shape, shards=tuple(shards))
+
+
+def _values(cache: RangeCache, storage: Storage, md: DcpMetadata) -> tuple[dict[str, Any], dict[str, str]]:
+    values: dict[str, Any] = {}
+    unloadable: dict[str, str] = {}
+    for fqn, item in md.values.items():
+        where = f"{storage.describe(item.file)} [{item.offset}, {item.offset + item.length}) ({fqn!r})"
+        if item.length > MAX_VALUE_ITEM_BYTES:
+            unloadable[fqn] = f"{item.length}-byte value is larger than the {MAX_VALUE_ITEM_BYTES}-byte limit"
+            continue
+        try:
+            value = read_value(cache, item, where=where)
+        except CorruptCheckpointError as e:
+            unloadable[fqn] = f"not restorable without running pickle code: {e}"
+            continue
+        if json_safe(value):
+            values[fqn] = value
+        else:
+            unloadable[fqn] = f"a {type(value).__name__} value is not JSON-safe"
+    return values, unloadable
