@@ -221,7 +221,9 @@ def _index(shape: Shape, pieces: tuple[_Piece, ...]) -> tuple[int | None, tuple[
 class View:
     """The transformed view of a checkpoint: final names, shapes, dtypes and region maps."""
 
-    def __init__(self, entries: Mapping[str, _Tensor]) -> None:
+    def __init__(self, entries: Mapping[str, _Tensor], *, transformed: bool = True) -> None:
+        #: the planner reports shape/dtype mismatches as TransformError when True
+        self.transformed = transformed
         built: dict[str, _Entry] = {}
         for name, t in entries.items():
             pieces = _normalize(t.pieces)
@@ -304,7 +306,7 @@ def identity_view(source: SourceSpec) -> View:
     return View({
         name: _Tensor(tuple(shape), dt, dt, _leaf(name, tuple(shape)))
         for name, (shape, dt) in source.items()
-    })
+    }, transformed=False)
 
 
 # --------------------------------------------------------------------------- dtypes
