@@ -36,7 +36,7 @@ from .regions import (
     max_gap,
     row_major_strides,
     span,
-    split_for_span,
+    split_aligned,
 )
 from .targets import TargetSpec
 
@@ -337,17 +337,19 @@ def _needs_for_target(
                 inter = intersect(sp.box, seg.source_box) if sp.box.ndim else sp.box
                 if inter is None:
                     continue
-                for piece in _pieces(sp.frame, inter, options.max_gap_bytes // isz, max_elems):
+                align = sp.shard.chunk_size // isz if sp.shard.chunk_size % isz == 0 else 0
+                max_e = max(max_elems, align)
+                for piece in _pieces(sp.frame, inter, options.max_gap_bytes // isz, max_e, sp.base, align):
                     yield _need(uid, piece, sp, seg, meta.dtype, isz, frame_origin, dst_base, dst_frame)
 
 
-def _pieces(frame: Box, inter: Box, gap_elems: int, max_elems: int) -> Iterable[Box]:
-    """Cut an intersection where gaps are too wide, then bound each span."""
+def _pieces(frame: Box, inter: Box, gap_elems: int, max_elems: int, base: int, align: int) -> Iterable[Box]:
+    """Cut an intersection where gaps are too wide, then bound each span (on chunk boundaries)."""
     cut = 0
     while cut < inter.ndim - 1 and max_gap(frame, inter, cut) > gap_elems:
         cut += 1
     for p in cut_pieces(frame, inter, cut):
-        yield from split_for_span(frame, p, max_elems)
+        yield from split_aligned(frame, p, max_elems, base, align)
 
 
 def _map_to_target(seg: Segment, box: Box) -> Box:

@@ -288,3 +288,62 @@ def coalesce(
                 continue
         out.append((s, e, [i]))
     return out
+
+
+def split_aligned(frame: Box, sub: Box, max_elems: int, base: int, align: int) -> list[Box]:
+    """Like ``split_for_span``, but cut where the element index ``base + i`` (``i``
+    in the frame's row-major order) is a multiple of ``align``, so that pieces of
+    a checksummed shard start on chunk boundaries and never share a chunk.
+
+    A contiguous sub-box is cut at exact chunk boundaries (its pieces come from
+    flat-range decomposition); a strided one into bands of whole indices along
+    its outermost dim whose starts are aligned. Falls back to unaligned bands when
+    no aligned band fits ``max_elems``.
+    """
+    if align <= 1:
+        return split_for_span(frame, sub, max_elems)
+    first, stop = span(frame, sub)
+    if stop - first <= max_elems:
+        return [sub]
+    if len(runs(frame, sub)) == 1:
+        step = max(align, (max_elems // align) * align)
+        cuts = [first]
+        pos = first
+        while stop - pos > step:
+            cut = ((base + pos + step) // align) * align - base
+            if cut <= pos:
+                cut = ((base + pos) // align + 1) * align - base
+            if cut >= stop:
+                break
+            cuts.append(cut)
+            pos = cut
+        cuts.append(stop)
+        out: list[Box] = []
+        for a, b in zip(cuts, cuts[1:]):
+            out.extend(box for _, box in flat_range_boxes(frame, a, b))
+        return out
+    d = next((i for i, s in enumerate(sub.shape) if s > 1), None)
+    if d is None:
+        return [sub]
+    stride = row_major_strides(frame.shape)[d]
+    period = align // math.gcd(align, stride)
+    one = span(frame, Box(sub.offset, (1,) * (d + 1) + sub.shape[d + 1:]))
+    band_elems = lambda n: (n - 1) * stride + (one[1] - one[0])  # noqa: E731 - tiny local formula
+    if band_elems(period) > max_elems:
+        return split_for_span(frame, sub, max_elems)
+    per = period
+    while band_elems(per + period) <= max_elems:
+        per += period
+    # first aligned index i0 >= 1: (base + first + i*stride) % align == 0
+    i0 = next((i for i in range(1, period + 1) if (base + first + i * stride) % align == 0), None)
+    if i0 is None:
+        return split_for_span(frame, sub, max_elems)
+    bounds = [0] + list(range(i0, sub.shape[d], per)) + [sub.shape[d]]
+    bounds = sorted(set(bounds))
+    return [
+        Box(
+            sub.offset[:d] + (sub.offset[d] + lo,) + sub.offset[d + 1:],
+            sub.shape[:d] + (hi - lo,) + sub.shape[d + 1:],
+        )
+        for lo, hi in zip(bounds, bounds[1:])
+    ]

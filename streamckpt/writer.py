@@ -26,7 +26,7 @@ from .targets import TargetSpec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_SIZE = 1 << 20
+DEFAULT_CHUNK_SIZE = 256 << 10
 ZSTD_LEVEL = 3
 
 

@@ -1,0 +1,196 @@
+"""Planner properties through a pure simulated executor (no storage, no processes).
+
+Random source layouts (grids, flat-range shards, chunked checksums) and random
+target layouts over several simulated ranks: every target element is written
+with the right source element, with read_once every stored byte is fetched at
+most once, and every round fits each rank's memory budget.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamckpt.manifest import Manifest, Shard, TensorMeta, validate
+from streamckpt.pipeline import Destinations, local_schedule
+from streamckpt.plan import PlanOptions, build_plan, message_layout, messages_of, read_cost
+from streamckpt.regions import Box, flat_range_boxes
+from streamckpt.targets import TargetSpec
+
+
+def _grid(shape, rng, max_cuts=3):
+    cuts = []
+    for s in shape:
+        pts = sorted(rng.sample(range(1, s), min(s - 1, rng.randint(0, max_cuts)))) if s > 1 else []
+        cuts.append([0] + pts + [s])
+    boxes = [Box((), ())]
+    for c in cuts:
+        boxes = [Box(b.offset + (lo,), b.shape + (hi - lo,)) for b in boxes for lo, hi in zip(c, c[1:])]
+    return boxes
+
+
+def _make_checkpoint(rng, shape, dtype=torch.float32):
+    original = (torch.arange(math.prod(shape), dtype=torch.float64) * 1.5 + 3).to(dtype).reshape(shape)
+    files: dict[str, bytearray] = defaultdict(bytearray)
+    shards = []
+    chunk = rng.choice([0, 8, 24, 64])
+    for i, box in enumerate(_grid(shape, rng)):
+        block = original[box.slices()].contiguous().reshape(-1)
+        pieces = [(None, block)]
+        if rng.random() < 0.4 and box.numel > 2:
+            cut = rng.randint(1, box.numel - 1)
+            pieces = [((0, cut), block[:cut]), ((cut, box.numel), block[cut:])]
+        for fr, data in pieces:
+            fname = f"data/{rng.randint(0, 2)}.bin"
+            f = files[fname]
+            f.extend(b"\0" * rng.randint(0, 9))  # unaligned padding between shards
+            raw = data.view(torch.uint8).numpy().tobytes()
+            n_chunks = -(-len(raw) // chunk) if chunk else 0
+            shards.append(Shard(box.offset, box.shape, fname, len(f), len(raw), flat_range=fr,
+                                chunk_size=chunk, crc32c=tuple([0] * n_chunks) if chunk else None))
+            f.extend(raw)
+    code = {torch.float32: "F32", torch.int16: "I16"}[dtype]
+    m = Manifest(tensors={"w": TensorMeta(code, tuple(shape), tuple(shards))},
+                 files={k: len(v) for k, v in files.items()})
+    validate(m)
+    return m, {k: bytes(v) for k, v in files.items()}, original
+
+
+def _make_targets(rng, shape, world, dtype_code):
+    specs = [[] for _ in range(world)]
+    for box in _grid(shape, rng):
+        holders = rng.sample(range(world), rng.randint(1, world))
+        flat = None
+        if rng.random() < 0.3 and box.numel > 1:
+            a = rng.randint(0, box.numel - 1)
+            flat = (a, rng.randint(a + 1, box.numel))
+        for r in holders:
+            specs[r].append(TargetSpec("w", dtype_code, tuple(shape), box.offset, box.shape, flat))
+    return specs
+
+
+def _expected(original, spec):
+    block = original[spec.box.slices()]
+    if spec.flat_range is None:
+        return block
+    return block.reshape(-1)[spec.flat_range[0]:spec.flat_range[1]]
+
+
+def simulate(plan, files, world, targets_by_rank, dtype):
+    """Run every rank's schedule with bytes from ``files``; return tensors and fetch log."""
+    dests = []
+    for r in range(world):
+        tensors = {}
+        for uid, spec in zip(plan.rank_targets[r], targets_by_rank[r]):
+            shape = spec.shape if spec.flat_range is None else (spec.numel,)
+            tensors[uid] = torch.full(shape, -7, dtype=dtype)
+        dests.append(Destinations(tensors))
+    fetched = []
+    for r in range(world):
+        for rnd in local_schedule(plan, r):
+            for _, read in rnd.reads:
+                data = files[read.file][read.start:read.stop]
+                assert len(data) == read.length
+                fetched.append((read.file, read.start, read.stop))
+                staged = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                for c in read.copies:
+                    if c.target in dests[r].tensors:
+                        dests[r].apply(staged[c.offset:], c)
+                for m in rnd.sends:
+                    if plan.reads[m.read_index] is not read:
+                        continue
+                    offs, size = message_layout(m.copies)
+                    packed = torch.zeros(size, dtype=torch.uint8)
+                    for c, o in zip(m.copies, offs):
+                        packed[o:o + c.length] = staged[c.offset:c.offset + c.length]
+                    for c, o in zip(m.copies, offs):
+                        dests[m.peer].apply(packed[o:], c)
+    return dests, fetched
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.integers(1, 4), st.booleans(),
+       st.sampled_from([256, 2048, 1 << 20]))
+def test_plan_writes_every_target_element_once_and_reads_once(seed, ndim, world, read_once, budget):
+    rng = random.Random(seed)
+    shape = tuple(rng.randint(1, 9) for _ in range(ndim))
+    dtype = rng.choice([torch.float32, torch.int16])
+    manifest, files, original = _make_checkpoint(rng, shape, dtype)
+    code = manifest.tensors["w"].dtype
+    targets = _make_targets(rng, shape, world, code)
+    opts = PlanOptions(memory_budget=budget, max_gap_bytes=rng.choice([0, 16, 1 << 20]), read_once=read_once)
+    plan = build_plan(manifest, targets, opts)
+    dests, fetched = simulate(plan, files, world, targets, dtype)
+    for r in range(world):
+        for uid, spec in zip(plan.rank_targets[r], targets[r]):
+            assert torch.equal(dests[r].tensors[uid], _expected(original, spec)), (r, spec)
+    if read_once:
+        per_file = defaultdict(list)
+        for f, s, e in fetched:
+            per_file[f].append((s, e))
+        for spans in per_file.values():
+            spans.sort()
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "a byte was fetched twice"
+    else:
+        assert all(r.private and not messages_of(r, plan.targets) for r in plan.reads)
+    # every round fits each rank's budget (a lone oversized read may sit alone)
+    usage = defaultdict(int)
+    count = defaultdict(int)
+    for read in plan.reads:
+        usage[(read.round, read.reader)] += read_cost(read)
+        count[(read.round, read.reader)] += 1
+        for peer, copies in messages_of(read, plan.targets).items():
+            size = message_layout(copies)[1]
+            usage[(read.round, peer)] += size
+            count[(read.round, peer)] += 1
+            if len(copies) > 1:
+                usage[(read.round, read.reader)] += size
+    for key, used in usage.items():
+        assert used <= opts.round_cap or count[key] == 1, (key, used, opts.round_cap)
+
+
+def test_row_slice_reads_only_its_rows():
+    rng = random.Random(0)
+    shape = (64, 16)
+    shards = (Shard((0, 0), shape, "f", 0, 64 * 16 * 4, chunk_size=256, crc32c=tuple([0] * 16)),)
+    m = Manifest(tensors={"w": TensorMeta("F32", shape, shards)}, files={"f": 64 * 16 * 4})
+    spec = TargetSpec("w", "F32", shape, (16, 0), (16, 16))
+    plan = build_plan(m, [[spec]], PlanOptions())
+    assert [(r.start, r.stop) for r in plan.reads] == [(16 * 64, 32 * 64)]
+    assert len(plan.reads[0].checks) == 4
+    del rng
+
+
+def test_replicated_target_is_read_once_and_split_across_ranks():
+    shape = (1024, 1024)
+    nbytes = 1024 * 1024 * 4
+    shards = (Shard((0, 0), shape, "f", 0, nbytes),)
+    m = Manifest(tensors={"w": TensorMeta("F32", shape, shards)}, files={"f": nbytes})
+    spec = TargetSpec("w", "F32", shape, (0, 0), shape)
+    world = 4
+    plan = build_plan(m, [[spec]] * world, PlanOptions(max_request_bytes=256 << 10))
+    per_rank = defaultdict(int)
+    for r in plan.reads:
+        per_rank[r.reader] += r.length
+    assert sum(per_rank.values()) == nbytes
+    assert sorted(per_rank) == [0, 1, 2, 3]
+    assert max(per_rank.values()) <= nbytes // world + (256 << 10)
+
+
+def test_missing_keys_and_mismatches():
+    from streamckpt.errors import IncompatibleStateDictError
+
+    shards = (Shard((0,), (4,), "f", 0, 16),)
+    m = Manifest(tensors={"w": TensorMeta("F32", (4,), shards)}, files={"f": 16})
+    plan = build_plan(m, [[TargetSpec("x", "F32", (4,), (0,), (4,))]])
+    assert plan.missing == [["x"]] and plan.unexpected == ["w"]
+    with pytest.raises(IncompatibleStateDictError, match="shape"):
+        build_plan(m, [[TargetSpec("w", "F32", (5,), (0,), (5,))]])
+    with pytest.raises(IncompatibleStateDictError, match="dtype"):
+        build_plan(m, [[TargetSpec("w", "F16", (4,), (0,), (4,))]])
