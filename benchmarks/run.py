@@ -1,0 +1,676 @@
+"""Benchmark entry point: ``python -m benchmarks.run --scenario all --size 1GiB``.
+
+Starts a local S3 server, prepares the data (once per size), then measures each
+loader in fresh processes, loaders alternating within each repetition, and writes
+BENCHMARKS.md (medians with min–max). See benchmarks/__init__.py for the layout and
+BENCHMARKS.md for the definitions of the columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import data
+from .server import BUCKET, BenchServer, free_port
+
+REPO = Path(__file__).resolve().parent.parent
+PEERS = ["naive", "dcp-fsspec", "s3torchconnector", "runai"]
+SCENARIOS = {
+    "a": "full load of the HF safetensors model, one process",
+    "b": f"a TP rank (rank {data.TP_RANK} of {data.TP_WORLD}) loading 1/4 of the rows of every tensor, one process",
+    "c": f"reshard: saved by {data.SAVE_WORLD} ranks row-wise, loaded by {data.LOAD_COL_WORLD} ranks column-wise (gloo)",
+    "d": "replicated load: 2 ranks (gloo) each need the whole model",
+    "e": "the checkpoint zstd-compressed, full load, one process",
+    "f": "the planner alone at 512/1024/4096 simulated ranks",
+}
+WORLD = {"a": 1, "b": 1, "c": data.LOAD_COL_WORLD, "d": 2, "e": 1}
+# What each loader reads in each scenario (for bytes-needed and notes).
+DATASET = {
+    "streamckpt": {"a": "hf", "b": "hf", "c": "sc_rows4", "d": "hf", "e": "sc_rows4_zstd"},
+    "streamckpt.load_full": {"a": "hf", "e": "sc_rows4_zstd"},
+    "naive": {"a": "hf", "b": "hf", "c": "naive_rows4", "d": "hf", "e": "naive_zst"},
+    "dcp-fsspec": {"a": "dcp_full", "b": "dcp_full", "c": "dcp_rows4", "d": "dcp_full", "e": "dcp_rows4_zstd"},
+    "s3torchconnector": {"a": "dcp_full", "b": "dcp_full", "c": "dcp_rows4", "d": "dcp_full", "e": "dcp_rows4_zstd"},
+    "runai": {"a": "hf", "b": "hf", "d": "hf"},
+}
+PEER_MODULE = {
+    "dcp-fsspec": "torch", "s3torchconnector": "s3torchconnector", "runai": "runai_model_streamer",
+    "naive": "safetensors",
+}
+
+
+@dataclass
+class Sample:
+    seconds: float | None = None
+    bytes_read: int | None = None
+    requests: int | None = None
+    rss_peak: int | None = None
+    rss_delta: int | None = None
+    ok: str = ""
+    na: str | None = None
+    error: str | None = None
+    sc_stats: dict[str, int] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def human(n: float | None, unit: str = "B") -> str:
+    if n is None:
+        return "n/a"
+    for u in ("", "Ki", "Mi", "Gi", "Ti"):
+        if abs(n) < 1024 or u == "Ti":
+            return f"{n:.0f} {u}{unit}" if u == "" else f"{n:.1f} {u}{unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for pkg in ("torch", "s3fs", "aiohttp", "fsspec", "safetensors", "zstandard", "localbucket", "moto",
+                "s3torchconnector", "runai-model-streamer", "obstore"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def git_rev() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "streamckpt"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        return rev + (" (+ uncommitted changes in streamckpt/)" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def peer_installed(loader: str) -> bool:
+    from importlib.util import find_spec
+
+    mod = PEER_MODULE.get(loader)
+    return mod is None or find_spec(mod) is not None
+
+
+def safetensors_data_ranges(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(data start, name -> absolute [start, stop)) from a local safetensors file's header."""
+    with path.open("rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    base = 8 + n
+    out = {}
+    for k, v in header.items():
+        if k != "__metadata__":
+            s, e = v["data_offsets"]
+            out[k] = (base + s, base + e)
+    return base, out
+
+
+# ------------------------------------------------------------------ the harness
+
+
+class Harness:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.size = data.parse_size(args.size)
+        self.model = data.model_for_size(self.size)
+        self.root = Path(args.data_dir).resolve() / self.model.key()
+        self.bucket_dir = self.root / BUCKET
+        self.logs = self.root / "logs"
+        self.server: BenchServer | None = None
+        self.fingerprints_path = self.bucket_dir / "fingerprints.json"
+        self.results: dict[str, dict[str, list[Sample]]] = {}
+        self.curl: dict[str, list[tuple[float, int]]] = {}
+        self.notes: list[str] = []
+        self.timing: dict[str, float] = {}
+        self.planner_rows: list[dict[str, Any]] | None = None
+        self.planner_note = ""
+        self.profile_text: str | None = None
+
+    # -------------------------------------------------------------- data
+
+    def prepare(self) -> None:
+        t0 = time.perf_counter()
+        self.bucket_dir.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        data.generate_local(self.bucket_dir, self.model)
+        missing = data.saved_by_ranks_missing(self.bucket_dir, self.model)
+        if missing:
+            spec = {"world": data.SAVE_WORLD, "bucket_dir": str(self.bucket_dir), "model": data.spec_to_json(self.model),
+                    "datasets": missing}
+            errs = self._spawn("saver", spec, data.SAVE_WORLD, "save", timeout=600)
+            if errs:
+                self.notes.append(f"saving the rank-saved datasets failed: {errs[0]}")
+            data.mark_ready(self.bucket_dir, self.model, [d for d in missing if (self.bucket_dir / d).is_dir()
+                                                          and any((self.bucket_dir / d).iterdir())])
+        self.timing["prepare"] = time.perf_counter() - t0
+
+    def have(self, dataset: str) -> bool:
+        d = self.bucket_dir / dataset
+        return (d / ".ready").is_file()
+
+    # -------------------------------------------------------------- processes
+
+    def _env(self, world: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        env.update(self.server.env() if self.server else {})
+        env["MASTER_ADDR"] = "127.0.0.1"
+        env["MASTER_PORT"] = str(free_port())
+        env["WORLD_SIZE"] = str(world)
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+        env.setdefault("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "0")
+        env.setdefault("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS", "60000")
+        return env
+
+    def _spawn(self, module: str, spec: dict[str, Any], world: int, tag: str, timeout: float) -> list[str]:
+        """Run ``world`` processes of ``benchmarks.<module>``; returns error strings."""
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, dir=self.root) as f:
+            spec = dict(spec, out=f.name[:-5])
+            json.dump(spec, f)
+            spec_path = f.name
+        env = self._env(world)
+        procs = []
+        for r in range(world):
+            log = open(self.logs / f"{tag}.{r}.log", "w")
+            procs.append((subprocess.Popen([sys.executable, "-m", f"benchmarks.{module}", spec_path, str(r)],
+                                           env=dict(env, RANK=str(r)), stdout=log, stderr=subprocess.STDOUT,
+                                           cwd=REPO), log))
+        errors = []
+        deadline = time.monotonic() + timeout
+        for p, log in procs:
+            try:
+                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                if rc != 0:
+                    errors.append(f"{tag}: exit code {rc} (see {log.name})")
+            except subprocess.TimeoutExpired:
+                errors.append(f"{tag}: timed out after {timeout:.0f} s (see {log.name})")
+                for q, _ in procs:
+                    q.kill()
+            log.close()
+        for p, _ in procs:
+            p.wait()
+        self._last_spec = spec
+        os.unlink(spec_path)
+        return errors
+
+    def _views(self, scenario: str) -> list[str]:
+        if scenario == "b":
+            return [f"rows{data.TP_RANK}of{data.TP_WORLD}"]
+        if scenario == "c":
+            return [f"cols{r}of{data.LOAD_COL_WORLD}" for r in range(data.LOAD_COL_WORLD)]
+        return ["full"] * WORLD[scenario]
+
+    def measure(self, scenario: str, loader: str, rep: int) -> Sample:
+        world = 1 if loader == "ceiling" else WORLD[scenario]
+        spec: dict[str, Any] = {
+            "loader": loader, "scenario": scenario, "world": world, "endpoint": self.server.endpoint,
+            "model": data.spec_to_json(self.model), "fingerprints": str(self.fingerprints_path),
+            "views": self._views(scenario),
+        }
+        if loader == "ceiling":
+            spec["ranges"] = self.ceiling_ranges(scenario)
+        if self.args.profile and loader == "streamckpt" and scenario == "a" and rep == 0:
+            spec["profile"] = str(self.root / "profile-a.txt")
+        self.server.reset()
+        if loader == "ceiling" and self.args.quick:
+            return self._ceiling_here(spec)
+        tag = f"{scenario}-{loader}-{rep}"
+        timeout = 60 if self.args.quick else max(180.0, 60 + 3 * self.size / (50 << 20))
+        errors = self._spawn("worker", spec, world, tag, timeout)
+        stats = self.server.stats()
+        results = []
+        for r in range(world):
+            p = Path(f"{self._last_spec['out']}.{r}.json")
+            if p.is_file():
+                results.append(json.loads(p.read_text()))
+                p.unlink()
+        s = Sample()
+        if spec.get("profile") and Path(spec["profile"]).is_file():
+            self.profile_text = Path(spec["profile"]).read_text()
+        nas = [r["na"] for r in results if "na" in r]
+        errs = [r["error"] for r in results if "error" in r] + errors
+        if nas:
+            s.na = nas[0]
+            return s
+        if errs or len(results) != world:
+            s.error = (errs or ["no result"])[0]
+            return s
+        s.seconds = max(r["seconds"] for r in results)
+        s.rss_peak = max(r["rss_peak"] for r in results)
+        s.rss_delta = max(r["rss_peak"] - r["rss_before"] for r in results)
+        checked = sum(r.get("checked", 0) for r in results)
+        wrong = sum(r.get("wrong", 0) for r in results)
+        s.ok = "—" if checked == 0 else ("yes" if wrong == 0 else f"NO ({wrong}/{checked} wrong)")
+        if stats is not None:
+            s.bytes_read = int(stats["get_body_bytes"])
+            s.requests = int(sum(stats["requests"].values()))
+        if loader.startswith("streamckpt"):
+            for key in ("bytes_read", "bytes_needed", "requests", "bytes_sent", "bytes_received"):
+                vals = [r[key] for r in results if key in r]
+                if vals:
+                    s.sc_stats[key] = int(sum(vals))
+            if s.bytes_read is None and "bytes_read" in s.sc_stats:
+                s.bytes_read = s.sc_stats["bytes_read"]
+                s.requests = s.sc_stats.get("requests")
+        elif loader == "ceiling" and s.bytes_read is None:
+            s.bytes_read = int(results[0].get("bytes_read", 0))
+            s.requests = int(results[0].get("requests", 0))
+        return s
+
+    def _ceiling_here(self, spec: dict[str, Any]) -> Sample:
+        """--quick: the ceiling in this process (saves a process start; figures are not the point)."""
+        from .worker import Clock, load_ceiling
+
+        clock = Clock(1, None)
+        _, st = load_ceiling(spec, self.model, 0, 1, clock)
+        stats = self.server.stats()
+        return Sample(seconds=clock.seconds, bytes_read=int(stats["get_body_bytes"]) if stats else st["bytes_read"],
+                      requests=int(sum(stats["requests"].values())) if stats else st["requests"],
+                      rss_peak=0, rss_delta=0, ok="—")
+
+    # -------------------------------------------------------------- ceilings
+
+    def _data_files(self, dataset: str) -> list[str]:
+        files = data.dataset_files(self.bucket_dir, dataset)
+        keep = [f for f in files if f.endswith((".safetensors", ".distcp", ".zst"))
+                or "/data/" in f or f.rsplit("/", 1)[-1].startswith("0")]
+        return [f for f in keep if not f.endswith((".json", ".metadata"))] or files
+
+    def ceiling_dataset(self, scenario: str) -> str:
+        if scenario in ("a", "b", "d"):
+            return "hf"
+        if scenario == "c":
+            return "sc_rows4" if self.have("sc_rows4") else "dcp_rows4"
+        return "sc_rows4_zstd" if self.have("sc_rows4_zstd") else "dcp_rows4_zstd"
+
+    def ceiling_ranges(self, scenario: str) -> list[tuple[str, int, int]]:
+        """The needed bytes as (object, start, stop): data sections, or TP row blocks for (b)."""
+        ds = self.ceiling_dataset(scenario)
+        out: list[tuple[str, int, int]] = []
+        if ds == "hf":
+            for fname in data.hf_file_names():
+                path = self.bucket_dir / "hf" / fname
+                base, ranges = safetensors_data_ranges(path)
+                if scenario != "b":
+                    out.append((f"hf/{fname}", base, path.stat().st_size))
+                    continue
+                shapes = {t.name: t for t in self.model.tensors()}
+                for name, (s, e) in sorted(ranges.items(), key=lambda kv: kv[1]):
+                    rows = shapes[name].shape[0]
+                    row_bytes = (e - s) // rows
+                    r0, r1 = data.row_slice(rows, data.TP_RANK, data.TP_WORLD)
+                    out.append((f"hf/{fname}", s + r0 * row_bytes, s + r1 * row_bytes))
+            return out
+        for f in self._data_files(ds):
+            out.append((f, 0, (self.bucket_dir / f).stat().st_size))
+        return out
+
+    def needed_bytes(self, scenario: str, loader: str) -> int:
+        """Unique stored bytes the scenario needs (the denominator of GB/s and amplification)."""
+        if scenario == "b":
+            return self.model.nbytes // data.TP_WORLD
+        if scenario == "e":
+            ds = DATASET.get(loader, {}).get("e") or self.ceiling_dataset("e")
+            return sum((self.bucket_dir / f).stat().st_size for f in self._data_files(ds)) if self.have(ds) else 0
+        if loader == "ceiling":
+            return sum(e - s for _, s, e in self.ceiling_ranges(scenario))
+        return self.model.nbytes
+
+    def curl_once(self, scenario: str) -> tuple[float, int] | None:
+        objects = sorted({name for name, _, _ in self.ceiling_ranges(scenario)})
+        if not objects or self.server.kind != "localbucket":
+            return None
+        urls = [f"{self.server.endpoint}/{BUCKET}/{o}" for o in objects]
+        cmd = ["curl", "-s", "-f", "-Z", "--parallel-max", "8"]
+        for u in urls:
+            cmd += ["-o", "/dev/null", u]
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, capture_output=True).returncode
+        dt = time.perf_counter() - t0
+        if rc != 0:
+            return None
+        return dt, sum((self.bucket_dir / o).stat().st_size for o in objects)
+
+    # -------------------------------------------------------------- loop
+
+    def loaders_for(self, scenario: str) -> list[str]:
+        if self.args.loaders:
+            base = [x for x in self.args.loaders.split(",") if x]
+        elif self.args.quick:
+            base = ["streamckpt", "naive", "ceiling"]
+        else:
+            base = ["streamckpt", "streamckpt.load_full", *PEERS, "ceiling"]
+        return [b for b in base if b == "ceiling" or scenario in DATASET.get(b, {}) or b == "runai"]
+
+    def run_scenario(self, scenario: str) -> None:
+        loaders = self.loaders_for(scenario)
+        res: dict[str, list[Sample]] = {name: [] for name in loaders}
+        self.results[scenario] = res
+        for rep in range(self.args.reps):
+            order = loaders[rep % len(loaders):] + loaders[:rep % len(loaders)]  # alternate who goes first
+            for loader in order:
+                if not peer_installed(loader):
+                    res[loader].append(Sample(na=f"not installed in this venv (see benchmarks/requirements.txt)"))
+                    continue
+                ds = DATASET.get(loader, {}).get(scenario)
+                if ds and not self.have(ds) and loader != "ceiling":
+                    res[loader].append(Sample(na=f"dataset {ds} could not be written"))
+                    continue
+                s = self.measure(scenario, loader, rep)
+                res[loader].append(s)
+                shown = s.na and "n/a" or s.error and "ERROR " + s.error or f"{s.seconds:.2f} s"
+                print(f"  ({scenario}) rep {rep + 1}/{self.args.reps} {loader:22s} {shown}", flush=True)
+                if s.na:  # the same answer every time: do not repeat
+                    res[loader].extend([s] * (self.args.reps - 1 - rep))
+                    loaders = [x for x in loaders if x != loader]
+            c = self.curl_once(scenario)
+            if c:
+                self.curl.setdefault(scenario, []).append(c)
+
+    def run_planner(self) -> None:
+        try:
+            from . import planner_scale  # provided with the planner (issue 3)
+        except ImportError:
+            planner_scale = None
+        if planner_scale is None or not hasattr(planner_scale, "bench"):
+            self.planner_note = ("n/a: `benchmarks/planner_scale.py` with `bench(ranks) -> dict` is not in this "
+                                 "checkout yet (the planner-at-scale benchmark of issue 3)")
+            return
+        ranks_list = [64, 128] if self.args.quick else [512, 1024, 4096]
+        rows = []
+        for ranks in ranks_list:
+            cmd = [sys.executable, "-c", f"import json,benchmarks.planner_scale as p; print(json.dumps(p.bench({ranks})))"]
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=self._env(1), timeout=600)
+            if out.returncode != 0:
+                rows.append({"ranks": ranks, "error": out.stderr.strip().splitlines()[-1:] or ["failed"]})
+            else:
+                rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"  (f) {ranks} ranks: {rows[-1]}", flush=True)
+        self.planner_rows = rows
+
+
+# ------------------------------------------------------------------ report
+
+
+def med_range(vals: list[float], fmt: str = "{:.2f}") -> str:
+    if not vals:
+        return "n/a"
+    m = statistics.median(vals)
+    if len(vals) == 1:
+        return fmt.format(m)
+    return f"{fmt.format(m)} ({fmt.format(min(vals))}–{fmt.format(max(vals))})"
+
+
+def summarize(h: Harness, scenario: str) -> tuple[list[str], dict[str, float]]:
+    res = h.results[scenario]
+    gbps: dict[str, float] = {}
+    med_s: dict[str, float] = {}
+    for loader, samples in res.items():
+        good = [s for s in samples if s.seconds]
+        if good:
+            med_s[loader] = statistics.median(s.seconds for s in good)
+            gbps[loader] = h.needed_bytes(scenario, loader) / med_s[loader] / 1e9
+    curl = h.curl.get(scenario, [])
+    curl_gbps = statistics.median(b / t / 1e9 for t, b in curl) if curl else None
+    lines = [
+        "| loader | wall s, median (min–max) | GB/s | × ceiling | × curl | read ampl. | requests | peak RSS / rank | Δ RSS / rank | correct |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for loader, samples in res.items():
+        first = samples[0] if samples else Sample(na="not run")
+        if first.na:
+            lines.append(f"| {loader} | n/a ({first.na}) | | | | | | | | |")
+            continue
+        good = [s for s in samples if s.seconds]
+        bad = [s for s in samples if s.error]
+        if not good:
+            err = bad[0].error if bad else "no result"
+            lines.append(f"| {loader} | error: {err.replace('|', '/')} | | | | | | | | |")
+            continue
+        need = h.needed_bytes(scenario, loader)
+        ampl = [s.bytes_read / need for s in good if s.bytes_read is not None and need]
+        reqs = [s.requests for s in good if s.requests is not None]
+        xc = f"{gbps[loader] / gbps['ceiling']:.2f}" if "ceiling" in gbps and loader != "ceiling" else "—"
+        xcurl = f"{gbps[loader] / curl_gbps:.2f}" if curl_gbps else "n/a"
+        lines.append(
+            f"| {loader} | {med_range([s.seconds for s in good])} | {gbps[loader]:.2f} | {xc} | {xcurl} | "
+            f"{med_range(ampl, '{:.3f}') if ampl else 'n/a'} | {int(statistics.median(reqs)) if reqs else 'n/a'} | "
+            f"{human(statistics.median(s.rss_peak for s in good))} | {human(statistics.median(s.rss_delta for s in good))} | "
+            f"{good[0].ok}{' (' + str(len(bad)) + ' failed reps)' if bad else ''} |"
+        )
+    if curl_gbps:
+        lines.append(f"| curl full GET of the same objects (8 parallel) | {med_range([t for t, _ in curl])} | "
+                     f"{curl_gbps:.2f} | | | | | | | |")
+    if "streamckpt" in med_s:
+        vs = [f"{med_s[p] / med_s['streamckpt']:.2f}× {p}" for p in PEERS if p in med_s]
+        if vs:
+            lines.append("")
+            lines.append("streamckpt speed-up (peer wall ÷ streamckpt wall): " + ", ".join(vs))
+    sc_samples = [s for s in res.get("streamckpt", []) if s.seconds]
+    if sc_samples and sc_samples[0].sc_stats:
+        st = sc_samples[0].sc_stats
+        lines.append("")
+        lines.append("streamckpt LoadResult (sum over ranks, first rep): " +
+                     ", ".join(f"{k}={human(v) if k.startswith('bytes') else v}" for k, v in st.items()))
+    return lines, {**gbps, **({"curl": curl_gbps} if curl_gbps else {})}
+
+
+def targets_check(h: Harness, figures: dict[str, dict[str, float]]) -> list[str]:
+    out = []
+
+    def best_peer(sc: str) -> tuple[str, float] | None:
+        g = figures.get(sc, {})
+        peers = [(p, g[p]) for p in PEERS if p in g]
+        return max(peers, key=lambda x: x[1]) if peers else None
+
+    g = figures.get("a", {})
+    if "streamckpt" in g and "ceiling" in g:
+        r = g["streamckpt"] / g["ceiling"]
+        out.append(f"- (a) ≥ 0.85× the range-read ceiling: {r:.2f}× — {'met' if r >= 0.85 else 'MISSED'}")
+    for sc, goal in (("a", 1.8), ("b", 3.0), ("c", 3.0)):
+        g = figures.get(sc, {})
+        bp = best_peer(sc)
+        if "streamckpt" in g and bp:
+            r = g["streamckpt"] / bp[1]
+            out.append(f"- ({sc}) ≥ {goal}× the best peer ({bp[0]}): {r:.2f}× — {'met' if r >= goal else 'MISSED'}")
+    for sc, res in h.results.items():
+        for s in res.get("streamckpt", [])[:1]:
+            if s.seconds and s.bytes_read is not None:
+                a = s.bytes_read / max(1, h.needed_bytes(sc, "streamckpt"))
+                out.append(f"- ({sc}) read amplification ≤ 1.02: {a:.3f} — {'met' if a <= 1.02 else 'MISSED'}")
+    budget = 256 << 20
+    for sc, res in h.results.items():
+        good = [s for s in res.get("streamckpt", []) if s.seconds]
+        if good:
+            world = WORLD.get(sc, 1)
+            need_rank = h.needed_bytes(sc, "streamckpt") / (world if sc == "c" else 1)
+            if sc == "e":
+                need_rank = h.model.nbytes
+            delta = statistics.median(s.rss_delta for s in good)
+            limit = need_rank + budget + (64 << 20)
+            out.append(f"- ({sc}) Δ RSS ≤ targets + memory_budget + 64 MiB ({human(limit)}): {human(delta)} — "
+                       f"{'met' if delta <= limit else 'MISSED'}")
+    return out
+
+
+def render(h: Harness, argv: list[str], wall: float) -> str:
+    v = versions()
+    m = h.model
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `benchmarks/run.py` — do not edit by hand; rerun the command below.",
+        "",
+        "```",
+        "python -m benchmarks.run " + " ".join(shlex.quote(a) for a in argv),
+        "```",
+        "",
+        "## Machine",
+        "",
+        f"- {os.cpu_count()} cores ({cpu_model()}), {human(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))} RAM, "
+        f"{platform.system()} {platform.release()}, Python {platform.python_version()}",
+        f"- streamckpt at git {git_rev()}",
+        "- " + ", ".join(f"{k} {val}" for k, val in v.items()),
+        f"- S3 server: {h.server.kind if h.server else 'none'} on 127.0.0.1 (same machine: server and loaders share the cores)",
+        f"- run took {wall:.0f} s; data preparation {h.timing.get('prepare', 0):.0f} s (cached across runs)",
+        "",
+        "## Data",
+        "",
+        f"- llama-like model: hidden {m.hidden}, intermediate {m.inter}, vocab {m.vocab}, {m.layers} layers, "
+        f"{len(m.tensors())} tensors, {human(m.nbytes)} (bf16 matrices, fp16 embeddings/lm_head, fp32 norms; random)",
+        "- `hf`: 2 safetensors shards + index; `naive_rows4`: 4 safetensors files of row blocks; "
+        "`dcp_full`: torch DCP from one process; `dcp_rows4`, `sc_rows4`: saved by 4 gloo ranks as DTensor Shard(0); "
+        "`*_zstd`, `naive_zst`: compressed copies",
+    ]
+    sizes = []
+    for ds in ("hf", "sc_rows4", "sc_rows4_zstd", "dcp_rows4", "dcp_rows4_zstd", "naive_zst"):
+        if h.have(ds):
+            sizes.append(f"{ds} {human(data.dataset_bytes(h.bucket_dir, ds))}")
+    lines.append("- stored sizes: " + ", ".join(sizes))
+    ratios = []
+    for comp, plain in (("sc_rows4_zstd", "sc_rows4"), ("dcp_rows4_zstd", "dcp_rows4"), ("naive_zst", "hf")):
+        if h.have(comp) and h.have(plain):
+            ratios.append(f"{comp} {data.dataset_bytes(h.bucket_dir, comp) / data.dataset_bytes(h.bucket_dir, plain):.3f}")
+    if ratios:
+        lines.append("- compressed size ÷ uncompressed size (scenario e): " + ", ".join(ratios))
+    lines += [
+        "",
+        "## Columns",
+        "",
+        "- wall: seconds from a barrier before the load call to a barrier after it (clients, metadata reads and the "
+        "load itself; not interpreter start or imports), max over ranks; every run is a fresh process per rank; "
+        f"{h.args.reps} repetition(s), loaders alternating in order.",
+        "- GB/s: unique stored bytes the scenario needs ÷ wall (10⁹ B/s). For (d) that is one copy of the model, "
+        "for (b) a quarter, for (e) the compressed bytes the loader's own format stores.",
+        "- × ceiling: GB/s ÷ the GB/s of `ceiling` (s3fs `cat_ranges` of the same needed bytes in 8 MiB ranges, "
+        "in a fresh process: the client stack's raw range-read speed). × curl: ÷ curl full GETs of the objects holding "
+        "those bytes (8 in parallel).",
+        "- read ampl.: body bytes the server sent (its own counter) ÷ the unique bytes needed; requests: every request "
+        "the server answered (HEAD, LIST, GET) during the load.",
+        "- peak RSS: `ru_maxrss` of each rank (max over ranks); Δ RSS: peak minus the RSS just before the load "
+        "(after imports and allocating the target tensors).",
+        "- correct: every loaded tensor's crc32c equals the crc32c of the expected slice of the generated data.",
+        "",
+    ]
+    figures: dict[str, dict[str, float]] = {}
+    for sc in h.results:
+        lines.append(f"## ({sc}) {SCENARIOS[sc]}")
+        lines.append("")
+        table, figs = summarize(h, sc)
+        figures[sc] = figs
+        lines += table
+        lines.append("")
+    if "f" in h.args.scenarios:
+        lines.append(f"## (f) {SCENARIOS['f']}")
+        lines.append("")
+        if h.planner_rows:
+            keys = sorted({k for r in h.planner_rows for k in r})
+            lines.append("| " + " | ".join(keys) + " |")
+            lines.append("|" + "---|" * len(keys))
+            for r in h.planner_rows:
+                lines.append("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
+        else:
+            lines.append(h.planner_note)
+        lines.append("")
+    checks = targets_check(h, figures)
+    if checks:
+        lines += ["## Targets (issue 6)", ""] + checks + [""]
+    if h.profile_text:
+        lines += ["## Profile of streamckpt in (a) (pyinstrument, rank 0, first repetition)", "", "```"]
+        lines += h.profile_text.strip().splitlines()[:80]
+        lines += ["```", ""]
+    lines += ["## GPU", ""]
+    gpu = Path(h.args.gpu_results) if h.args.gpu_results else None
+    if gpu and gpu.is_file():
+        lines += ["From `benchmarks/gpu.py` on a lent GPU:", "", "```", gpu.read_text().strip(), "```", ""]
+    else:
+        lines += ["Not measured in this run (no GPU on this machine): `benchmarks/gpu.py` is ready for one; "
+                  "pass its output with `--gpu-results FILE`.", ""]
+    notes = (h.server.notes if h.server else []) + h.notes
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+    ap.add_argument("--scenario", default="all", help="a,b,c,d,e,f or all (comma-separated list allowed)")
+    ap.add_argument("--size", default="1GiB", help="model size, e.g. 16MiB, 256MiB, 1GiB")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="tiny data, 1 rep, streamckpt + naive + ceiling only")
+    ap.add_argument("--out", default="BENCHMARKS.md")
+    ap.add_argument("--data-dir", default=str(REPO / "bench-data"))
+    ap.add_argument("--loaders", default="", help="comma-separated subset of loaders")
+    ap.add_argument("--server", default="auto", choices=["auto", "localbucket", "moto"])
+    ap.add_argument("--profile", action="store_true", help="pyinstrument profile of streamckpt in (a)")
+    ap.add_argument("--gpu-results", default="", help="text output of benchmarks/gpu.py to include")
+    args = ap.parse_args(argv)
+    sc = "abcdef" if args.scenario == "all" else args.scenario.replace(",", "")
+    bad = set(sc) - set("abcdef")
+    if bad:
+        ap.error(f"unknown scenario(s) {sorted(bad)}")
+    args.scenarios = sc
+    if args.quick:
+        args.reps = 1
+        if args.size == "1GiB":
+            args.size = "4MiB"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    h = Harness(args)
+    print(f"data: {h.model} ({human(h.model.nbytes)}) under {h.root}", flush=True)
+    h.prepare()
+    print(f"data ready in {h.timing['prepare']:.1f} s", flush=True)
+    load_scenarios = [s for s in args.scenarios if s != "f"]
+    if load_scenarios:
+        h.server = BenchServer(h.root, kind=args.server).start()
+        try:
+            print(f"server: {h.server.kind} at {h.server.endpoint}", flush=True)
+            h.server.warm([f for ds in sorted(os.listdir(h.bucket_dir)) if (h.bucket_dir / ds).is_dir()
+                           for f in data.dataset_files(h.bucket_dir, ds)])
+            for sc in load_scenarios:
+                print(f"scenario ({sc}): {SCENARIOS[sc]}", flush=True)
+                h.run_scenario(sc)
+        finally:
+            h.server.stop()
+    if "f" in args.scenarios:
+        print(f"scenario (f): {SCENARIOS['f']}", flush=True)
+        h.run_planner()
+    text = render(h, argv, time.perf_counter() - t0)
+    Path(args.out).write_text(text + "\n")
+    print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""The S3 server the benchmark reads from, with a request/byte counter.
+
+Preferred: ``localbucket`` (PyPI) in its own process, serving a local folder as
+buckets. Its handler is subclassed here for two things: object bodies go out with
+``os.sendfile`` (zero-copy, so the server takes as little of this 2-core machine's
+CPU as possible), and every request and body byte is counted, readable at
+``GET /__bench__/stats`` and cleared by ``POST /__bench__/reset``. That gives
+bytes read and request counts for every loader, peers included, from the
+server's side.
+
+Fallback (``localbucket`` not installed, e.g. in the package's own venv): moto's
+threaded server via ``streamckpt.testing``; it has no counters and slices the
+whole object per ranged GET, so it is good for ``--quick`` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BUCKET = "bench"
+KEY = "bench-key"
+SECRET = "bench-secret"  # noqa: S105 - a dummy for a local server that checks nothing
+REGION = "us-east-1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def have_localbucket() -> bool:
+    try:
+        import localbucket  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class BenchServer:
+    """A local S3 endpoint over ``root`` (bucket ``bench`` = ``root/bench``)."""
+
+    root: Path
+    kind: str = "auto"  # "localbucket" | "moto" | "auto"
+    port: int = 0
+    _proc: subprocess.Popen | None = None
+    _moto: Any = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        return {"endpoint_url": self.endpoint, "key": KEY, "secret": SECRET}
+
+    @property
+    def counts(self) -> bool:
+        return self.kind == "localbucket"
+
+    def env(self) -> dict[str, str]:
+        """Environment for children: every AWS client (boto, CRT, Rust) finds the server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_REGION": REGION,
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
+    def start(self) -> "BenchServer":
+        if self.kind == "auto":
+            self.kind = "localbucket" if have_localbucket() else "moto"
+        if self.kind == "localbucket":
+            self._start_localbucket()
+        else:
+            self._start_moto()
+        os.environ.update(self.env())
+        return self
+
+    def _start_localbucket(self) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "benchmarks.server", "--root", str(self.root), "--port", str(self.port)]
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if self._proc.poll() is not None:
+                    raise RuntimeError("localbucket server exited at start")
+                time.sleep(0.05)
+        raise RuntimeError("localbucket server did not start in 30 s")
+
+    def _start_moto(self) -> None:
+        from streamckpt.testing import LocalS3
+
+        self._moto = LocalS3().start()
+        self.port = self._moto.port
+        self.notes.append(
+            "server: moto (localbucket not installed in this venv); moto reads the whole object "
+            "per ranged GET, so throughput figures are not meaningful and server counters are n/a"
+        )
+        self._moto.make_bucket(BUCKET)
+        self._upload_tree()
+
+    def _upload_tree(self) -> None:
+        """moto keeps objects in memory: copy the prepared bucket folder into it."""
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
+        src = self.root / BUCKET
+        for path in sorted(src.rglob("*")):
+            if path.is_file():
+                rel = path.relative_to(src).as_posix()
+                fs.put_file(str(path), f"{BUCKET}/{rel}")
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        if self._moto is not None:
+            self._moto.stop()
+            self._moto = None
+
+    def __enter__(self) -> "BenchServer":
+        return self.start()
+
+    def __exit__(self, *_: Any) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------- counters
+
+    def reset(self) -> None:
+        if self.counts:
+            req = urllib.request.Request(f"{self.endpoint}/__bench__/reset", method="POST", data=b"")
+            urllib.request.urlopen(req, timeout=10).read()
+
+    def stats(self) -> dict[str, Any] | None:
+        if not self.counts:
+            return None
+        with urllib.request.urlopen(f"{self.endpoint}/__bench__/stats", timeout=10) as r:
+            return json.loads(r.read())
+
+    def warm(self, names: list[str]) -> None:
+        """One full GET per object: page cache warm and localbucket's ETag cache filled."""
+        for name in names:
+            url = f"{self.endpoint}/{BUCKET}/{name}"
+            if self.kind == "moto":
+                continue
+            with urllib.request.urlopen(url, timeout=120) as r:
+                while r.read(1 << 22):
+                    pass
+
+
+# ---------------------------------------------------------------- the server process
+
+
+def _make_handler():
+    import localbucket
+
+    lock = threading.Lock()
+    stats: dict[str, Any] = {"requests": {}, "get_body_bytes": 0, "ranged_gets": 0, "full_gets": 0}
+
+    def reset() -> None:
+        with lock:
+            stats["requests"] = {}
+            stats["get_body_bytes"] = 0
+            stats["ranged_gets"] = 0
+            stats["full_gets"] = 0
+
+    class Handler(localbucket.S3Handler):
+        def _dispatch(self, action):  # noqa: ANN001 - localbucket's signature
+            if self.path.startswith("/__bench__/"):
+                return self._bench()
+            with lock:
+                stats["requests"][self.command] = stats["requests"].get(self.command, 0) + 1
+            return super()._dispatch(action)
+
+        def _bench(self) -> None:
+            if self.path.startswith("/__bench__/reset"):
+                reset()
+                body = b"{}"
+            else:
+                with lock:
+                    body = json.dumps(stats).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _send_file(self, status, file, start, length, headers, include_body):  # noqa: ANN001
+            self._send_headers(status, length, headers)
+            if not include_body:
+                return
+            with lock:
+                stats["get_body_bytes"] += length
+                stats["ranged_gets" if status == 206 else "full_gets"] += 1
+            out = self.connection.fileno()
+            sent = 0
+            while sent < length:
+                n = os.sendfile(out, file.fileno(), start + sent, length - sent)
+                if n == 0:
+                    self.close_connection = True
+                    return
+                sent += n
+
+    return Handler
+
+
+def serve(root: Path, port: int) -> None:
+    from http.server import ThreadingHTTPServer
+
+    root = root.resolve()
+    (root / BUCKET).mkdir(parents=True, exist_ok=True)
+    Handler = _make_handler()
+    Handler.data_root = root
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server.daemon_threads = True
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="localbucket with counters and sendfile")
+    ap.add_argument("--root", type=Path, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    args = ap.parse_args()
+    serve(args.root, args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,402 @@
+"""One measured process: ``python -m benchmarks.worker SPEC.json RANK``.
+
+The harness writes a JSON spec (loader, scenario, endpoint, model), starts one
+such process per rank (env ``WORLD_SIZE``/``MASTER_PORT`` for gloo) and reads
+``<out>.<rank>.json`` back. Each process: imports and sets up outside the clock;
+barrier; timed load; barrier; then verifies the loaded tensors against the
+fingerprints (crc32c per tensor view) outside the clock, and reports peak RSS
+from the OS (``ru_maxrss``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from . import data
+from .server import BUCKET, KEY, REGION, SECRET
+
+
+class NotApplicable(Exception):
+    """This loader cannot do this scenario; the message says why."""
+
+
+def _opts(spec: dict[str, Any]) -> dict[str, Any]:
+    return {"endpoint_url": spec["endpoint"], "key": KEY, "secret": SECRET}
+
+
+def _uri(name: str) -> str:
+    return f"s3://{BUCKET}/{name}"
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def _empty(t: data.TensorSpec, shape=None):
+    import torch
+
+    return torch.empty(shape or t.shape, dtype=_dtype(t.dtype))
+
+
+# ------------------------------------------------------------ target layouts
+
+
+def targets_full(model: data.ModelSpec) -> dict[str, Any]:
+    return {t.name: _empty(t) for t in model.tensors()}
+
+
+def rows_range(t: data.TensorSpec) -> tuple[int, int]:
+    return data.row_slice(t.shape[0], data.TP_RANK, data.TP_WORLD)
+
+
+def cols_local_shape(t: data.TensorSpec, world: int) -> tuple[int, ...]:
+    return (t.shape[0], t.shape[1] // world) if len(t.shape) == 2 else t.shape
+
+
+def dtensor_cols(model: data.ModelSpec, world: int) -> dict[str, Any]:
+    """2-D tensors Shard(1) (columns), 1-D tensors Replicate(), on a CPU mesh."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for t in model.tensors():
+        local = _empty(t, cols_local_shape(t, world))
+        placement = [Shard(1)] if len(t.shape) == 2 else [Replicate()]
+        out[t.name] = DTensor.from_local(
+            local, mesh, placement, run_check=False, shape=torch.Size(t.shape),
+            stride=torch.empty(t.shape, device="meta").stride(),
+        )
+    return out
+
+
+def dtensor_rows(model: data.ModelSpec, world: int, rank: int, values: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for t in model.tensors():
+        out[t.name] = DTensor.from_local(
+            values[t.name], mesh, [Shard(0)], run_check=False, shape=torch.Size(t.shape),
+            stride=torch.empty(t.shape, device="meta").stride(),
+        )
+    return out
+
+
+def local_of(v: Any) -> Any:
+    return v.to_local() if hasattr(v, "to_local") else getattr(v, "local_tensor", v)
+
+
+# ------------------------------------------------------------------ loaders
+# Each returns (result dict name -> tensor, extra stats dict). Setup that a real
+# job would also pay (clients, metadata reads) is inside the clock.
+
+
+def _sc():
+    import streamckpt as sc
+
+    if not hasattr(sc, "load"):
+        raise NotApplicable("streamckpt.load is not in this checkout yet")
+    return sc
+
+
+def _sc_stats(res: Any) -> dict[str, Any]:
+    keys = ("bytes_read", "bytes_needed", "requests", "bytes_sent", "bytes_received")
+    return {k: int(getattr(res, k)) for k in keys if hasattr(res, k)}
+
+
+def load_streamckpt(spec: dict[str, Any], model: data.ModelSpec, rank: int, world: int, clock: "Clock"):
+    sc = _sc()
+    scen = spec["scenario"]
+    opts = _opts(spec)
+    if scen == "b":
+        sd = {}
+        for t in model.tensors():
+            r0, r1 = rows_range(t)
+            local = _empty(t, (r1 - r0,) + t.shape[1:])
+            sd[t.name] = sc.ShardedTensor(local, t.shape, (r0,) + (0,) * (len(t.shape) - 1))
+        uri = _uri("hf")
+    elif scen == "c":
+        sd = dtensor_cols(model, world)
+        uri = _uri("sc_rows4")
+    elif scen == "e":
+        sd = targets_full(model)
+        uri = _uri(spec.get("dataset") or "sc_rows4_zstd")
+    else:  # a, d
+        sd = targets_full(model)
+        uri = _uri("hf")
+    with clock:
+        res = sc.load(sd, uri, storage_options=opts, **spec.get("load_kwargs", {}))
+    return {k: local_of(v) for k, v in sd.items()}, _sc_stats(res)
+
+
+def load_streamckpt_full(spec: dict[str, Any], model: data.ModelSpec, rank: int, world: int, clock: "Clock"):
+    sc = _sc()
+    if spec["scenario"] not in ("a", "e"):
+        raise NotApplicable("load_full loads whole tensors in one process")
+    uri = _uri("hf" if spec["scenario"] == "a" else "sc_rows4_zstd")
+    with clock:
+        out = sc.load_full(uri, storage_options=_opts(spec))
+    return out, {}
+
+
+def _s3fs(spec: dict[str, Any]):
+    import s3fs
+
+    return s3fs.S3FileSystem(skip_instance_cache=True, **_opts(spec))
+
+
+def load_naive(spec: dict[str, Any], model: data.ModelSpec, rank: int, world: int, clock: "Clock"):
+    import safetensors.torch
+    import torch
+
+    scen = spec["scenario"]
+    names = data.hf_file_names()
+    with clock:
+        fs = _s3fs(spec)
+        out: dict[str, Any] = {}
+        if scen in ("a", "d"):
+            for f in names:
+                out.update(safetensors.torch.load(fs.cat_file(f"{BUCKET}/hf/{f}")))
+        elif scen == "b":
+            for f in names:
+                full = safetensors.torch.load(fs.cat_file(f"{BUCKET}/hf/{f}"))
+                for k, v in full.items():
+                    r0, r1 = data.row_slice(v.shape[0], data.TP_RANK, data.TP_WORLD)
+                    out[k] = v[r0:r1].clone()
+                del full
+        elif scen == "c":
+            parts = [safetensors.torch.load(fs.cat_file(f"{BUCKET}/naive_rows4/rank{k}.safetensors"))
+                     for k in range(data.SAVE_WORLD)]
+            for t in model.tensors():
+                whole = torch.cat([p.pop(t.name) for p in parts], dim=0)
+                if whole.dim() == 2:
+                    c0, c1 = data.row_slice(whole.shape[1], rank, world)
+                    out[t.name] = whole[:, c0:c1].clone()
+                else:
+                    out[t.name] = whole
+        elif scen == "e":
+            import zstandard
+
+            d = zstandard.ZstdDecompressor()
+            for f in names:
+                raw = d.decompress(fs.cat_file(f"{BUCKET}/naive_zst/{f}.zst"))
+                out.update(safetensors.torch.load(raw))
+                del raw
+    return out, {}
+
+
+def _dcp_targets(spec: dict[str, Any], model: data.ModelSpec, world: int) -> tuple[dict[str, Any], str]:
+    scen = spec["scenario"]
+    if scen == "c":
+        return dtensor_cols(model, world), "dcp_rows4"
+    if scen == "e":
+        return targets_full(model), "dcp_rows4_zstd"
+    return targets_full(model), "dcp_full"
+
+
+def _dcp_finish(spec: dict[str, Any], sd: dict[str, Any]) -> dict[str, Any]:
+    out = {k: local_of(v) for k, v in sd.items()}
+    if spec["scenario"] == "b":  # DCP reads whole stored items; the TP rank keeps its rows
+        for k, v in list(out.items()):
+            r0, r1 = data.row_slice(v.shape[0], data.TP_RANK, data.TP_WORLD)
+            out[k] = v[r0:r1].clone()
+    return out
+
+
+def load_dcp_fsspec(spec: dict[str, Any], model: data.ModelSpec, rank: int, world: int, clock: "Clock"):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    sd, ds = _dcp_targets(spec, model, world)
+    with clock:
+        reader = FsspecReader(_uri(ds), **_opts(spec))
+        dcp.load(sd, storage_reader=reader)
+    return _dcp_finish(spec, sd), {}
+
+
+def load_s3torch(spec: dict[str, Any], model: data.ModelSpec, rank: int, world: int, clock: "Clock"):
+    import torch.distributed.checkpoint as dcp
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector.dcp import S3StorageReader
+
+    sd, ds = _dcp_targets(spec, model, world)
+    with clock:
+        reader = S3StorageReader(REGION, _uri(ds), s3client_config=S3ClientConfig(force_path_style=True))
+        dcp.load(sd, storage_reader=reader)
+    return _dcp_finish(spec, sd), {}
+
+
+def load_runai(spec: dict[str, Any], model: data.ModelSpec, rank: int, world: int, clock: "Clock"):
+    scen = spec["scenario"]
+    if scen == "c":
+        raise NotApplicable("reads HF safetensors files whole; no resharding of a checkpoint saved by ranks")
+    if scen == "e":
+        raise NotApplicable("no compressed input")
+    os.environ.setdefault("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "0")
+    os.environ.setdefault("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS", "60000")
+    os.environ.setdefault("RUNAI_STREAMER_LOG_LEVEL", "WARNING")
+    from runai_model_streamer import SafetensorsStreamer
+
+    paths = [f"s3://{BUCKET}/hf/{f}" for f in data.hf_file_names()]
+    out: dict[str, Any] = {}
+    with clock:
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_files(paths)
+            for name, t in streamer.get_tensors():
+                if scen == "b":  # whole tensors are streamed; the TP rank keeps its rows
+                    r0, r1 = data.row_slice(t.shape[0], data.TP_RANK, data.TP_WORLD)
+                    t = t[r0:r1].clone()
+                out[name] = t
+    return out, {}
+
+
+def ceiling_ranges(spec: dict[str, Any]) -> list[tuple[str, int, int]]:
+    return [tuple(r) for r in spec["ranges"]]  # type: ignore[misc]
+
+
+def load_ceiling(spec: dict[str, Any], model: data.ModelSpec, rank: int, world: int, clock: "Clock"):
+    """s3fs ``cat_ranges`` of the scenario's needed bytes in 8 MiB pieces: the client stack's ceiling."""
+    piece = 8 << 20
+    paths, starts, ends = [], [], []
+    for name, start, stop in ceiling_ranges(spec):
+        for s in range(start, stop, piece):
+            paths.append(f"{BUCKET}/{name}")
+            starts.append(s)
+            ends.append(min(stop, s + piece))
+    with clock:
+        fs = _s3fs(spec)
+        got = fs.cat_ranges(paths, starts, ends)
+    n = sum(len(g) for g in got)
+    if n != sum(e - s for s, e in zip(starts, ends)):
+        raise RuntimeError(f"short read: {n} bytes")
+    return None, {"bytes_read": n, "requests": len(paths)}
+
+
+LOADERS: dict[str, Callable[..., Any]] = {
+    "streamckpt": load_streamckpt,
+    "streamckpt.load_full": load_streamckpt_full,
+    "naive": load_naive,
+    "dcp-fsspec": load_dcp_fsspec,
+    "s3torchconnector": load_s3torch,
+    "runai": load_runai,
+    "ceiling": load_ceiling,
+}
+
+
+# ------------------------------------------------------------------ running
+
+
+class Clock:
+    """Times the block between two barriers (all ranks start and end together)."""
+
+    def __init__(self, world: int, profile_path: str | None) -> None:
+        self.world = world
+        self.seconds = 0.0
+        self.rss_before = 0
+        self._profile_path = profile_path
+        self._profiler: Any = None
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def __enter__(self) -> "Clock":
+        import psutil
+
+        self._barrier()
+        self.rss_before = psutil.Process().memory_info().rss
+        if self._profile_path:
+            from pyinstrument import Profiler
+
+            self._profiler = Profiler(interval=0.001)
+            self._profiler.start()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.seconds = time.perf_counter() - self._t0
+        if self._profiler is not None:
+            self._profiler.stop()
+            Path(self._profile_path).write_text(self._profiler.output_text(unicode=False, color=False, show_all=False))
+        if exc_type is None:
+            self._barrier()
+
+
+def verify(spec: dict[str, Any], out: dict[str, Any] | None, rank: int) -> tuple[int, int]:
+    """(checked, wrong) tensors against the fingerprints of this scenario's view."""
+    if out is None:
+        return 0, 0
+    view = spec["views"][rank]
+    fps = json.loads(Path(spec["fingerprints"]).read_text())[view]
+    wrong = 0
+    for name, expected in fps.items():
+        got = out.get(name)
+        if got is None or data.crc(got) != expected:
+            wrong += 1
+    return len(fps), wrong
+
+
+def run(spec_path: str, rank: int) -> dict[str, Any]:
+    spec = json.loads(Path(spec_path).read_text())
+    world = int(spec.get("world", 1))
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = data.spec_from_json(spec["model"])
+    loader = LOADERS[spec["loader"]]
+    prof = spec.get("profile") if rank == 0 else None
+    clock = Clock(world, prof)
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        out, stats = loader(spec, model, rank, world, clock)
+        result.update(stats)
+        result["seconds"] = clock.seconds
+        result["rss_before"] = clock.rss_before
+        result["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        checked, wrong = verify(spec, out, rank)
+        result["checked"] = checked
+        result["wrong"] = wrong
+    except NotApplicable as e:
+        result["na"] = str(e)
+    except Exception as e:  # noqa: BLE001 - reported in the table, with the traceback in the log
+        result["error"] = f"{type(e).__name__}: {e}"[:300]
+        traceback.print_exc()
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+    return result
+
+
+def main() -> None:
+    spec_path, rank = sys.argv[1], int(sys.argv[2])
+    result = run(spec_path, rank)
+    out = json.loads(Path(spec_path).read_text())["out"]
+    Path(f"{out}.{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

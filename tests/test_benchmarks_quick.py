@@ -1,0 +1,46 @@
+"""The benchmark's --quick mode runs end to end, so benchmarks/ cannot rot.
+
+It runs in the package's own venv: without localbucket the harness falls back to
+moto and says so in the report. Figures are not asserted (they mean nothing at
+this size); what is asserted is that every scenario ran, every loaded tensor
+matched the generated data, and the report has its parts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(240)
+def test_quick_benchmark_runs_every_scenario(tmp_path: Path) -> None:
+    out = tmp_path / "BENCH.md"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--scenario", "all",
+         "--data-dir", str(tmp_path / "data"), "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=230,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = out.read_text()
+    assert "python -m benchmarks.run --quick --scenario all" in text
+    for sc in "abcde":
+        section = text.split(f"## ({sc})", 1)[1].split("\n## ", 1)[0]
+        rows = {line.split("|")[1].strip(): line for line in section.splitlines() if line.startswith("| ")}
+        for loader in ("streamckpt", "naive", "ceiling"):
+            assert loader in rows, f"({sc}) has no {loader} row:\n{section}"
+            assert "error" not in rows[loader] and "n/a" not in rows[loader].split("|")[2], rows[loader]
+        assert rows["streamckpt"].rstrip(" |").endswith("yes"), rows["streamckpt"]
+        assert rows["naive"].rstrip(" |").endswith("yes"), rows["naive"]
+    assert "## (f)" in text
+    assert "## Machine" in text and "cores" in text
+    try:
+        import localbucket  # noqa: F401
+    except ImportError:
+        assert "moto" in text.split("## Notes", 1)[1]
