@@ -229,3 +229,43 @@ def test_transform_errors_through_load(s3_uri: str, s3_opts: dict[str, Any]) -> 
                                         {"rename": {"from": "c2", "to": "c"}}])
     with pytest.raises(TransformError, match=r"h.*dtype F16.*add a 'cast'"):
         load({"h": torch.zeros(4, 2)}, [{"rename": {"from": "a", "to": "a2"}}])
+
+
+def _tp_worker(rank: int, world: int, uri: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """One TP rank: its rows of a fused wqkv and of w13, built from HF-named q/k/v and gate/up."""
+    from distributed import check_equal, result_dict
+
+    h, g, hd, hidden, ffn = 8, 2, 16, 512, 768
+    q, k, v = numbered((h * hd, hidden)), numbered((g * hd, hidden), 1e6), numbered((g * hd, hidden), 2e6)
+    gate, up = numbered((ffn, hidden), 3e6), numbered((ffn, hidden), 4e6)
+    wqkv = qkv_reference(q, k, v, h, g)
+    w13 = torch.cat([gate, up])
+    rules = [
+        {"fuse_qkv": {"from": ["l.{i}.q", "l.{i}.k", "l.{i}.v"], "to": "layers.{i}.wqkv",
+                      "num_heads": h, "num_kv_heads": g}},
+        {"fuse": {"from": ["l.{i}.gate", "l.{i}.up"], "to": "layers.{i}.w13", "dim": 0}},
+    ]
+    rq, rm = wqkv.shape[0] // world, w13.shape[0] // world
+    sd = {"layers.0.wqkv": sc.ShardedTensor(torch.zeros(rq, hidden), wqkv.shape, (rank * rq, 0)),
+          "layers.0.w13": sc.ShardedTensor(torch.zeros(rm, hidden), w13.shape, (rank * rm, 0))}
+    res = sc.load(sd, uri, storage_options=opts, transforms=rules)
+    check_equal("wqkv", sd["layers.0.wqkv"].local_tensor, wqkv[rank * rq:(rank + 1) * rq])
+    check_equal("w13", sd["layers.0.w13"].local_tensor, w13[rank * rm:(rank + 1) * rm])
+    return result_dict(res)
+
+
+def test_two_ranks_load_their_tp_slices_of_fused_tensors(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    from distributed import run_ranks
+
+    h, g, hd, hidden, ffn = 8, 2, 16, 512, 768
+    sc.save({"l.0.q": numbered((h * hd, hidden)), "l.0.k": numbered((g * hd, hidden), 1e6),
+             "l.0.v": numbered((g * hd, hidden), 2e6), "l.0.gate": numbered((ffn, hidden), 3e6),
+             "l.0.up": numbered((ffn, hidden), 4e6)}, s3_uri, storage_options=s3_opts)
+    results = [r.unwrap() for r in run_ranks(2, _tp_worker, kwargs={"uri": s3_uri, "opts": s3_opts})]
+    stored = ((h + 2 * g) * hd + 2 * ffn) * hidden * 4
+    for res in results:
+        assert res["bytes_needed"] == stored // 2
+        # what a rank did not read itself came from its peer
+        assert res["bytes_read"] + res["bytes_received"] >= res["bytes_needed"]
+    # read_once: together the ranks read every stored byte at most once (no overlap, no re-reads)
+    assert sum(r["bytes_read"] for r in results) == stored
