@@ -166,11 +166,11 @@ class Executor:
         self.layouts = [_layout(r) for r in self.schedule]
         self.stats = Stats(rounds=plan.num_rounds)
         self.cuda = any(t.device.type == "cuda" for t in destinations.tensors.values()) or comm.device.type == "cuda"
-        arena_size = max((lay.size for lay in self.layouts), default=0)
-        self.stats.staging_bytes = 2 * arena_size
+        sizes = [max((lay.size for lay in self.layouts[slot::2]), default=0) for slot in range(2)]
+        self.stats.staging_bytes = sum(sizes)
         pin = self.cuda and torch.cuda.is_available()
-        self.arenas = [torch.empty(arena_size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self.views = [memoryview(a.numpy()) if arena_size else memoryview(b"") for a in self.arenas]
+        self.arenas = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in sizes]
+        self.views = [memoryview(a.numpy()) if a.numel() else memoryview(b"") for a in self.arenas]
         self.stream = torch.cuda.Stream() if pin else None
         self.events: list[Any] = [None, None]
         self.dctx = zstandard.ZstdDecompressor()
