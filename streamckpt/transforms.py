@@ -825,8 +825,8 @@ def _expand(rule: _Rule, view: _ViewState) -> list[tuple[list[str], list[str]]]:
             if rule.optional:
                 return []
             raise rule.fail(f"source name {first.text!r} is not in the view")
-        matches = [({}, [])] if first.text in view.tensors else []
-        names = [first.text]
+        names: list[str] = [first.text]
+        matches: list[tuple[dict[str, str], list[str]]] = [({}, [])]
     else:
         names, matches = [], []
         for name in sorted(view.tensors):

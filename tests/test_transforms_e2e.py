@@ -10,6 +10,7 @@ from typing import Any
 import fsspec
 import pytest
 import torch
+import yaml
 from safetensors.torch import save as st_save
 
 import streamckpt as sc
@@ -46,19 +47,22 @@ def test_split_transpose_cast_round_trip(s3_uri: str, s3_opts: dict[str, Any]) -
     assert res.missing_keys == [] and res.bytes_read == 8  # the 4 fp16 stored elements
 
 
-def test_fuse_three_tensors_and_a_tp_slice_reads_only_its_rows(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+def test_fuse_three_tensors_and_a_tp_slice_reads_only_its_rows(s3_uri: str, s3_opts: dict[str, Any],
+                                                                 tmp_path: Path) -> None:
     cols = 4096  # fp32 rows of 16 KiB: skipped regions are > 1 MiB, so they are not read
     parts = {"p0": numbered((96, cols)), "p1": numbered((64, cols), 1e6), "p2": numbered((160, cols), 2e6)}
     sc.save(parts, s3_uri, storage_options=s3_opts)
     fused = torch.cat(list(parts.values()))
     rules = [{"fuse": {"from": ["p0", "p1", "p2"], "to": "fused", "dim": 0}}]
+    config = tmp_path / "fuse.yaml"   # a local YAML file next to an S3 checkpoint
+    config.write_text(yaml.safe_dump({"rules": rules}))
     whole = {"fused": torch.zeros(320, cols)}
-    sc.load(whole, s3_uri, storage_options=s3_opts, transforms=rules)
+    sc.load(whole, s3_uri, storage_options=s3_opts, transforms=str(config))
     assert torch.equal(whole["fused"], fused)
     # TP=4 over rows: rank 1 holds rows [80, 160): 16 rows of p0 and all 64 of p1
     local = torch.zeros(80, cols)
     res = sc.load({"fused": sc.ShardedTensor(local, (320, cols), (80, 0))}, s3_uri,
-                  storage_options=s3_opts, transforms=rules)
+                  storage_options=s3_opts, transforms=sc.Transforms.from_rules(rules))
     assert torch.equal(local, fused[80:160])
     assert res.bytes_needed == 80 * cols * 4
     assert res.bytes_needed <= res.bytes_read <= res.bytes_needed + 1 * MiB
