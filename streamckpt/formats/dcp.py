@@ -657,7 +657,7 @@ def read_dcp_manifest(storage: Storage) -> Manifest | None:
     size = storage.size(METADATA_NAME)
     if size > MAX_METADATA_BYTES:
         raise CorruptCheckpointError(f"{where}: {size} bytes exceeds the {MAX_METADATA_BYTES}-byte limit")
-    md = parse_metadata(storage.read_bytes(METADATA_NAME), where=where)
+    md = parse_metadata(storage.read_bytes(METADATA_NAME, max_bytes=MAX_METADATA_BYTES), where=where)
     items = [c[2] for t in md.tensors.values() for c in t.chunks] + list(md.values.values())
     files = {name: storage.size(name) for name in sorted({i.file for i in items})}
     for item in items:

@@ -184,7 +184,7 @@ def _read_index(storage: Storage, name: str) -> dict[str, str]:
     if size > MAX_INDEX_BYTES:
         raise CorruptCheckpointError(f"{where}: {size} bytes exceeds the {MAX_INDEX_BYTES}-byte index limit")
     try:
-        doc = json.loads(storage.read_bytes(name).decode("utf-8"))
+        doc = json.loads(storage.read_bytes(name, max_bytes=MAX_INDEX_BYTES).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: not valid UTF-8 JSON ({e})") from None
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
