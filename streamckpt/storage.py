@@ -213,6 +213,7 @@ class Storage:
     ) -> None:
         self.uri = str(uri)
         self.policy = policy or RetryPolicy()
+        self.max_concurrency = max(1, int(max_concurrency))
         opts = dict(storage_options or {})
         self._secrets = _secrets_of(opts)
         protocol = fsspec.core.split_protocol(self.uri)[0] or "file"
@@ -226,7 +227,6 @@ class Storage:
         if self._is_s3:
             self.fs.retries = 1  # s3fs's own loop would multiply the client's attempts
         self.root = root.rstrip("/")
-        self.max_concurrency = max(1, int(max_concurrency))
         self.is_async = bool(getattr(self.fs, "async_impl", False))
         self._local = _is_local(self.fs)
         self._rng = random.Random()
@@ -240,6 +240,7 @@ class Storage:
         ck.setdefault("retries", {"total_max_attempts": self.policy.client_attempts, "mode": "standard"})
         ck.setdefault("connect_timeout", self.policy.request_timeout)
         ck.setdefault("read_timeout", self.policy.request_timeout)
+        ck.setdefault("max_pool_connections", max(10, self.max_concurrency))
         opts["config_kwargs"] = ck
         return opts
 
@@ -264,6 +265,8 @@ class Storage:
         return f"{self._public_uri().rstrip('/')}/{name}"
 
     def _err(self, exc: BaseException) -> str:
+        if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) and not str(exc):
+            return f"no response for {self.policy.request_timeout:g} s (stalled)"
         return self._scrub(f"{type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------ small calls
@@ -354,11 +357,20 @@ class Storage:
         bucket, key, _ = self.fs.split_path(self.path(name))
         deadline = time.monotonic() + policy.total_timeout
         attempt = 0
+        bad_sums = 0
         while True:
             try:
                 return await self._get_whole_s3(bucket, key, where, max_bytes)
             except (CheckpointNotFoundError, CorruptCheckpointError):
                 raise
+            except _ChecksumMismatch:
+                bad_sums += 1
+                if bad_sums > policy.checksum_retries:
+                    raise CorruptCheckpointError(
+                        f"{where} does not match its ETag (MD5) on {bad_sums} reads: the stored object is corrupt"
+                    ) from None
+                log.warning("%s does not match its ETag; re-fetching", where)
+                continue
             except Exception as e:  # noqa: BLE001 - classified below
                 if _is_not_found(e):
                     raise CheckpointNotFoundError(f"{where} does not exist") from None
@@ -386,7 +398,7 @@ class Storage:
             body.close()
         etag = str(resp.get("ETag") or "").strip('"')
         if re.fullmatch(r"[0-9a-f]{32}", etag) and hashlib.md5(buf, usedforsecurity=False).hexdigest() != etag:
-            raise _Retryable("body does not match its ETag (corrupted in transit)")
+            raise _ChecksumMismatch("whole object")
         return bytes(buf)
 
     def write_bytes(self, name: str, data: bytes) -> None:

@@ -1,0 +1,334 @@
+"""An HTTP proxy on 127.0.0.1 that injects storage faults in front of a real S3 server.
+
+Point a client's ``endpoint_url`` at ``FaultProxy.endpoint_url`` instead of the
+server's: every request is forwarded, and a seeded fraction of the eligible ones
+(by default object GETs and HEADs) gets one fault:
+
+``slowdown``  503 with an S3 ``SlowDown`` error body, without reaching the server;
+``reset``     the head and half of the body, then a TCP reset;
+``short``     a consistent but short body (Content-Length and Content-Range agree);
+``flip``      one bit of the body flipped in transit, length unchanged;
+``stall``     the reply held back for ``stall_seconds`` (then sent whole).
+
+``max_repeats`` bounds how many times in a row the same request (method, path,
+Range) is faulted, so faults stay transient and a client with enough retries is
+guaranteed to get through; set it high to model an outage (or ``rate=1.0``).
+
+    with LocalS3() as s3, FaultProxy(s3.endpoint_url, rate=0.2, seed=1) as proxy:
+        sc.load(sd, uri, storage_options=proxy.storage_options)
+        print(proxy.counts)   # {'slowdown': 7, 'reset': 5, ...}
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import random
+import socket
+import struct
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Iterable, Mapping
+from urllib.parse import urlsplit
+
+from .s3server import options_for
+
+log = logging.getLogger(__name__)
+
+FAULT_KINDS = ("slowdown", "reset", "short", "flip", "stall")
+_DEFAULT_KINDS = ("slowdown", "reset", "short", "flip")
+_HOP_BY_HOP = {
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+    "transfer-encoding", "upgrade", "expect",
+}
+_SLOWDOWN_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message><RequestId>faultproxy</RequestId></Error>"
+)
+
+
+class FaultProxy:
+    """A fault-injecting HTTP proxy for an S3-compatible ``upstream`` URL.
+
+    ``faults``: kinds to inject, as an iterable (equal weights) or a mapping
+    kind -> weight. ``rate``: the fraction of eligible requests that get a fault
+    (may be changed while running). ``counts``: faults actually injected, by kind.
+    """
+
+    def __init__(
+        self,
+        upstream: str,
+        faults: Iterable[str] | Mapping[str, float] | None = None,
+        rate: float = 0.2,
+        seed: int = 0,
+        *,
+        stall_seconds: float = 2.0,
+        max_repeats: int = 2,
+        methods: Iterable[str] = ("GET", "HEAD"),
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        parts = urlsplit(upstream)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"FaultProxy needs an http:// upstream, got {upstream!r}")
+        self.upstream_host = parts.hostname
+        self.upstream_port = parts.port or 80
+        weights = dict(faults) if isinstance(faults, Mapping) else {k: 1.0 for k in (faults or _DEFAULT_KINDS)}
+        unknown = set(weights) - set(FAULT_KINDS)
+        if unknown or not weights:
+            raise ValueError(f"unknown or no fault kinds {sorted(unknown)}; choose from {FAULT_KINDS}")
+        self.kinds = tuple(weights)
+        self.weights = tuple(float(weights[k]) for k in self.kinds)
+        self.rate = float(rate)
+        self.stall_seconds = float(stall_seconds)
+        self.max_repeats = int(max_repeats)
+        self.methods = frozenset(m.upper() for m in methods)
+        self._host = host
+        self._port = port
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(FAULT_KINDS, 0)
+        self._requests = 0
+        self._streak: dict[tuple[str, str, str], int] = {}
+        self._stopping = threading.Event()
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> "FaultProxy":
+        if self._server is not None:
+            return self
+        server = _Server((self._host, self._port), _Handler)
+        server.proxy = self
+        self._server = server
+        self._stopping.clear()
+        self._thread = threading.Thread(target=server.serve_forever, name="faultproxy", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def __enter__(self) -> "FaultProxy":
+        return self.start()
+
+    def __exit__(self, *_: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"FaultProxy(rate={self.rate}, kinds={self.kinds}, counts={self.counts})"
+
+    # ------------------------------------------------------------ reporting
+
+    @property
+    def endpoint_url(self) -> str:
+        if self._server is None:
+            raise RuntimeError("FaultProxy is not started")
+        return f"http://{self._host}:{self._server.server_address[1]}"
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """s3fs options through this proxy, with the local test server's dummy credentials."""
+        return options_for(self.endpoint_url)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Faults injected so far, by kind (a copy)."""
+        with self._lock:
+            return dict(self._counts)
+
+    @property
+    def injected(self) -> int:
+        with self._lock:
+            return sum(self._counts.values())
+
+    @property
+    def requests(self) -> int:
+        """Requests the proxy has seen (faulted or not)."""
+        with self._lock:
+            return self._requests
+
+    # ------------------------------------------------------------ decisions
+
+    def _eligible(self, method: str, path: str) -> bool:
+        segments = [s for s in path.split("?", 1)[0].split("/") if s]
+        return method in self.methods and len(segments) >= 2  # /bucket/key: an object request
+
+    def _decide(self, method: str, path: str, rng_range: str) -> tuple[str | None, tuple[str, str, str], random.Random]:
+        key = (method, path, rng_range)
+        with self._lock:
+            self._requests += 1
+            if not self._eligible(method, path) or self._streak.get(key, 0) >= self.max_repeats:
+                self._streak.pop(key, None)
+                return None, key, random.Random(self._rng.getrandbits(32))
+            kind = None
+            if self._rng.random() < self.rate:
+                kind = self._rng.choices(self.kinds, self.weights)[0]
+            return kind, key, random.Random(self._rng.getrandbits(32))
+
+    def _record(self, key: tuple[str, str, str], applied: str | None) -> None:
+        with self._lock:
+            if applied is None:
+                self._streak.pop(key, None)
+            else:
+                self._counts[applied] += 1
+                self._streak[key] = self._streak.get(key, 0) + 1
+
+    # ------------------------------------------------------------ forwarding
+
+    def _forward(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes | None) -> tuple[
+        int, str, list[tuple[str, str]], bytes
+    ]:
+        conn = http.client.HTTPConnection(self.upstream_host, self.upstream_port, timeout=120)
+        try:
+            conn.request(method, path, body=body, headers=dict(headers))
+            resp = conn.getresponse()
+            data = resp.read()
+            return resp.status, resp.reason, resp.getheaders(), data
+        finally:
+            conn.close()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+    proxy: FaultProxy
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("faultproxy: connection from %s ended with an error", client_address, exc_info=True)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        log.debug("faultproxy: " + format, *args)
+
+    def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+        self._handle()
+
+    do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
+
+    def _read_body(self) -> bytes | None:
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            out = bytearray()
+            while True:
+                size = int(self.rfile.readline().split(b";", 1)[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return bytes(out)
+                out += self.rfile.read(size)
+                self.rfile.readline()
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else None
+
+    def _handle(self) -> None:
+        proxy = self.server.proxy
+        body = self._read_body()
+        method = self.command
+        kind, key, rng = proxy._decide(method, self.path, self.headers.get("Range") or "")
+        if kind == "slowdown":
+            proxy._record(key, kind)
+            self._reply(503, "Slow Down", [("Content-Type", "application/xml")], _SLOWDOWN_BODY)
+            return
+        if kind == "stall":
+            proxy._stopping.wait(proxy.stall_seconds)
+        headers = [(k, v) for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP]
+        if body is not None:
+            headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
+            headers.append(("Content-Length", str(len(body))))
+        try:
+            status, reason, rheaders, data = proxy._forward(method, self.path, headers, body)
+        except OSError as e:
+            log.debug("faultproxy: upstream failed: %s", e)
+            self._reply(502, "Bad Gateway", [], b"")
+            proxy._record(key, None)
+            return
+        rheaders = [(k, v) for k, v in rheaders if k.lower() not in _HOP_BY_HOP | {"server", "date"}]
+        applied = kind if kind == "stall" else None
+        has_body = method != "HEAD" and status in (200, 206)
+        if kind == "reset":
+            proxy._record(key, kind)
+            self._reset(status, reason, rheaders, data if has_body else b"")
+            return
+        if kind == "short" and has_body and len(data) >= 2:
+            data, rheaders = _shorten(data, rheaders, rng.randrange(1, len(data)))
+            applied = kind
+        elif kind == "flip" and has_body and data:
+            buf = bytearray(data)
+            buf[rng.randrange(len(buf))] ^= 1 << rng.randrange(8)
+            data, applied = bytes(buf), kind
+        proxy._record(key, applied)  # before replying: the client may have given up on a stall
+        self._reply(status, reason, rheaders, data, head=method == "HEAD")
+
+    def _reply(
+        self, status: int, reason: str, headers: list[tuple[str, str]], data: bytes, *, head: bool = False
+    ) -> None:
+        self.send_response(status, reason)
+        has_length = False
+        for k, v in headers:
+            if k.lower() == "content-length":
+                if head:
+                    self.send_header(k, v)
+                    has_length = True
+                continue
+            self.send_header(k, v)
+        if not has_length:
+            self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if not head and data:
+            self.wfile.write(data)
+        self.wfile.flush()
+
+    def _reset(self, status: int, reason: str, headers: list[tuple[str, str]], data: bytes) -> None:
+        """Send the head and half the body, then abort the connection with a TCP RST."""
+        try:
+            if data:
+                self.send_response(status, reason)
+                for k, v in headers:
+                    if k.lower() != "content-length":
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+        self.close_connection = True
+        try:
+            self.connection.close()
+        except OSError:
+            pass
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        except OSError:
+            pass
+
+
+def _shorten(data: bytes, headers: list[tuple[str, str]], n: int) -> tuple[bytes, list[tuple[str, str]]]:
+    """The first ``n`` bytes, with Content-Length and Content-Range telling the same story."""
+    out = []
+    for k, v in headers:
+        low = k.lower()
+        if low == "content-length":
+            v = str(n)
+        elif low == "content-range" and v.startswith("bytes ") and "-" in v:
+            span, _, total = v[6:].partition("/")
+            start = int(span.split("-", 1)[0])
+            v = f"bytes {start}-{start + n - 1}/{total}"
+        out.append((k, v))
+    return data[:n], out

@@ -1,0 +1,204 @@
+"""Reads and writes through FaultProxy (a fault-injecting HTTP proxy in front of the
+real moto server) stay bit-exact; persistent faults end in the right error, in bounded time."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any, Iterator
+
+import pytest
+
+from streamckpt.checksum import crc32c
+from streamckpt.errors import CorruptCheckpointError, StorageError
+from streamckpt.storage import RangeRead, RetryPolicy, Storage
+from streamckpt.testing import FaultProxy, LocalS3
+
+MiB = 1 << 20
+CHUNK = 16 << 10
+
+# Short stall timeouts keep the stall cases fast; everything else is the default policy.
+FAST_STALL = RetryPolicy(request_timeout=0.5)
+
+
+@pytest.fixture
+def stored(local_s3: LocalS3, s3_uri: str, s3_opts: dict[str, Any]) -> tuple[str, bytes]:
+    """A 1 MiB object written straight to the server (no proxy)."""
+    data = random.Random(11).randbytes(MiB)
+    Storage(s3_uri, s3_opts).write_bytes("data/00000.bin", data)
+    return s3_uri, data
+
+
+def _reads(data: bytes, n: int, seed: int) -> list[RangeRead]:
+    """``n`` random ranges, each covered by per-16-KiB CRC32C checks (as the format does)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a = rng.randrange(0, len(data) - 1)
+        b = min(len(data), a + rng.randrange(1, 3 * CHUNK))
+        checks = tuple(
+            (off, min(CHUNK, b - a - off), crc32c(data[a + off:a + min(off + CHUNK, b - a)]))
+            for off in range(0, b - a, CHUNK)
+        )
+        out.append(RangeRead("data/00000.bin", a, b, checks))
+    return out
+
+
+def _read_all(st: Storage, reads: list[RangeRead]) -> tuple[list[bytes], int]:
+    bufs = [bytearray(r.length) for r in reads]
+    requests = st.read_into(reads, [memoryview(b) for b in bufs]).result(timeout=120)
+    return [bytes(b) for b in bufs], requests
+
+
+@pytest.fixture
+def proxy_factory(local_s3: LocalS3) -> Iterator[Any]:
+    started: list[FaultProxy] = []
+
+    def make(**kw: Any) -> FaultProxy:
+        p = FaultProxy(local_s3.endpoint_url, **kw).start()
+        started.append(p)
+        return p
+
+    yield make
+    for p in started:
+        p.stop()
+
+
+@pytest.mark.parametrize(
+    "kind,rate",
+    [("slowdown", 0.3), ("reset", 0.2), ("short", 0.3), ("flip", 0.3), ("stall", 0.2)],
+)
+def test_each_fault_alone_reads_bit_exact(
+    kind: str, rate: float, stored: tuple[str, bytes], proxy_factory: Any
+) -> None:
+    uri, data = stored
+    proxy = proxy_factory(faults=[kind], rate=rate, seed=3, stall_seconds=1.5)
+    st = Storage(uri, proxy.storage_options, policy=FAST_STALL if kind == "stall" else None)
+    reads = _reads(data, 40, seed=4)
+    got, requests = _read_all(st, reads)
+    for r, b in zip(reads, got):
+        assert b == data[r.start:r.stop], (r.start, r.stop)
+    assert st.read_bytes("data/00000.bin") == data  # whole-object read (ETag-checked)
+    counts = proxy.counts
+    assert counts[kind] > 0
+    assert sum(counts.values()) == counts[kind]  # nothing else was injected
+    assert requests >= len(reads)
+    assert proxy.requests > len(reads) + 1  # faults cost retries (some inside the S3 client)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3])
+def test_mixed_faults_read_bit_exact(rate: float, stored: tuple[str, bytes], proxy_factory: Any) -> None:
+    uri, data = stored
+    proxy = proxy_factory(
+        faults={"slowdown": 1, "reset": 1, "short": 1, "flip": 1, "stall": 0.3},
+        rate=rate, seed=5, stall_seconds=1.5,
+    )
+    st = Storage(uri, proxy.storage_options, policy=FAST_STALL)
+    reads = _reads(data, 80, seed=6)
+    got, _ = _read_all(st, reads)
+    assert all(b == data[r.start:r.stop] for r, b in zip(reads, got))
+    counts = proxy.counts
+    assert sum(counts.values()) >= 5
+    assert sum(1 for k in ("slowdown", "reset", "short", "flip") if counts[k] > 0) >= 3, counts
+
+
+def test_uploads_through_faults_land_whole(
+    s3_uri: str, s3_opts: dict[str, Any], proxy_factory: Any
+) -> None:
+    proxy = proxy_factory(faults=["slowdown", "reset"], rate=0.5, seed=1, methods=("PUT",))
+    st = Storage(s3_uri, proxy.storage_options)
+    rng = random.Random(8)
+    objects = {f"data/{i:05d}.safetensors": rng.randbytes(11 * MiB + i) for i in range(1)}
+    for name, data in objects.items():
+        with st.open_write(name, block_size=5 * MiB) as up:  # three parts each
+            for i in range(0, len(data), MiB):
+                up.write(data[i:i + MiB])
+    st.write_bytes("manifest.json", b'{"format": "streamckpt"}')
+    direct = Storage(s3_uri, s3_opts)
+    for name, data in objects.items():
+        assert direct.read_bytes(name) == data
+    assert direct.read_bytes("manifest.json") == b'{"format": "streamckpt"}'
+    assert proxy.injected > 0, proxy.counts
+
+
+def test_persistent_outage_is_a_storage_error_in_bounded_time(
+    stored: tuple[str, bytes], proxy_factory: Any
+) -> None:
+    uri, _ = stored
+    proxy = proxy_factory(faults=["slowdown"], rate=1.0, max_repeats=10**9)
+    policy = RetryPolicy(max_attempts=4, client_attempts=2, base_delay=0.05, total_timeout=3.0)
+    st = Storage(uri, proxy.storage_options, policy=policy)
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as ei:
+        st.read_into([RangeRead("data/00000.bin", 100, 200)], [memoryview(bytearray(100))]).result(timeout=60)
+    elapsed = time.monotonic() - t0
+    assert "data/00000.bin" in str(ei.value) and "[100, 200)" in str(ei.value)
+    assert elapsed < policy.total_timeout + policy.request_timeout
+    # Both layers together made a bounded number of requests.
+    assert proxy.counts["slowdown"] <= policy.max_attempts * policy.client_attempts
+
+
+def test_persistent_stall_times_out_with_storage_error(stored: tuple[str, bytes], proxy_factory: Any) -> None:
+    uri, _ = stored
+    proxy = proxy_factory(faults=["stall"], rate=1.0, max_repeats=10**9, stall_seconds=30)
+    policy = RetryPolicy(request_timeout=0.3, total_timeout=1.5, client_attempts=1)
+    st = Storage(uri, proxy.storage_options, policy=policy)
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as ei:
+        st.read_bytes("data/00000.bin", 0, 10)
+    assert time.monotonic() - t0 < policy.total_timeout + 2 * policy.request_timeout + 1
+    assert "[0, 10)" in str(ei.value)
+
+
+def test_corruption_on_every_fetch_is_corrupt_checkpoint(stored: tuple[str, bytes], proxy_factory: Any) -> None:
+    uri, data = stored
+    proxy = proxy_factory(faults=["flip"], rate=1.0, max_repeats=10**9)
+    st = Storage(uri, proxy.storage_options)
+    read = _reads(data, 1, seed=9)[0]
+    with pytest.raises(CorruptCheckpointError) as ei:
+        _read_all(st, [read])
+    assert "data/00000.bin" in str(ei.value)
+    assert proxy.counts["flip"] == st.policy.checksum_retries + 1  # re-fetched, then given up
+
+
+def test_whole_object_corrupted_every_time_is_corrupt_checkpoint(
+    stored: tuple[str, bytes], proxy_factory: Any
+) -> None:
+    uri, _ = stored
+    proxy = proxy_factory(faults=["flip"], rate=1.0, max_repeats=10**9)
+    st = Storage(uri, proxy.storage_options)
+    with pytest.raises(CorruptCheckpointError) as ei:
+        st.read_bytes("data/00000.bin")  # no range: checked against the ETag (MD5)
+    assert "data/00000.bin" in str(ei.value)
+
+
+def test_short_bodies_every_time_are_a_storage_error_not_corruption(
+    stored: tuple[str, bytes], proxy_factory: Any
+) -> None:
+    uri, _ = stored
+    proxy = proxy_factory(faults=["short"], rate=1.0, max_repeats=10**9)
+    st = Storage(uri, proxy.storage_options, policy=RetryPolicy(max_attempts=3, base_delay=0.01))
+    with pytest.raises(StorageError) as ei:
+        st.read_bytes("data/00000.bin", 1000, 3000)
+    assert "[1000, 3000)" in str(ei.value)
+    assert not isinstance(ei.value, CorruptCheckpointError)
+
+
+def test_proxy_is_seeded_and_counts(stored: tuple[str, bytes], local_s3: LocalS3) -> None:
+    """Same seed, same sequential requests -> the same faults."""
+    uri, data = stored
+    seen = []
+    for _ in range(2):
+        with FaultProxy(local_s3.endpoint_url, rate=0.3, seed=42) as proxy:
+            st = Storage(uri, proxy.storage_options, max_concurrency=1)
+            for r in _reads(data, 10, seed=10):
+                assert _read_all(st, [r])[0][0] == data[r.start:r.stop]
+            seen.append(proxy.counts)
+    assert seen[0] == seen[1] and sum(seen[0].values()) > 0
+
+
+def test_proxy_rejects_bad_configuration(local_s3: LocalS3) -> None:
+    with pytest.raises(ValueError):
+        FaultProxy(local_s3.endpoint_url, faults=["meteor"])
+    with pytest.raises(ValueError):
+        FaultProxy("https://example.invalid", rate=0.1)
