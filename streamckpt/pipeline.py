@@ -87,7 +87,7 @@ def _layout(rnd: LocalRound) -> _Layout:
         pos = _align(pos) + r.start % ALIGN
         lay.fetch[i] = pos
         pos += r.length
-        if r.frames is not None:
+        if r.zstd:
             pos = _align(pos)
             lay.decode[i] = pos
             pos += r.staging
@@ -196,10 +196,10 @@ class Executor:
         view = self.views[k % 2]
         lay = self.layouts[k]
         for i, r in self.schedule[k].reads:
-            if r.frames is None:
+            if not r.zstd:
                 continue
             base_in, base_out = lay.fetch[i], lay.decode[i]
-            for in_off, in_len, out_off, out_len in r.frames:
+            for in_off, in_len, out_off, out_len in r.frames or ():
                 src = view[base_in + in_off: base_in + in_off + in_len]
                 try:
                     data = self.dctx.decompress(src, max_output_size=out_len)
@@ -217,7 +217,7 @@ class Executor:
 
     def _staged(self, k: int, read_index: int, r: Read) -> torch.Tensor:
         lay = self.layouts[k]
-        base = lay.decode[read_index] if r.frames is not None else lay.fetch[read_index]
+        base = lay.decode[read_index] if r.zstd else lay.fetch[read_index]
         return self.arenas[k % 2][base: base + r.staging]
 
     def _post_exchange(self, k: int) -> tuple[list[Any], list[tuple[Message, torch.Tensor]]]:

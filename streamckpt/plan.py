@@ -134,16 +134,35 @@ class Copy:
     perm: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkRun:
+    """Chunks ``[lo, hi)`` of one stored shard inside a read (checked, maybe decoded)."""
+
+    shard: Shard
+    raw_total: int  # raw bytes of the whole shard
+    lo: int
+    hi: int
+    file_start: int  # file offset of chunk ``lo``
+    out_start: int  # decoded offset of chunk ``lo`` in the staging buffer (zstd)
+
+    def raw_len(self, c: int) -> int:
+        return min(self.shard.chunk_size, self.raw_total - c * self.shard.chunk_size)
+
+
 @dataclass(slots=True)
 class Read:
-    """One range request and what its bytes are for."""
+    """One range request and what its bytes are for.
+
+    Checksums and zstd frames are kept as chunk runs and expanded only by the
+    rank that performs the read, so planning stays O(pieces), not O(chunks).
+    """
 
     file: str
     start: int
     stop: int
     reader: int
-    checks: tuple[tuple[int, int, int], ...]
-    frames: tuple[tuple[int, int, int, int], ...] | None  # zstd: (in_off, in_len, out_off, out_len)
+    runs: tuple[ChunkRun, ...]
+    zstd: bool
     staging: int  # bytes of the decoded staging buffer
     copies: list[Copy]
     private: bool = False  # read_once=False: serves only its reader
@@ -152,6 +171,37 @@ class Read:
     @property
     def length(self) -> int:
         return self.stop - self.start
+
+    @property
+    def checks(self) -> tuple[tuple[int, int, int], ...]:
+        """(offset from ``start``, stored length, CRC32C) of every covered chunk."""
+        out = []
+        for run in self.runs:
+            s = run.shard
+            pos = run.file_start - self.start
+            for c in range(run.lo, run.hi):
+                n = s.frame_lengths[c] if s.frame_lengths is not None else run.raw_len(c)
+                out.append((pos, n, s.crc32c[c]))  # type: ignore[index]
+                pos += n
+        return tuple(out)
+
+    @property
+    def frames(self) -> tuple[tuple[int, int, int, int], ...] | None:
+        """zstd: (in_off, in_len, out_off, out_len) of every frame to decode; None for raw."""
+        if not self.zstd:
+            return None
+        out = []
+        for run in self.runs:
+            s = run.shard
+            pos = run.file_start - self.start
+            dst = run.out_start
+            for c in range(run.lo, run.hi):
+                n = s.frame_lengths[c]  # type: ignore[index]
+                raw = run.raw_len(c)
+                out.append((pos, n, dst, raw))
+                pos += n
+                dst += raw
+        return tuple(out)
 
 
 @dataclass(slots=True)
@@ -258,10 +308,11 @@ def build_plan(
     unexpected = sorted(k for k in view.tensors if k not in wanted)
 
     indexes: dict[str, _TensorIndex] = {}
+    offsets = _FrameOffsets()
     needs: list[_Need] = []
     for uid in live:
         owners = targets[uid].needers if not options.read_once else [-1]
-        for need in _needs_for_target(uid, targets[uid].spec, view, manifest, indexes, options):
+        for need in _needs_for_target(uid, targets[uid].spec, view, manifest, indexes, options, offsets):
             if len(owners) == 1:
                 need.owner = owners[0]
                 needs.append(need)
@@ -270,7 +321,8 @@ def build_plan(
                     needs.append(_Need(need.file, need.fetch_start, need.fetch_stop, need.shard,
                                        need.chunk_lo, need.chunk_hi, need.raw_start, need.copy, o,
                                        need.raw_total))
-    reads = _coalesce(needs, options)
+    targets_needers = [tuple(t.needers) for t in targets]
+    reads = _coalesce(needs, options, offsets, targets_needers)
     _assign_readers(reads, needs_world=world, targets=targets, read_once=options.read_once)
     num_rounds = _pack_rounds(reads, targets, world, options)
     return LoadPlan(world, targets, reads, num_rounds, rank_targets, missing, unexpected, options)
@@ -320,7 +372,7 @@ def _target_parts(spec: TargetSpec) -> list[tuple[Box, int | None, tuple[int, ..
 
 def _needs_for_target(
     uid: int, spec: TargetSpec, view: ViewLike, manifest: Manifest,
-    indexes: dict[str, _TensorIndex], options: PlanOptions,
+    indexes: dict[str, _TensorIndex], options: PlanOptions, offsets: "_FrameOffsets",
 ) -> Iterable[_Need]:
     for part_box, dst_base, dst_frame in _target_parts(spec):
         frame_origin = part_box.offset if dst_base is not None else spec.offset
@@ -340,7 +392,7 @@ def _needs_for_target(
                 align = sp.shard.chunk_size // isz if sp.shard.chunk_size % isz == 0 else 0
                 max_e = max(max_elems, align)
                 for piece in _pieces(sp.frame, inter, options.max_gap_bytes // isz, max_e, sp.base, align):
-                    yield _need(uid, piece, sp, seg, meta.dtype, isz, frame_origin, dst_base, dst_frame)
+                    yield _need(uid, piece, sp, seg, meta.dtype, isz, frame_origin, dst_base, dst_frame, offsets)
 
 
 def _pieces(frame: Box, inter: Box, gap_elems: int, max_elems: int, base: int, align: int) -> Iterable[Box]:
@@ -365,6 +417,7 @@ def _map_to_target(seg: Segment, box: Box) -> Box:
 def _need(
     uid: int, piece: Box, sp: _SourcePart, seg: Segment, src_dtype: str, isz: int,
     frame_origin: tuple[int, ...], dst_base: int | None, dst_frame: tuple[int, ...] | None,
+    offsets: "_FrameOffsets",
 ) -> _Need:
     first, stop = span(sp.frame, piece) if piece.ndim else (0, 1)
     raw_start = (sp.base + first) * isz
@@ -391,15 +444,16 @@ def _need(
             f_start = s.byte_offset + lo * s.chunk_size
             f_stop = s.byte_offset + min(hi * s.chunk_size, raw_len)
         else:
-            offs = s.frame_offsets()
-            f_start = offs[lo]
-            f_stop = offs[hi - 1] + s.frame_lengths[hi - 1]
+            f_start = offsets.of(s, lo)
+            f_stop = offsets.of(s, hi - 1) + s.frame_lengths[hi - 1]
         return _Need(s.file, f_start, f_stop, s, lo, hi, raw_start, copy, -1, raw_len)
     return _Need(s.file, s.byte_offset + raw_start, s.byte_offset + raw_stop, s, 0, 0, raw_start, copy, -1,
                  raw_len)
 
 
-def _coalesce(needs: list[_Need], options: PlanOptions) -> list[Read]:
+def _coalesce(
+    needs: list[_Need], options: PlanOptions, offsets: "_FrameOffsets", targets_needers: list[tuple[int, ...]],
+) -> list[Read]:
     groups: dict[tuple[int, str], list[int]] = {}
     for i, n in enumerate(needs):
         groups.setdefault((n.owner, n.file), []).append(i)
@@ -407,54 +461,71 @@ def _coalesce(needs: list[_Need], options: PlanOptions) -> list[Read]:
     reads: list[Read] = []
     for (owner, file), idxs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         ranges = [(needs[i].fetch_start, needs[i].fetch_stop) for i in idxs]
-        for start, stop, members in coalesce(ranges, opts):
-            reads.append(_make_read(file, start, stop, [needs[idxs[m]] for m in members], owner))
+        # gaps are bridged only between ranges the same ranks need: a rank's private
+        # rows are not read by a peer just because they sit next to shared ones
+        keys = [targets_needers[needs[i].copy.target] if owner < 0 else () for i in idxs]
+        for start, stop, members in coalesce(ranges, opts, keys):
+            reads.append(_make_read(file, start, stop, [needs[idxs[m]] for m in members], owner, offsets))
     return reads
 
 
-def _make_read(file: str, start: int, stop: int, members: list[_Need], owner: int) -> Read:
-    """Lay out one read: checks on stored chunks, zstd frames to decode, copy offsets."""
-    chunks: dict[tuple[int, int], _Need] = {}
+def _make_read(
+    file: str, start: int, stop: int, members: list[_Need], owner: int, offsets: "_FrameOffsets",
+) -> Read:
+    """Lay out one read: merged chunk runs per shard, decoded layout, copy offsets."""
+    per_shard: dict[int, tuple[_Need, list[tuple[int, int]]]] = {}
     for n in members:
-        for c in range(n.chunk_lo, n.chunk_hi):
-            chunks.setdefault((id(n.shard), c), n)
+        if n.chunk_hi > n.chunk_lo:
+            per_shard.setdefault(id(n.shard), (n, []))[1].append((n.chunk_lo, n.chunk_hi))
     zstd = any(n.shard.codec == "zstd" for n in members)
-    offsets_cache: dict[int, list[int]] = {}
-
-    def file_offset(key: tuple[int, int]) -> int:
-        n = chunks[key]
-        offs = offsets_cache.get(key[0])
-        if offs is None:
-            offs = offsets_cache[key[0]] = n.shard.frame_offsets()
-        return offs[key[1]]
-
-    checks: list[tuple[int, int, int]] = []
-    frames: list[tuple[int, int, int, int]] = []
-    out_of: dict[tuple[int, int], int] = {}
+    spans: list[tuple[int, _Need, int, int]] = []
+    for n, intervals in per_shard.values():
+        intervals.sort()
+        lo, hi = intervals[0]
+        for a, b in intervals[1:]:
+            if a <= hi:
+                hi = max(hi, b)
+            else:
+                spans.append((offsets.of(n.shard, lo), n, lo, hi))
+                lo, hi = a, b
+        spans.append((offsets.of(n.shard, lo), n, lo, hi))
+    spans.sort(key=lambda x: x[0])
+    runs: list[ChunkRun] = []
+    run_of: dict[int, list[ChunkRun]] = {}
     out = 0
-    for key in sorted(chunks, key=file_offset):
-        n = chunks[key]
-        s, c = n.shard, key[1]
-        raw_len = min(s.chunk_size, n.raw_total - c * s.chunk_size)
-        stored_len = s.frame_lengths[c] if s.frame_lengths is not None else raw_len
-        rel = file_offset(key) - start
-        checks.append((rel, stored_len, s.crc32c[c]))  # type: ignore[index]
+    for file_start, n, lo, hi in spans:
+        run = ChunkRun(n.shard, n.raw_total, lo, hi, file_start, out)
         if zstd:
-            frames.append((rel, stored_len, out, raw_len))
-            out_of[key] = out
-            out += raw_len
+            out += min(hi * n.shard.chunk_size, n.raw_total) - lo * n.shard.chunk_size
+        runs.append(run)
+        run_of.setdefault(id(n.shard), []).append(run)
     copies = []
     for n in members:
         if zstd:
-            base = out_of[(id(n.shard), n.chunk_lo)] + n.raw_start - n.chunk_lo * n.shard.chunk_size
+            run = next(r for r in run_of[id(n.shard)] if r.lo <= n.chunk_lo < r.hi)
+            base = run.out_start + n.raw_start - run.lo * n.shard.chunk_size
         else:
             base = n.shard.byte_offset + n.raw_start - start
         copies.append(_with_offset(n.copy, base))
     return Read(
-        file=file, start=start, stop=stop, reader=owner,
-        checks=tuple(checks), frames=tuple(frames) if zstd else None,
+        file=file, start=start, stop=stop, reader=owner, runs=tuple(runs), zstd=zstd,
         staging=out if zstd else stop - start, copies=copies, private=owner >= 0,
     )
+
+
+class _FrameOffsets:
+    """File offsets of chunks/frames, computed once per zstd shard during a plan."""
+
+    def __init__(self) -> None:
+        self._cache: dict[int, list[int]] = {}
+
+    def of(self, s: Shard, c: int) -> int:
+        if s.frame_lengths is None:
+            return s.byte_offset + c * s.chunk_size
+        offs = self._cache.get(id(s))
+        if offs is None:
+            offs = self._cache[id(s)] = s.frame_offsets()
+        return offs[c]
 
 
 def _with_offset(c: Copy, offset: int) -> Copy:
@@ -489,7 +560,7 @@ def message_layout(copies: Sequence[Copy]) -> tuple[list[int], int]:
 def read_cost(r: Read) -> int:
     """Staging bytes a read takes on its reader: fetch buffer (+ decode buffer)."""
     fetch = -(-r.length // ALIGN) * ALIGN + ALIGN
-    return fetch + (-(-r.staging // ALIGN) * ALIGN if r.frames is not None else 0)
+    return fetch + (-(-r.staging // ALIGN) * ALIGN if r.zstd else 0)
 
 
 def messages_of(r: Read, targets: list[Target]) -> dict[int, list[Copy]]:

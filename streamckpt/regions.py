@@ -267,26 +267,36 @@ class CoalesceOptions:
 
 
 def coalesce(
-    ranges: Sequence[tuple[int, int]], opts: CoalesceOptions = CoalesceOptions()
+    ranges: Sequence[tuple[int, int]],
+    opts: CoalesceOptions = CoalesceOptions(),
+    keys: Sequence[object] | None = None,
 ) -> list[tuple[int, int, list[int]]]:
     """Merge ``(start, stop)`` byte ranges into requests.
 
     Overlapping ranges always merge; ranges whose gap is at most
     ``max_gap_bytes`` merge while the request stays within
-    ``max_request_bytes``. Returns ``(start, stop, member_indices)``.
+    ``max_request_bytes`` (and, with ``keys``, only ranges of equal key — e.g.
+    the same set of ranks needing them). Returns ``(start, stop, member_indices)``.
     """
     order = sorted(range(len(ranges)), key=lambda i: ranges[i])
     out: list[tuple[int, int, list[int]]] = []
+    group_key: object = None
     for i in order:
         s, e = ranges[i]
         if out:
             cs, ce, members = out[-1]
             overlaps = s < ce
-            close = s - ce <= opts.max_gap_bytes and max(ce, e) - cs <= opts.max_request_bytes
+            close = (
+                s - ce <= opts.max_gap_bytes
+                and max(ce, e) - cs <= opts.max_request_bytes
+                and (keys is None or keys[i] == group_key)
+            )
             if overlaps or close:
-                out[-1] = (cs, max(ce, e), members + [i])
+                members.append(i)
+                out[-1] = (cs, max(ce, e), members)
                 continue
         out.append((s, e, [i]))
+        group_key = keys[i] if keys is not None else None
     return out
 
 
