@@ -182,8 +182,8 @@ def merge(
     out_storage_options: dict[str, Any] | None = None,
     process_group: Any = None,
 ) -> None:
-    """Write a checkpoint as a Hugging Face safetensors directory (see streamckpt.merge)."""
-    from .merge import merge as _merge
+    """Write a checkpoint as a Hugging Face safetensors directory (see streamckpt.merging)."""
+    from .merging import merge as _merge
 
     _merge(uri, out_uri, max_shard_bytes=max_shard_bytes, skip=skip, storage_options=storage_options,
            out_storage_options=out_storage_options, process_group=process_group)
