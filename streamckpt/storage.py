@@ -396,8 +396,7 @@ class Storage:
                 raise _Retryable(f"short body: {got} of {n} bytes")
         finally:
             body.close()
-        etag = str(resp.get("ETag") or "").strip('"')
-        if re.fullmatch(r"[0-9a-f]{32}", etag) and hashlib.md5(buf, usedforsecurity=False).hexdigest() != etag:
+        if not _etag_matches(resp.get("ETag"), buf):
             raise _ChecksumMismatch("whole object")
         return bytes(buf)
 
@@ -548,6 +547,9 @@ class Storage:
                 raise _Retryable(f"short body: got {got} of {r.length} bytes")
         finally:
             body.close()
+        if not r.checks and r.start == 0 and total == r.stop and not _etag_matches(resp.get("ETag"), buf):
+            # A read of a whole object without checksums of its own (a manifest, an index).
+            raise _ChecksumMismatch(f"[{r.start}, {r.stop}) (the whole object vs its ETag)")
 
     async def _read_body(self, body: Any, buf: memoryview) -> int:
         """Read a response body into ``buf`` (stall-checked per chunk); returns bytes read."""
@@ -639,6 +641,14 @@ class Storage:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
+
+
+def _etag_matches(etag: Any, data: bytes | bytearray | memoryview) -> bool:
+    """False only when the ETag is a plain MD5 (single-part upload) and the bytes differ."""
+    tag = str(etag or "").strip('"')
+    if not re.fullmatch(r"[0-9a-f]{32}", tag):
+        return True
+    return hashlib.md5(data, usedforsecurity=False).hexdigest() == tag
 
 
 def _is_local(fs: Any) -> bool:

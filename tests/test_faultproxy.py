@@ -202,3 +202,51 @@ def test_proxy_rejects_bad_configuration(local_s3: LocalS3) -> None:
         FaultProxy(local_s3.endpoint_url, faults=["meteor"])
     with pytest.raises(ValueError):
         FaultProxy("https://example.invalid", rate=0.1)
+
+
+# ------------------------------------------------------------- end to end
+
+
+def _state(seed: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(256, 512, generator=g),  # 512 KiB
+        "emb": torch.randn(1000, 64, generator=g).to(torch.bfloat16),
+        "layers": {"0": {"b": torch.arange(300, dtype=torch.int64)}},
+        "step": 7,
+    }
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_load_through_mixed_faults_is_bit_exact(
+    compression: str | None, s3_uri: str, s3_opts: dict[str, Any], proxy_factory: Any
+) -> None:
+    import torch
+
+    import streamckpt as sc
+
+    src = _state(1)
+    sc.save(src, s3_uri, storage_options=s3_opts, compression=compression)
+    proxy = proxy_factory(
+        faults={"slowdown": 1, "reset": 1, "short": 1, "flip": 1, "stall": 0.5},
+        rate=0.25, seed=12, stall_seconds=0.3,
+    )
+    # A different layout: rows [64, 192) of w as a ShardedTensor, the rest whole.
+    part = torch.zeros(128, 512)
+    dst = {
+        "w": sc.ShardedTensor(part, (256, 512), (64, 0)),
+        "emb": torch.zeros(1000, 64, dtype=torch.bfloat16),
+        "layers": {"0": {"b": torch.zeros(300, dtype=torch.int64)}},
+        "step": 0,
+    }
+    res = sc.load(dst, s3_uri, storage_options=proxy.storage_options, memory_budget=256 << 10)
+    assert torch.equal(part, src["w"][64:192])
+    assert torch.equal(dst["emb"], src["emb"])
+    assert torch.equal(dst["layers"]["0"]["b"], src["layers"]["0"]["b"])
+    assert dst["step"] == 7
+    assert res.bytes_needed == 128 * 512 * 4 + 1000 * 64 * 2 + 300 * 8
+    assert proxy.injected > 0, proxy.counts
+    full = sc.load_full(s3_uri, storage_options=proxy.storage_options)
+    assert torch.equal(full["w"], src["w"])
