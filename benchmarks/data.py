@@ -184,8 +184,8 @@ def _mark(dirpath: Path, spec: ModelSpec) -> None:
     (dirpath / ".ready").write_text(spec.key())
 
 
-def generate_local(bucket_dir: Path, spec: ModelSpec) -> dict[str, Any]:
-    """Write every dataset that one process can write; returns fingerprints."""
+def generate_local(bucket_dir: Path, spec: ModelSpec, *, dcp: bool = True) -> dict[str, Any]:
+    """Write every dataset that one process can write (``dcp_full`` only if ``dcp``); returns fingerprints."""
     import safetensors.torch
     import torch
     import zstandard
@@ -193,10 +193,11 @@ def generate_local(bucket_dir: Path, spec: ModelSpec) -> dict[str, Any]:
     fp_path = bucket_dir / "fingerprints.json"
     hf_dir = bucket_dir / "hf"
     names = hf_file_names()
-    todo = [d for d in ("hf", "naive_rows4", "naive_zst", "dcp_full") if not _ready(bucket_dir / d, spec)]
+    names_all = ("hf", "naive_rows4", "naive_zst") + (("dcp_full",) if dcp else ())
+    todo = [d for d in names_all if not _ready(bucket_dir / d, spec)]
     if not todo and fp_path.is_file():
         return json.loads(fp_path.read_text())
-    for d in ("hf", "naive_rows4", "naive_zst", "dcp_full"):
+    for d in names_all:
         (bucket_dir / d).mkdir(parents=True, exist_ok=True)
     fingerprints: dict[str, dict[str, int]] = {}
     rows4: list[dict[str, Any]] = [{} for _ in range(SAVE_WORLD)]
@@ -225,12 +226,13 @@ def generate_local(bucket_dir: Path, spec: ModelSpec) -> dict[str, Any]:
     for k in range(SAVE_WORLD):
         safetensors.torch.save_file(rows4[k], str(bucket_dir / "naive_rows4" / f"rank{k}.safetensors"))
     del rows4
-    import torch.distributed.checkpoint as dcp
+    if dcp:
+        import torch.distributed.checkpoint as tdcp
 
-    dcp.save(full, storage_writer=dcp.FileSystemWriter(str(bucket_dir / "dcp_full")))
+        tdcp.save(full, storage_writer=tdcp.FileSystemWriter(str(bucket_dir / "dcp_full")))
     del full
     fp_path.write_text(json.dumps(fingerprints))
-    for d in ("hf", "naive_rows4", "naive_zst", "dcp_full"):
+    for d in names_all:
         _mark(bucket_dir / d, spec)
     return fingerprints
 

@@ -150,7 +150,8 @@ class Harness:
         self.timing: dict[str, float] = {}
         self.planner_rows: list[dict[str, Any]] | None = None
         self.planner_note = ""
-        self.profile_text: str | None = None
+        self.profiles: dict[str, str] = {}
+        self.load_start = os.getloadavg()[0]
 
     # -------------------------------------------------------------- data
 
@@ -158,8 +159,11 @@ class Harness:
         t0 = time.perf_counter()
         self.bucket_dir.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
-        data.generate_local(self.bucket_dir, self.model)
+        quick = self.args.quick and not self.args.loaders
+        data.generate_local(self.bucket_dir, self.model, dcp=not quick)
         missing = data.saved_by_ranks_missing(self.bucket_dir, self.model)
+        if quick:  # --quick runs streamckpt, naive and the ceiling only
+            missing = [d for d in missing if d.startswith("sc_")]
         if missing:
             spec = {"world": data.SAVE_WORLD, "bucket_dir": str(self.bucket_dir), "model": data.spec_to_json(self.model),
                     "datasets": missing}
@@ -188,7 +192,8 @@ class Harness:
         env.setdefault("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS", "60000")
         return env
 
-    def _spawn(self, module: str, spec: dict[str, Any], world: int, tag: str, timeout: float) -> list[str]:
+    def _spawn(self, module: str, spec: dict[str, Any], world: int, tag: str, timeout: float,
+               wrap0: list[str] | None = None) -> list[str]:
         """Run ``world`` processes of ``benchmarks.<module>``; returns error strings."""
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, dir=self.root) as f:
             spec = dict(spec, out=f.name[:-5])
@@ -198,7 +203,10 @@ class Harness:
         procs = []
         for r in range(world):
             log = open(self.logs / f"{tag}.{r}.log", "w")
-            procs.append((subprocess.Popen([sys.executable, "-m", f"benchmarks.{module}", spec_path, str(r)],
+            cmd = [sys.executable, "-m", f"benchmarks.{module}", spec_path, str(r)]
+            if r == 0 and wrap0:
+                cmd = wrap0 + cmd
+            procs.append((subprocess.Popen(cmd,
                                            env=dict(env, RANK=str(r)), stdout=log, stderr=subprocess.STDOUT,
                                            cwd=REPO), log))
         errors = []
@@ -235,14 +243,24 @@ class Harness:
         }
         if loader == "ceiling":
             spec["ranges"] = self.ceiling_ranges(scenario)
-        if self.args.profile and loader == "streamckpt" and scenario == "a" and rep == 0:
-            spec["profile"] = str(self.root / "profile-a.txt")
+        wrap0 = None
+        prof = self.root / f"pyspy-{scenario}.txt"
+        if self.args.profile and loader == "streamckpt" and scenario in self.args.profile and rep == 0:
+            import shutil
+
+            spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+            if Path(spy).exists():
+                wrap0 = [spy, "record", "-r", "250", "-f", "raw", "--threads", "-o", str(prof), "--"]
+            else:
+                self.notes.append("--profile: py-spy not installed; no profile")
         self.server.reset()
         if loader == "ceiling" and self.args.quick:
             return self._ceiling_here(spec)
         tag = f"{scenario}-{loader}-{rep}"
         timeout = 60 if self.args.quick else max(180.0, 60 + 3 * self.size / (50 << 20))
-        errors = self._spawn("worker", spec, world, tag, timeout)
+        errors = self._spawn("worker", spec, world, tag, timeout, wrap0)
+        if wrap0 and prof.is_file():
+            self.profiles[scenario] = summarize_pyspy(prof)
         stats = self.server.stats()
         results = []
         for r in range(world):
@@ -251,8 +269,6 @@ class Harness:
                 results.append(json.loads(p.read_text()))
                 p.unlink()
         s = Sample()
-        if spec.get("profile") and Path(spec["profile"]).is_file():
-            self.profile_text = Path(spec["profile"]).read_text()
         nas = [r["na"] for r in results if "na" in r]
         errs = [r["error"] for r in results if "error" in r] + errors
         if nas:
@@ -287,7 +303,7 @@ class Harness:
         """--quick: the ceiling in this process (saves a process start; figures are not the point)."""
         from .worker import Clock, load_ceiling
 
-        clock = Clock(1, None)
+        clock = Clock(1)
         _, st = load_ceiling(spec, self.model, 0, 1, clock)
         stats = self.server.stats()
         return Sample(seconds=clock.seconds, bytes_read=int(stats["get_body_bytes"]) if stats else st["bytes_read"],
@@ -380,7 +396,8 @@ class Harness:
                     continue
                 ds = DATASET.get(loader, {}).get(scenario)
                 if ds and not self.have(ds) and loader != "ceiling":
-                    res[loader].append(Sample(na=f"dataset {ds} could not be written"))
+                    why = "not prepared by --quick" if self.args.quick else "could not be written (see Notes)"
+                    res[loader].append(Sample(na=f"dataset {ds} {why}"))
                     continue
                 s = self.measure(scenario, loader, rep)
                 res[loader].append(s)
@@ -394,28 +411,79 @@ class Harness:
                 self.curl.setdefault(scenario, []).append(c)
 
     def run_planner(self) -> None:
-        try:
-            from . import planner_scale  # provided with the planner (issue 3)
-        except ImportError:
-            planner_scale = None
-        if planner_scale is None or not hasattr(planner_scale, "bench"):
-            self.planner_note = ("n/a: `benchmarks/planner_scale.py` with `bench(ranks) -> dict` is not in this "
-                                 "checkout yet (the planner-at-scale benchmark of issue 3)")
-            return
-        ranks_list = [64, 128] if self.args.quick else [512, 1024, 4096]
+        """Each rank count in a fresh process; the lead's planner_scale.bench wins if it exists."""
+        from importlib.util import find_spec
+
+        mod = "benchmarks.planner_scale" if find_spec("benchmarks.planner_scale") else "benchmarks.planner_bench"
+        runs = [(64, 8)] if self.args.quick else [(512, 80), (1024, 80), (4096, 80)]
         rows = []
-        for ranks in ranks_list:
-            cmd = [sys.executable, "-c", f"import json,benchmarks.planner_scale as p; print(json.dumps(p.bench({ranks})))"]
-            out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=self._env(1), timeout=600)
-            if out.returncode != 0:
-                rows.append({"ranks": ranks, "error": out.stderr.strip().splitlines()[-1:] or ["failed"]})
-            else:
-                rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        for ranks, layers in runs:
+            call = f"bench({ranks})" if layers == 80 else f"bench({ranks}, layers={layers})"
+            code = f"import json, {mod} as p; print(json.dumps(p.{call}))"
+            try:
+                out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                                     env=self._env(1), timeout=60 if self.args.quick else 900)
+                if out.returncode != 0:
+                    rows.append({"ranks": ranks, "error": (out.stderr.strip().splitlines() or ["failed"])[-1][:200]})
+                else:
+                    rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            except subprocess.TimeoutExpired:
+                rows.append({"ranks": ranks, "error": "timed out"})
             print(f"  (f) {ranks} ranks: {rows[-1]}", flush=True)
         self.planner_rows = rows
+        self.planner_note = (f"`{mod}`: a 70B-like model (80 layers × 9 tensors, bf16) + a ZeRO-1 fp32 `exp_avg` "
+                             "(flat ranges), saved TP=8 × PP=8 (ZeRO over DP=8), planned onto TP=4 × PP=16 × "
+                             "DP=ranks/64; `plan CPU s` is the planner's own process CPU time (one core), the goal "
+                             "is < 2 s at 4096 ranks.")
 
 
 # ------------------------------------------------------------------ report
+
+
+def _fn(frame: str) -> str:
+    """'func (path/to/file.py:123)' -> 'func (file.py)'."""
+    name, _, where = frame.partition(" (")
+    path = where.rsplit(":", 1)[0].rstrip(")")
+    return f"{name} ({'/'.join(path.split('/')[-2:])})"
+
+
+def summarize_pyspy(path: Path, top: int = 22) -> str:
+    """Self and inclusive CPU samples per function from py-spy's raw output.
+
+    Only the load: stacks under imports (before the clock) and under ``verify``
+    (after it) are dropped.
+    """
+    selfs: dict[str, int] = {}
+    incl: dict[str, int] = {}
+    threads: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit() or "_find_and_load" in stack or "verify (" in stack:
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        thread, frames = frames[0], [_fn(f) for f in frames[1:]]
+        if not frames:
+            continue
+        total += n
+        kind = "main" if any(f.startswith("load_streamckpt") for f in frames) else "other threads"
+        threads[kind] = threads.get(kind, 0) + n
+        selfs[frames[-1]] = selfs.get(frames[-1], 0) + n
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + n
+    if not total:
+        return "no samples"
+    out = [f"{total} samples at 250 Hz ({total / 250:.1f} CPU-s); " +
+           ", ".join(f"{k}: {v * 100 // total}%" for k, v in threads.items()), "", "self %  function"]
+    for f, n in sorted(selfs.items(), key=lambda kv: -kv[1])[:top]:
+        out.append(f"{n * 100 / total:5.1f}  {f}")
+    out += ["", "incl % function (streamckpt, fsspec/s3fs/aiohttp/botocore)"]
+    keep = ("streamckpt/", "s3fs/", "fsspec/", "aiohttp/", "aiobotocore/", "botocore/", "torch/")
+    rows = [(f, n) for f, n in incl.items() if any(k in f for k in keep)]
+    for f, n in sorted(rows, key=lambda kv: -kv[1])[:top]:
+        out.append(f"{n * 100 / total:5.1f}  {f}")
+    return "\n".join(out)
 
 
 def med_range(vals: list[float], fmt: str = "{:.2f}") -> str:
@@ -539,6 +607,8 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
         "- " + ", ".join(f"{k} {val}" for k, val in v.items()),
         f"- S3 server: {h.server.kind if h.server else 'none'} on 127.0.0.1 (same machine: server and loaders share the cores)",
         f"- run took {wall:.0f} s; data preparation {h.timing.get('prepare', 0):.0f} s (cached across runs)",
+        f"- load average (1 min) at start {h.load_start:.1f}, at end {os.getloadavg()[0]:.1f} — other work on this "
+        "machine during the run skews the figures; the alternating order spreads it over all loaders",
         "",
         "## Data",
         "",
@@ -573,7 +643,7 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
         "those bytes (8 in parallel).",
         "- read ampl.: body bytes the server sent (its own counter) ÷ the unique bytes needed; requests: every request "
         "the server answered (HEAD, LIST, GET) during the load.",
-        "- peak RSS: `ru_maxrss` of each rank (max over ranks); Δ RSS: peak minus the RSS just before the load "
+        "- peak RSS: the OS's high-water mark of each rank's resident set (`VmHWM`; max over ranks); Δ RSS: peak minus the RSS just before the load "
         "(after imports and allocating the target tensors).",
         "- correct: every loaded tensor's crc32c equals the crc32c of the expected slice of the generated data.",
         "",
@@ -590,7 +660,8 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
         lines.append(f"## (f) {SCENARIOS['f']}")
         lines.append("")
         if h.planner_rows:
-            keys = sorted({k for r in h.planner_rows for k in r})
+            lines += [h.planner_note, ""]
+            keys = list(dict.fromkeys(k for r in h.planner_rows for k in r))
             lines.append("| " + " | ".join(keys) + " |")
             lines.append("|" + "---|" * len(keys))
             for r in h.planner_rows:
@@ -601,10 +672,9 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
     checks = targets_check(h, figures)
     if checks:
         lines += ["## Targets (issue 6)", ""] + checks + [""]
-    if h.profile_text:
-        lines += ["## Profile of streamckpt in (a) (pyinstrument, rank 0, first repetition)", "", "```"]
-        lines += h.profile_text.strip().splitlines()[:80]
-        lines += ["```", ""]
+    for sc, text in h.profiles.items():
+        lines += [f"## Profile of streamckpt in ({sc}) (py-spy, rank 0, first repetition, all threads, CPU samples)",
+                  "", "```", text.rstrip(), "```", ""]
     lines += ["## GPU", ""]
     gpu = Path(h.args.gpu_results) if h.args.gpu_results else None
     if gpu and gpu.is_file():
@@ -628,7 +698,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--data-dir", default=str(REPO / "bench-data"))
     ap.add_argument("--loaders", default="", help="comma-separated subset of loaders")
     ap.add_argument("--server", default="auto", choices=["auto", "localbucket", "moto"])
-    ap.add_argument("--profile", action="store_true", help="pyinstrument profile of streamckpt in (a)")
+    ap.add_argument("--profile", default="", help="scenarios whose first streamckpt run py-spy profiles, e.g. a or ab")
     ap.add_argument("--gpu-results", default="", help="text output of benchmarks/gpu.py to include")
     args = ap.parse_args(argv)
     sc = "abcdef" if args.scenario == "all" else args.scenario.replace(",", "")

@@ -5,7 +5,7 @@ such process per rank (env ``WORLD_SIZE``/``MASTER_PORT`` for gloo) and reads
 ``<out>.<rank>.json`` back. Each process: imports and sets up outside the clock;
 barrier; timed load; barrier; then verifies the loaded tensors against the
 fingerprints (crc32c per tensor view) outside the clock, and reports peak RSS
-from the OS (``ru_maxrss``).
+from the OS (``VmHWM``).
 """
 
 from __future__ import annotations
@@ -302,12 +302,10 @@ LOADERS: dict[str, Callable[..., Any]] = {
 class Clock:
     """Times the block between two barriers (all ranks start and end together)."""
 
-    def __init__(self, world: int, profile_path: str | None) -> None:
+    def __init__(self, world: int) -> None:
         self.world = world
         self.seconds = 0.0
         self.rss_before = 0
-        self._profile_path = profile_path
-        self._profiler: Any = None
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -320,21 +318,25 @@ class Clock:
 
         self._barrier()
         self.rss_before = psutil.Process().memory_info().rss
-        if self._profile_path:
-            from pyinstrument import Profiler
-
-            self._profiler = Profiler(interval=0.001)
-            self._profiler.start()
         self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         self.seconds = time.perf_counter() - self._t0
-        if self._profiler is not None:
-            self._profiler.stop()
-            Path(self._profile_path).write_text(self._profiler.output_text(unicode=False, color=False, show_all=False))
         if exc_type is None:
             self._barrier()
+
+
+def peak_rss() -> int:
+    """This process's RSS high-water mark (VmHWM), in bytes.
+
+    Not ``ru_maxrss``: Linux carries that across fork+exec, so a child started by
+    a big parent would report the parent's size.
+    """
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def verify(spec: dict[str, Any], out: dict[str, Any] | None, rank: int) -> tuple[int, int]:
@@ -360,8 +362,7 @@ def run(spec_path: str, rank: int) -> dict[str, Any]:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     model = data.spec_from_json(spec["model"])
     loader = LOADERS[spec["loader"]]
-    prof = spec.get("profile") if rank == 0 else None
-    clock = Clock(world, prof)
+    clock = Clock(world)
     result: dict[str, Any] = {"rank": rank}
     try:
         import torch
@@ -371,7 +372,7 @@ def run(spec_path: str, rank: int) -> dict[str, Any]:
         result.update(stats)
         result["seconds"] = clock.seconds
         result["rss_before"] = clock.rss_before
-        result["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result["rss_peak"] = peak_rss()
         checked, wrong = verify(spec, out, rank)
         result["checked"] = checked
         result["wrong"] = wrong
