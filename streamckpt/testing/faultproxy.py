@@ -35,6 +35,7 @@ from .s3server import options_for
 
 log = logging.getLogger(__name__)
 
+_HISTORY_LIMIT = 100_000
 FAULT_KINDS = ("slowdown", "reset", "short", "flip", "stall")
 _DEFAULT_KINDS = ("slowdown", "reset", "short", "flip")
 _HOP_BY_HOP = {
@@ -90,6 +91,7 @@ class FaultProxy:
         self._counts = dict.fromkeys(FAULT_KINDS, 0)
         self._requests = 0
         self._streak: dict[tuple[str, str, str], int] = {}
+        self._history: list[tuple[str, str, str | None]] = []
         self._stopping = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -151,6 +153,12 @@ class FaultProxy:
             return sum(self._counts.values())
 
     @property
+    def history(self) -> list[tuple[str, str, str | None]]:
+        """(method, path, fault or None) of each request, in order (the first 100 000)."""
+        with self._lock:
+            return list(self._history)
+
+    @property
     def requests(self) -> int:
         """Requests the proxy has seen (faulted or not)."""
         with self._lock:
@@ -176,6 +184,8 @@ class FaultProxy:
 
     def _record(self, key: tuple[str, str, str], applied: str | None) -> None:
         with self._lock:
+            if len(self._history) < _HISTORY_LIMIT:
+                self._history.append((key[0], key[1], applied))
             if applied is None:
                 self._streak.pop(key, None)
             else:
