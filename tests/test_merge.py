@@ -200,6 +200,7 @@ _SAVE_AND_MERGE = textwrap.dedent("""
         res = merge(src, out, storage_options=opts, out_storage_options=opts, max_shard_bytes=13000,
                     skip=[".exp_avg", ".exp_avg_sq"], memory_budget=8192)
         print("RESULT " + json.dumps({"rank": r, "written": res.written, "files": res.files}), flush=True)
+    dist.barrier()
     dist.destroy_process_group()
 """)
 
