@@ -257,9 +257,17 @@ class ScenarioResults:
 
 
 def run_scenarios(
-    rank: int, world_size: int, scenarios: Sequence[tuple[str, Callable[[int, int], Any]]]
+    rank: int, world_size: int, scenarios: Sequence[tuple[str, Callable[[int, int], Any]]], *,
+    barrier: bool = True,
 ) -> dict[str, Any]:
-    """Run each ``(name, fn)`` in order on this rank; record each value or error."""
+    """Run each ``(name, fn)`` in order on this rank; record each value or error.
+
+    With ``barrier`` every rank waits for all the others after each scenario, so a
+    scenario that only some ranks take part in (a sub-group) is over before the next
+    starts, and each scenario's wall time is its own.
+    """
+    import torch.distributed as dist
+
     out: dict[str, Any] = {}
     for name, fn in scenarios:
         t0 = time.perf_counter()
@@ -268,6 +276,8 @@ def run_scenarios(
         except Exception as e:  # noqa: BLE001 - recorded per scenario
             out[name] = {"error": error_info(e)}
         out[name]["seconds"] = time.perf_counter() - t0
+        if barrier and dist.is_initialized():
+            dist.barrier()
     return out
 
 

@@ -64,6 +64,7 @@ ZERO = {"p": ((13, 11), torch.float32), "q": ((5, 6, 7), torch.bfloat16)}
 ZSTD = {"z": ((200, 64), torch.float32), "zi": ((97, 13), torch.int32)}
 W2 = ((1001, 37), torch.float32)
 REP = ((32, 32), torch.float32)
+SUB = ((300, 40), torch.float32)
 OWN = ((20, 16), torch.float32)
 
 
@@ -72,7 +73,7 @@ def full(name: str) -> torch.Tensor:
     table: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
         **{k: (v[0], v[1]) for k, v in ROWS.items()}, SCALAR[0]: (SCALAR[1], SCALAR[2]),
         "dt": DT, "dt_uneven": DT_UNEVEN, "mesh_a": MESH_A, "mesh_b": MESH_B, **ZERO,
-        "w2": W2, "rep": REP, "own": OWN,
+        "w2": W2, "rep": REP, "own": OWN, "sub": SUB,
         **{k: v for k, v in ZSTD.items()},
     }
     shape, dtype = table[name]
@@ -199,19 +200,23 @@ def save_zstd4(ctx: Ctx, rank: int, world: int) -> dict[str, Any]:
     return result_dict(sc.save(sd, ctx.uri("zstd4"), storage_options=ctx.opts, compression="zstd"))
 
 
+G2 = (2, 3)  # global ranks of the 2-rank group: group rank != global rank on purpose
+G3 = (1, 2, 3)
+
+
 def save_w2_subgroup(ctx: Ctx, rank: int, world: int) -> dict[str, Any] | None:
-    """Ranks 0-1 save rows of an uneven 1001x37 tensor with process_group= a 2-rank group."""
-    if rank >= 2:
+    """Global ranks 2-3 save rows of an uneven 1001x37 tensor with process_group= their group."""
+    if rank not in G2:
         return None
-    sd = {"w2": sharded(full("w2"), 0, 2, rank)[0], "step": 5}
+    sd = {"w2": sharded(full("w2"), 0, 2, G2.index(rank))[0], "step": 5}
     return result_dict(sc.save(sd, ctx.uri("w2"), storage_options=ctx.opts, process_group=ctx.groups["g2"]))
 
 
 def load_w2_into_w3_subgroup(ctx: Ctx, rank: int, world: int) -> dict[str, Any] | None:
-    """Ranks 0-2 load the W=2 rows as 3 column shards (37 = 12 + 12 + 13)."""
-    if rank >= 3:
+    """Global ranks 1-3 load the W=2 rows as 3 column shards (37 = 12 + 12 + 13)."""
+    if rank not in G3:
         return None
-    t, e = sharded(full("w2"), 1, 3, rank, fill=False)
+    t, e = sharded(full("w2"), 1, 3, G3.index(rank), fill=False)
     sd = {"w2": t, "step": 0}
     res = sc.load(sd, ctx.uri("w2"), storage_options=ctx.opts, process_group=ctx.groups["g3"])
     check_equal("w2", t.local_tensor, e)
@@ -222,10 +227,27 @@ def load_w2_into_w3_subgroup(ctx: Ctx, rank: int, world: int) -> dict[str, Any] 
 
 def save_replicated_by_2(ctx: Ctx, rank: int, world: int) -> dict[str, Any] | None:
     """A plain tensor held by both ranks of a 2-rank group, plus a row-sharded one."""
-    if rank >= 2:
+    if rank not in G2:
         return None
-    sd = {"rep": full("rep").clone(), "own": sharded(full("own"), 0, 2, rank)[0]}
+    sd = {"rep": full("rep").clone(), "own": sharded(full("own"), 0, 2, G2.index(rank))[0]}
     return result_dict(sc.save(sd, ctx.uri("rep2"), storage_options=ctx.opts, process_group=ctx.groups["g2"]))
+
+
+def submesh_save_and_load(ctx: Ctx, rank: int, world: int) -> dict[str, Any]:
+    """A DTensor on the sub-mesh of ranks 2-3 (others hold nothing) is saved with the whole group,
+    then loaded replicated on the sub-mesh of ranks 0-1: ranks 2-3 need and read nothing."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    saver = DeviceMesh("cpu", torch.tensor([2, 3]))
+    loader = DeviceMesh("cpu", torch.tensor([0, 1]))
+    sd = {"sub": dtensor(full("sub"), saver, [Shard(0)])[0], "own": sharded(full("own"), 1, world, rank)[0]}
+    sc.save(sd, ctx.uri("submesh"), storage_options=ctx.opts)
+    d, e = dtensor(full("sub"), loader, [Replicate()], fill=False)
+    res = sc.load({"sub": d}, ctx.uri("submesh"), storage_options=ctx.opts, strict=False)
+    if rank in (0, 1):
+        check_equal("sub", d.to_local(), e)
+    return load_stats(res)
 
 
 W4_SCENARIOS: list[tuple[str, Callable[..., Any]]] = [
@@ -240,13 +262,14 @@ W4_SCENARIOS: list[tuple[str, Callable[..., Any]]] = [
     ("save_w2_subgroup", save_w2_subgroup),
     ("load_w2_into_w3_subgroup", load_w2_into_w3_subgroup),
     ("save_replicated_by_2", save_replicated_by_2),
+    ("submesh_save_and_load", submesh_save_and_load),
 ]
 
 
 def w4_worker(rank: int, world: int, root: str, opts: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    groups = {"g2": dist.new_group([0, 1]), "g3": dist.new_group([0, 1, 2])}  # collective: all ranks
+    groups = {"g2": dist.new_group(list(G2)), "g3": dist.new_group(list(G3))}  # collective: all ranks
     ctx = Ctx(root, opts, groups)
     return run_scenarios(rank, world, [(n, functools.partial(f, ctx)) for n, f in W4_SCENARIOS])
 
@@ -377,6 +400,18 @@ def rep2_load2(ctx: Ctx, rank: int, world: int) -> dict[str, Any]:
     return load_stats(res)
 
 
+def solo_groups_load_whole(ctx: Ctx, rank: int, world: int) -> dict[str, Any]:
+    """Each rank loads whole tensors with its own 1-rank process group (a world of 1)."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([r]) for r in range(world)]  # collective: every rank creates every group
+    sd = {name: sentinel_like(full(name)) for name in ZERO}
+    res = sc.load(sd, ctx.uri("zero4"), storage_options=ctx.opts, process_group=groups[rank])
+    for name in ZERO:
+        check_equal(name, sd[name], full(name))
+    return load_stats(res)
+
+
 W2_SCENARIOS: list[tuple[str, Callable[..., Any]]] = [
     ("rows4_to_cols2", rows4_to_cols2),
     ("dt4_to_replicate2", dt4_to_replicate2),
@@ -388,6 +423,7 @@ W2_SCENARIOS: list[tuple[str, Callable[..., Any]]] = [
     ("small_budget", small_budget),
     ("zstd4_to_cols2", zstd4_to_cols2),
     ("rep2_load2", rep2_load2),
+    ("solo_groups_load_whole", solo_groups_load_whole),
 ]
 
 
@@ -454,8 +490,11 @@ def test_load_rows4_in_another_w4_layout(w4: ScenarioResults) -> None:
     assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats)
 
 
-def test_mesh2x2_saved_and_loaded_in_swapped_layouts(w4: ScenarioResults) -> None:
+def test_mesh2x2_saved_and_loaded_in_swapped_layouts(w4: ScenarioResults, root: str, opts: dict[str, Any]) -> None:
     w4.values("save_mesh2x2")
+    info = sc.inspect(f"{root}/mesh", storage_options=opts)
+    assert info.tensors["mesh_a"].shards == 4
+    assert info.tensors["mesh_b"].shards == 2  # [Replicate(), Shard(0)]: each replica written once
     stats = w4.values("load_mesh2x2_swapped")
     assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats)
     # every element needed by some rank was read at most once from storage
@@ -470,12 +509,15 @@ def test_rows_and_dtensor_into_mesh2x2(w4: ScenarioResults) -> None:
 
 def test_w2_checkpoint_loaded_by_3_ranks_through_subgroups(w4: ScenarioResults) -> None:
     saved = w4.values("save_w2_subgroup")
-    assert saved[2] is None and saved[3] is None and all(saved[i]["bytes_written"] > 0 for i in (0, 1))
+    assert saved[0] is None and saved[1] is None and all(saved[i]["bytes_written"] > 0 for i in G2)
+    assert saved[2]["files"] == ["data/00000.safetensors", "manifest.json"]
+    assert saved[3]["files"] == ["data/00001.safetensors"]
     stats = w4.values("load_w2_into_w3_subgroup")
-    assert stats[3] is None
+    assert stats[0] is None
     need = math.prod(W2[0]) * 4
-    assert sum(s["bytes_needed"] for s in stats[:3]) == need
-    assert sum(s["bytes_read"] for s in stats[:3]) <= need * 1.05
+    assert sum(stats[r]["bytes_needed"] for r in G3) == need
+    assert need <= sum(stats[r]["bytes_read"] for r in G3) <= need * 1.05
+    assert sum(stats[r]["bytes_sent"] for r in G3) == sum(stats[r]["bytes_received"] for r in G3) > 0
 
 
 def test_replicated_tensor_saved_by_2_ranks_is_written_once(
@@ -493,8 +535,9 @@ def test_replicated_tensor_saved_by_2_ranks_is_written_once(
     rep_bytes = math.prod(REP[0]) * 4
     own_half = math.prod(OWN[0]) * 4 // 2
     # rank 1 wrote its half of "own" (plus a safetensors header), not the replica
-    assert own_half <= res[1]["bytes_written"] < own_half + 4096
-    assert res[0]["bytes_written"] >= rep_bytes + own_half
+    assert res[0] is None and res[1] is None
+    assert own_half <= res[3]["bytes_written"] < own_half + 4096  # group rank 1
+    assert res[2]["bytes_written"] >= rep_bytes + own_half
     sizes = {k: v["size"] for k, v in manifest["files"].items()}
     assert sizes["data/00001.safetensors"] < rep_bytes
     assert sorted(fs.ls(f"{root}/rep2/data", detail=False)) == sorted(
@@ -511,6 +554,8 @@ def test_rows4_loaded_as_columns_by_2(w4: ScenarioResults, w2: ScenarioResults) 
     needed = sum(math.prod(s) * torch.tensor([], dtype=d).element_size() for s, d, _a, _b in ROWS.values())
     assert sum(s["bytes_needed"] for s in stats) == needed + 2 * 8  # scalar float64 on both ranks
     assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats)
+    # read once: every stored byte of these tensors at most once over both ranks (+ the 8-byte scalar)
+    assert needed + 8 <= sum(s["bytes_read"] for s in stats) <= (needed + 8) * 1.05
 
 
 def test_dtensor_shard0_by_4_loaded_replicated_by_2_reads_one_copy(w4: ScenarioResults, w2: ScenarioResults) -> None:
@@ -637,3 +682,22 @@ def test_replicated_tensor_loaded_by_2(w4: ScenarioResults, w2: ScenarioResults)
     rep_bytes = math.prod(REP[0]) * 4
     assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats)
     assert sum(s["bytes_read"] for s in stats) <= (rep_bytes + math.prod(OWN[0]) * 4) * 1.05
+
+
+def test_dtensor_on_submeshes_ranks_outside_need_and_read_nothing(w4: ScenarioResults) -> None:
+    stats = w4.values("submesh_save_and_load")
+    nbytes = math.prod(SUB[0]) * 4
+    assert [s["bytes_needed"] for s in stats] == [nbytes, nbytes, 0, 0]
+    assert [s["bytes_read"] for s in stats[2:]] == [0, 0]
+    assert [s["bytes_received"] for s in stats[2:]] == [0, 0]
+    assert [s["bytes_sent"] for s in stats[2:]] == [0, 0]
+    assert nbytes <= stats[0]["bytes_read"] + stats[1]["bytes_read"] <= nbytes * 1.05
+
+
+def test_world_of_one_groups_load_whole_tensors(w4: ScenarioResults, w2: ScenarioResults) -> None:
+    _saved(w4, "save_zero4")
+    stats = w2.values("solo_groups_load_whole")
+    needed = math.prod(ZERO["p"][0]) * 4 + math.prod(ZERO["q"][0]) * 2
+    for s in stats:
+        assert s["bytes_needed"] == needed and s["bytes_sent"] == s["bytes_received"] == 0
+        assert needed <= s["bytes_read"] <= needed * 1.05
