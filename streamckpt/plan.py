@@ -374,6 +374,15 @@ def _needs_for_target(
     uid: int, spec: TargetSpec, view: ViewLike, manifest: Manifest,
     indexes: dict[str, _TensorIndex], options: PlanOptions, offsets: "_FrameOffsets",
 ) -> Iterable[_Need]:
+    if spec.flat_range is not None and view.map_box is not None and _is_identity(view, spec.key):
+        meta = manifest.tensors[spec.key]
+        index = indexes.get(spec.key)
+        if index is None:
+            index = indexes[spec.key] = _TensorIndex(meta.shards)
+        fast = _flat_fast_path(uid, spec, meta.dtype, index, options, offsets)
+        if fast is not None:
+            yield from fast
+            return
     for part_box, dst_base, dst_frame in _target_parts(spec):
         frame_origin = part_box.offset if dst_base is not None else spec.offset
         for seg in view.map_box(spec.key, part_box):
@@ -393,6 +402,13 @@ def _needs_for_target(
                 max_e = max(max_elems, align)
                 for piece in _pieces(sp.frame, inter, options.max_gap_bytes // isz, max_e, sp.base, align):
                     yield _need(uid, piece, sp, seg, meta.dtype, isz, frame_origin, dst_base, dst_frame, offsets)
+
+
+def _is_identity(view: ViewLike, name: str) -> bool:
+    if isinstance(view, IdentityView):
+        return True
+    check = getattr(view, "is_identity", None)
+    return bool(check(name)) if check is not None else False
 
 
 def _pieces(frame: Box, inter: Box, gap_elems: int, max_elems: int, base: int, align: int) -> Iterable[Box]:
@@ -435,7 +451,11 @@ def _need(
         dst_frame=dst_frame,
         perm=seg.perm,
     )
-    s = sp.shard
+    return _need_bytes(sp.shard, raw_start, raw_stop, copy, isz, offsets)
+
+
+def _need_bytes(s: Shard, raw_start: int, raw_stop: int, copy: Copy, isz: int, offsets: "_FrameOffsets") -> _Need:
+    """The stored byte range (widened to whole chunks/frames) that raw bytes need."""
     raw_len = s.numel * isz
     if s.chunk_size:
         lo = raw_start // s.chunk_size
@@ -449,6 +469,73 @@ def _need(
         return _Need(s.file, f_start, f_stop, s, lo, hi, raw_start, copy, -1, raw_len)
     return _Need(s.file, s.byte_offset + raw_start, s.byte_offset + raw_stop, s, 0, 0, raw_start, copy, -1,
                  raw_len)
+
+
+def _flat_fast_path(
+    uid: int, spec: TargetSpec, dtype: str, index: _TensorIndex, options: PlanOptions, offsets: "_FrameOffsets",
+) -> list[_Need] | None:
+    """A flat-range target over row bands: 1-D interval overlap, no box decomposition.
+
+    Applies when every source part meeting the target spans the target box's full
+    inner dims (row bands: ZeRO shards of row-parallel weights, whole tensors): such
+    a part is contiguous both in its shard and in the target's flattening. Returns
+    None when it does not apply.
+    """
+    box = spec.box
+    if box.ndim == 0 or spec.flat_range is None:
+        return None
+    a, b = spec.flat_range
+    if a == b:
+        return []
+    inner = math.prod(box.shape[1:])
+    if inner == 0:
+        return []
+    r0 = box.offset[0] + a // inner
+    r1 = box.offset[0] + -(-b // inner)
+    rows = Box((r0,) + box.offset[1:], (r1 - r0,) + box.shape[1:])
+    isz = dtypes.itemsize(dtype)
+    max_elems = max(1, options.max_piece_bytes // isz)
+    out: list[_Need] = []
+    seen: set[int] = set()
+    for sp in index.query(rows):
+        sh = sp.shard
+        if id(sh) in seen:
+            continue
+        seen.add(id(sh))
+        if sh.shape[1:] != box.shape[1:] or sh.offset[1:] != box.offset[1:]:
+            return None  # not a row band of the target box: use the general path
+        # a row band's flattening is the target's flattening shifted by d elements
+        d = (sh.offset[0] - box.offset[0]) * inner
+        s0, s1 = sh.flat_range if sh.flat_range is not None else (0, math.prod(sh.shape))
+        lo = max(a, s0 + d)
+        hi = min(b, s1 + d)
+        if hi <= lo:
+            continue
+        src0 = lo - d - s0  # element offset in the shard's raw bytes
+        align = sh.chunk_size // isz if sh.chunk_size and sh.chunk_size % isz == 0 else 0
+        for x, y in _aligned_cuts(src0, src0 + hi - lo, max(max_elems, align), align):
+            n = y - x
+            copy = Copy(uid, 0, n * isz, dtype, (n,), (1,), Box((0,), (n,)), lo - a + (x - src0), (n,), None)
+            out.append(_need_bytes(sh, x * isz, y * isz, copy, isz, offsets))
+    return out
+
+
+def _aligned_cuts(start: int, stop: int, step: int, align: int) -> list[tuple[int, int]]:
+    """Cut ``[start, stop)`` into pieces of at most ``step`` whose inner cuts fall on ``align``."""
+    if stop - start <= step:
+        return [(start, stop)]
+    if align > 1:
+        step = max(align, step // align * align)
+    cuts = [start]
+    pos = start
+    while stop - pos > step:
+        nxt = (pos + step) // align * align if align > 1 else pos + step
+        if nxt <= pos:
+            nxt = (pos // align + 1) * align
+        cuts.append(nxt)
+        pos = nxt
+    cuts.append(stop)
+    return list(zip(cuts, cuts[1:]))
 
 
 def _coalesce(
