@@ -371,3 +371,30 @@ def test_dtensor_dcp_loads_across_chunks_over_s3(dtensor_ckpt: tuple[Path, dict[
                   s3_uri, storage_options=s3_opts, strict=False)
     assert torch.equal(rows, full["rows"][2:4]) and torch.equal(cols, full["cols"][:, 2:5])
     assert res.bytes_needed == (2 * 4 + 3 * 3) * 4
+
+
+@pytest.mark.parametrize("bomb", [
+    b"\x80\x04N" + b"r" + (2**30).to_bytes(4, "little") + b".",      # LONG_BINPUT 2**30 -> 16 GiB memo
+    b"\x80\x02Nq\x05.",                                               # BINPUT 5 with nothing stored before
+    b"(lp99999999999\n.",                                             # protocol-0 PUT of a huge index
+    b"\x80\x02N\x94h\x07.",                                           # BINGET of an entry never stored
+])
+def test_memo_index_bombs_refused_without_allocating(bomb: bytes) -> None:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptCheckpointError, match="memo entry|malformed"):
+            dcpfmt.parse_metadata(bomb, where=".metadata")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
+def test_memo_prescan_accepts_real_pickles(tmp_path: Path) -> None:
+    _dcp_save({"w": torch.ones(3), "cfg": {"a": [1, 2]}}, tmp_path / "ck")
+    for data in ((tmp_path / "ck" / ".metadata").read_bytes(),
+                 pickle.dumps({"x": [1, 2, {"y": "z"}]} , protocol=0),
+                 pickle.dumps([[1], [2]] * 3, protocol=2)):
+        dcpfmt.check_memo(data, where="t")

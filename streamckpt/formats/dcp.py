@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import pickle
+import pickletools
 import posixpath
 import struct
 import zipfile
@@ -223,9 +224,40 @@ class _Refused(pickle.UnpicklingError):
     pass
 
 
+_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
+_GETS = {"GET", "BINGET", "LONG_BINGET"}
+
+
+def check_memo(data: bytes, *, where: str) -> None:
+    """Refuse memo indices a pickler would never write, before unpickling.
+
+    The C unpickler sizes its memo array by the largest index a PUT names, so a
+    12-byte pickle saying ``LONG_BINPUT 2**30`` would allocate 16 GiB. Picklers
+    number memo entries 0, 1, 2, ...; anything else is hostile. This pre-scan
+    walks the opcodes (no objects are built) and bounds the memo by the input.
+    """
+    filled: set[int] = set()
+    try:
+        for op, arg, _pos in pickletools.genops(data):
+            if op.name == "MEMOIZE":
+                filled.add(len(filled))
+            elif op.name in _PUTS:
+                if not isinstance(arg, int) or arg < 0 or arg > len(filled):
+                    raise CorruptCheckpointError(f"{where}: pickle stores memo entry {arg!r:.40}, out of sequence")
+                filled.add(arg)
+            elif op.name in _GETS and arg not in filled:
+                raise CorruptCheckpointError(f"{where}: pickle reads memo entry {arg!r:.40}, never stored")
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a malformed opcode stream is corrupt input
+        raise CorruptCheckpointError(f"{where}: malformed pickle ({type(e).__name__}: {e})") from None
+
+
 def safe_unpickle(data: bytes, *, allowed: dict[tuple[str, str], Any], where: str, dtypes_ok: bool = True,
                   persistent: Callable[[Any], Any] | None = None) -> Any:
-    """Unpickle with an allow-list; every failure is a ``CorruptCheckpointError``."""
+    """Unpickle with an allow-list after a memo pre-scan; every failure is a
+    ``CorruptCheckpointError``."""
+    check_memo(data, where=where)
     try:
         return RestrictedUnpickler(
             data, allowed=allowed, where=where, dtypes_ok=dtypes_ok, persistent=persistent
