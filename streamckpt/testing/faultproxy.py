@@ -10,7 +10,8 @@ server's: every request is forwarded, and a seeded fraction of the eligible ones
 ``flip``      one bit of the body flipped in transit, length unchanged;
 ``stall``     the reply held back for ``stall_seconds`` (then sent whole).
 
-``max_repeats`` bounds how many times in a row the same request (method, path,
+``methods`` and ``match(method, path)`` choose the eligible requests (object
+requests only: ``/bucket/key``). ``max_repeats`` bounds how many times in a row the same request (method, path,
 Range) is faulted, so faults stay transient and a client with enough retries is
 guaranteed to get through; set it high to model an outage (or ``rate=1.0``).
 
@@ -28,7 +29,7 @@ import socket
 import struct
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
 from .s3server import options_for
@@ -66,6 +67,7 @@ class FaultProxy:
         stall_seconds: float = 2.0,
         max_repeats: int = 2,
         methods: Iterable[str] = ("GET", "HEAD"),
+        match: Callable[[str, str], bool] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
@@ -84,6 +86,8 @@ class FaultProxy:
         self.stall_seconds = float(stall_seconds)
         self.max_repeats = int(max_repeats)
         self.methods = frozenset(m.upper() for m in methods)
+        self.match = match
+        self._stalled_now = 0
         self._host = host
         self._port = port
         self._rng = random.Random(seed)
@@ -153,6 +157,21 @@ class FaultProxy:
             return sum(self._counts.values())
 
     @property
+    def stalled_now(self) -> int:
+        """Requests being held back by a stall at this moment."""
+        with self._lock:
+            return self._stalled_now
+
+    def _stall(self) -> None:
+        with self._lock:
+            self._stalled_now += 1
+        try:
+            self._stopping.wait(self.stall_seconds)
+        finally:
+            with self._lock:
+                self._stalled_now -= 1
+
+    @property
     def history(self) -> list[tuple[str, str, str | None]]:
         """(method, path, fault or None) of each request, in order (the first 100 000)."""
         with self._lock:
@@ -168,7 +187,9 @@ class FaultProxy:
 
     def _eligible(self, method: str, path: str) -> bool:
         segments = [s for s in path.split("?", 1)[0].split("/") if s]
-        return method in self.methods and len(segments) >= 2  # /bucket/key: an object request
+        if method not in self.methods or len(segments) < 2:  # /bucket/key: an object request
+            return False
+        return self.match is None or bool(self.match(method, path))
 
     def _decide(self, method: str, path: str, rng_range: str) -> tuple[str | None, tuple[str, str, str], random.Random]:
         key = (method, path, rng_range)
@@ -253,7 +274,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(503, "Slow Down", [("Content-Type", "application/xml")], _SLOWDOWN_BODY)
             return
         if kind == "stall":
-            proxy._stopping.wait(proxy.stall_seconds)
+            proxy._stall()
+            if proxy._stopping.is_set() or self._client_gone():
+                # Nobody waits for the answer any more: a real server would not see the request.
+                proxy._record(key, kind)
+                self.close_connection = True
+                return
         headers = [(k, v) for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP]
         if body is not None:
             headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
@@ -281,6 +307,19 @@ class _Handler(BaseHTTPRequestHandler):
             data, applied = bytes(buf), kind
         proxy._record(key, applied)  # before replying: the client may have given up on a stall
         self._reply(status, reason, rheaders, data, head=method == "HEAD")
+
+    def _client_gone(self) -> bool:
+        """True when the client closed its side of the connection (EOF or reset)."""
+        try:
+            self.connection.setblocking(False)
+            try:
+                return self.connection.recv(1, socket.MSG_PEEK) == b""
+            finally:
+                self.connection.setblocking(True)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
     def _reply(
         self, status: int, reason: str, headers: list[tuple[str, str]], data: bytes, *, head: bool = False

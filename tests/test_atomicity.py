@@ -1,0 +1,154 @@
+"""Save atomicity: the manifest is the commit. A save killed mid-way (a real process,
+SIGKILL) leaves no manifest, ``latest`` keeps returning the previous checkpoint, and
+that checkpoint still loads bit-exact; committed checkpoints are never replaced
+without ``overwrite=True``; failed uploads are aborted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import streamckpt as sc
+from streamckpt.errors import CheckpointExistsError, CheckpointNotFoundError
+from streamckpt.storage import RetryPolicy, Storage
+from streamckpt.testing import FaultProxy, LocalS3
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The child saves 20 MiB (one data file: a 16 MiB part, then a 4 MiB part) and
+# prints a line once the save returns.
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import streamckpt as sc
+
+    uri, opts = sys.argv[1], json.loads(sys.argv[2])
+    g = torch.Generator().manual_seed(2)
+    sd = {"w": torch.randn(5 * 1024 * 1024, generator=g), "step": 2}
+    sc.save(sd, uri, storage_options=opts)
+    print("SAVED", flush=True)
+    """
+)
+
+
+def _state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(1000, 64, generator=g), "step": 1}
+
+
+def _spawn(uri: str, opts: dict[str, Any]) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, uri, json.dumps(opts)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+
+
+def _kill_when_stalled(child: subprocess.Popen[str], proxy: FaultProxy, timeout: float = 90.0) -> None:
+    """SIGKILL the child as soon as one of its requests is held by the proxy."""
+    deadline = time.monotonic() + timeout
+    while proxy.stalled_now == 0:
+        if child.poll() is not None:
+            out, err = child.communicate()
+            pytest.fail(f"the save finished before it could be killed (rc={child.returncode}): {out}{err[-2000:]}")
+        if time.monotonic() > deadline:
+            child.kill()
+            pytest.fail("the save never reached the stalled request")
+        time.sleep(0.02)
+    child.send_signal(signal.SIGKILL)
+    assert child.wait(timeout=30) == -signal.SIGKILL
+
+
+def _pending_uploads(s3_opts: dict[str, Any], uri: str) -> list[str]:
+    st = Storage(uri, s3_opts)
+    bucket, _, key = st.root.partition("/")
+    resp = st.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
+    return [u["Key"] for u in resp.get("Uploads", [])]
+
+
+@pytest.mark.parametrize(
+    "moment,stalled",
+    [
+        ("mid-data", lambda m, p: m == "PUT" and "partNumber=2" in p),  # one part of the data file is up
+        ("before-manifest", lambda m, p: m == "PUT" and p.split("?")[0].endswith("/manifest.json")),
+    ],
+    ids=["mid-data", "before-manifest"],
+)
+def test_save_killed_mid_way_leaves_previous_checkpoint_latest(
+    moment: str, stalled: Any, s3_uri: str, s3_opts: dict[str, Any], local_s3: LocalS3
+) -> None:
+    root = s3_uri
+    first = _state(1)
+    sc.save(first, f"{root}/step-1", storage_options=s3_opts)
+    assert sc.latest(root, storage_options=s3_opts) == f"{root}/step-1"
+
+    with FaultProxy(local_s3.endpoint_url, faults=["stall"], rate=1.0, stall_seconds=120,
+                    methods=("PUT", "POST"), match=stalled, max_repeats=10**9) as proxy:
+        child = _spawn(f"{root}/step-2", proxy.storage_options)
+        _kill_when_stalled(child, proxy)
+
+    st = Storage(f"{root}/step-2", s3_opts)
+    assert not st.exists("manifest.json")
+    if moment == "before-manifest":
+        assert st.list("data", recursive=True), "the data file was complete when the process died"
+    else:
+        assert st.list("", recursive=True) == []  # an unfinished multipart upload shows no object
+    assert sc.latest(root, storage_options=s3_opts) == f"{root}/step-1"
+    with pytest.raises(CheckpointNotFoundError):
+        sc.load({"w": torch.zeros(5 * 1024 * 1024)}, f"{root}/step-2", storage_options=s3_opts)
+    back = {"w": torch.zeros(1000, 64), "step": 0}
+    sc.load(back, f"{root}/step-1", storage_options=s3_opts)
+    assert torch.equal(back["w"], first["w"]) and back["step"] == 1
+
+
+def test_save_that_completes_in_a_child_becomes_latest(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """The control for the kill test: the same child, left alone, commits."""
+    sc.save(_state(1), f"{s3_uri}/step-1", storage_options=s3_opts)
+    child = _spawn(f"{s3_uri}/step-2", s3_opts)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err[-2000:]
+    assert "SAVED" in out
+    assert sc.latest(s3_uri, storage_options=s3_opts) == f"{s3_uri}/step-2"
+    assert _pending_uploads(s3_opts, s3_uri) == []
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_committed_checkpoint_needs_overwrite(where: str, s3_uri: str, s3_opts: dict[str, Any], tmp_uri: str) -> None:
+    uri, opts = (s3_uri, s3_opts) if where == "s3" else (tmp_uri, None)
+    first, second = _state(1), _state(2)
+    sc.save(first, uri, storage_options=opts)
+    with pytest.raises(CheckpointExistsError) as ei:
+        sc.save(second, uri, storage_options=opts)
+    assert "overwrite=True" in str(ei.value)
+    back = {"w": torch.zeros(1000, 64), "step": 0}
+    sc.load(back, uri, storage_options=opts)
+    assert torch.equal(back["w"], first["w"])  # the refused save changed nothing
+    sc.save(second, uri, storage_options=opts, overwrite=True)
+    sc.load(back, uri, storage_options=opts)
+    assert torch.equal(back["w"], second["w"])
+
+
+def test_failed_upload_is_aborted_and_leaves_nothing(s3_uri: str, s3_opts: dict[str, Any], local_s3: LocalS3) -> None:
+    """A data file whose second part cannot be uploaded: StorageError, multipart aborted."""
+    policy = RetryPolicy(max_attempts=2, client_attempts=1, base_delay=0.01, total_timeout=5)
+    with FaultProxy(local_s3.endpoint_url, faults=["slowdown"], rate=1.0, methods=("PUT",),
+                    match=lambda m, p: "partNumber=2" in p, max_repeats=10**9) as proxy:
+        st = Storage(s3_uri, proxy.storage_options, policy=policy)
+        up = st.open_write("data/00000.safetensors", block_size=5 << 20)
+        with pytest.raises(sc.StorageError) as ei:
+            up.write(b"\x01" * (11 << 20))
+        assert "data/00000.safetensors" in str(ei.value) and "part 2" in str(ei.value)
+        up.abort()  # idempotent after the automatic abort
+    assert _pending_uploads(s3_opts, s3_uri) == []
+    assert Storage(s3_uri, s3_opts).list("", recursive=True) == []
