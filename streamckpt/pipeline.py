@@ -14,6 +14,7 @@ before each exchange so that one rank's error raises on all of them.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import math
 import time
@@ -309,10 +310,14 @@ class Executor:
                 self._drain(pending)
                 raise error
             works, landed = self._post_exchange(k)
-            self._scatter_local(k)
+            with self._side_stream():
+                self._scatter_local(k)
             for w in works:
                 w.wait()
-            self._scatter_received(landed)
+            if self.stream is not None:
+                self.stream.wait_stream(torch.cuda.current_stream())  # received device buffers are ready
+            with self._side_stream():
+                self._scatter_received(landed)
             self._record(k)
             if self.progress is not None:
                 self.progress(sum(r.length for _, r in self.schedule[k].reads))
@@ -320,10 +325,16 @@ class Executor:
             torch.cuda.synchronize()
         return self.stats
 
+    def _side_stream(self) -> Any:
+        """H2D copies into CUDA targets run on a side stream (no-op on CPU)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
     def _record(self, k: int) -> None:
+        """Mark the end of round k's copies: its arena is reused only after them."""
         if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())  # also covers H2D of send payloads
             ev = torch.cuda.Event()
-            ev.record()
+            ev.record(self.stream)
             self.events[k % 2] = ev
 
     @staticmethod
