@@ -177,6 +177,22 @@ def save_shape_disagreement(ctx: Ctx, rank: int, world: int) -> None:
     sc.save({"b": torch.zeros(shape)}, ctx.uri("disagree"), storage_options=ctx.opts)
 
 
+def save_overlapping_shards(ctx: Ctx, rank: int, world: int) -> None:
+    """Rank 2's rows overlap rank 1's without being the same box: not a valid checkpoint."""
+    w = full("w")
+    lo, hi = ((0, 20), (20, 44), (40, 64))[rank]
+    sc.save({"w": sc.ShardedTensor(w[lo:hi].clone(), tuple(w.shape), (lo, 0))}, ctx.uri("overlap"),
+            storage_options=ctx.opts)
+
+
+def save_with_gap(ctx: Ctx, rank: int, world: int) -> None:
+    """Rows 60-63 are held by no rank: the checkpoint would not cover the tensor."""
+    w = full("w")
+    lo, hi = ((0, 20), (20, 40), (40, 60))[rank]
+    sc.save({"w": sc.ShardedTensor(w[lo:hi].clone(), tuple(w.shape), (lo, 0))}, ctx.uri("gap"),
+            storage_options=ctx.opts)
+
+
 def save_exists(ctx: Ctx, rank: int, world: int) -> None:
     sd = {"w": sharded(full("w"), 0, world, rank)[0]}
     sc.save(sd, ctx.uri("good"), storage_options=ctx.opts)
@@ -204,6 +220,8 @@ SCENARIOS: list[tuple[str, Callable[..., Any]]] = [
     ("data_file_deleted", data_file_deleted),
     ("save_bad_value_on_one_rank", save_bad_value_on_one_rank),
     ("save_shape_disagreement", save_shape_disagreement),
+    ("save_overlapping_shards", save_overlapping_shards),
+    ("save_with_gap", save_with_gap),
     ("save_exists", save_exists),
     ("good_load_after_failures", good_load_after_failures),
 ]
@@ -315,6 +333,17 @@ def test_save_disagreeing_shapes_raises_everywhere_and_commits_nothing(
     assert_all_raise(runs, "save_shape_disagreement", own={}, others="IncompatibleStateDictError")
     with pytest.raises(sc.CheckpointNotFoundError):
         sc.inspect(f"{root}/disagree", storage_options=opts)
+
+
+@pytest.mark.parametrize("case", ["save_overlapping_shards", "save_with_gap"])
+def test_save_with_invalid_tiling_raises_everywhere_and_commits_nothing(
+    runs: ScenarioResults, root: str, opts: dict[str, Any], case: str
+) -> None:
+    errs = assert_all_raise(runs, case, own={}, others="IncompatibleStateDictError")
+    assert all("w" in e.msg for e in errs)
+    with pytest.raises(sc.CheckpointNotFoundError):
+        sc.inspect(f"{root}/{ {'save_overlapping_shards': 'overlap', 'save_with_gap': 'gap'}[case]}",
+                   storage_options=opts)
 
 
 def test_save_over_committed_checkpoint_raises_exists_everywhere(

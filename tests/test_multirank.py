@@ -65,6 +65,14 @@ ZSTD = {"z": ((200, 64), torch.float32), "zi": ((97, 13), torch.int32)}
 W2 = ((1001, 37), torch.float32)
 REP = ((32, 32), torch.float32)
 SUB = ((300, 40), torch.float32)
+EDGE = {  # odd shapes and dtypes; saved by 4 ranks along dim 0
+    "tiny": ((3, 5), torch.float16),  # 4 ranks: one empty shard
+    "one": ((1,), torch.float64),  # three empty shards
+    "flags": ((9, 2), torch.bool),
+    "i16": ((7, 3), torch.int16),
+    "optim.state.0.exp_avg": ((6, 4), torch.float32),  # nested dict keys
+}
+EMPTY = ((0, 4), torch.float32)
 OWN = ((20, 16), torch.float32)
 
 
@@ -73,7 +81,7 @@ def full(name: str) -> torch.Tensor:
     table: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
         **{k: (v[0], v[1]) for k, v in ROWS.items()}, SCALAR[0]: (SCALAR[1], SCALAR[2]),
         "dt": DT, "dt_uneven": DT_UNEVEN, "mesh_a": MESH_A, "mesh_b": MESH_B, **ZERO,
-        "w2": W2, "rep": REP, "own": OWN, "sub": SUB,
+        "w2": W2, "rep": REP, "own": OWN, "sub": SUB, **EDGE, "empty": EMPTY,
         **{k: v for k, v in ZSTD.items()},
     }
     shape, dtype = table[name]
@@ -250,6 +258,35 @@ def submesh_save_and_load(ctx: Ctx, rank: int, world: int) -> dict[str, Any]:
     return load_stats(res)
 
 
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """Dotted keys -> nested dicts (the loader joins them back with '.')."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *path, leaf = key.split(".")
+        d = out
+        for p in path:
+            d = d.setdefault(p, {})
+        d[leaf] = value
+    return out
+
+
+def save_edge4(ctx: Ctx, rank: int, world: int) -> dict[str, Any]:
+    """Empty shards, an empty tensor, bool/f16/f64/i16, nested keys; odd ranks build their dict
+    in reverse key order (the order of keys may differ between ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    flat: dict[str, Any] = {"tiny": dtensor(full("tiny"), mesh, [Shard(0)])[0]}
+    for name in ("one", "flags", "i16", "optim.state.0.exp_avg"):
+        flat[name] = sharded(full(name), 0, world, rank)[0]
+    flat["empty"] = full("empty").clone()
+    flat["optim.param_groups"] = [{"lr": 0.5, "params": [0]}]
+    if rank % 2:
+        flat = dict(reversed(list(flat.items())))
+    return result_dict(sc.save(nest(flat), ctx.uri("edge4"), storage_options=ctx.opts))
+
+
 W4_SCENARIOS: list[tuple[str, Callable[..., Any]]] = [
     ("save_rows4", save_rows4),
     ("load_rows4_in_w4_columns", load_rows4_in_w4_columns),
@@ -263,6 +300,7 @@ W4_SCENARIOS: list[tuple[str, Callable[..., Any]]] = [
     ("load_w2_into_w3_subgroup", load_w2_into_w3_subgroup),
     ("save_replicated_by_2", save_replicated_by_2),
     ("submesh_save_and_load", submesh_save_and_load),
+    ("save_edge4", save_edge4),
 ]
 
 
@@ -412,6 +450,51 @@ def solo_groups_load_whole(ctx: Ctx, rank: int, world: int) -> dict[str, Any]:
     return load_stats(res)
 
 
+def edge4_to_cols2(ctx: Ctx, rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    tiny, etiny = dtensor(full("tiny"), mesh, [Shard(1)], fill=False)
+    flat: dict[str, Any] = {"tiny": tiny}
+    expect = {"tiny": etiny}
+    for name, dim in (("one", 0), ("flags", 1), ("i16", 1), ("optim.state.0.exp_avg", 1)):
+        flat[name], expect[name] = sharded(full(name), dim, world, rank, fill=False)
+    flat["empty"] = torch.zeros(EMPTY[0])
+    flat["optim.param_groups"] = None
+    if rank == 0:
+        flat = dict(reversed(list(flat.items())))
+    sd = nest(flat)
+    res = sc.load(sd, ctx.uri("edge4"), storage_options=ctx.opts, max_concurrency=1)
+    check_equal("tiny", tiny.to_local(), etiny)
+    for name in ("one", "flags", "i16"):
+        check_equal(name, sd[name].local_tensor, expect[name])
+    check_equal("exp_avg", sd["optim"]["state"]["0"]["exp_avg"].local_tensor, expect["optim.state.0.exp_avg"])
+    if sd["optim"]["param_groups"] != [{"lr": 0.5, "params": [0]}]:
+        raise AssertionError(f"param_groups: {sd['optim']['param_groups']!r}")
+    return load_stats(res)
+
+
+def overlapping_targets2(ctx: Ctx, rank: int, world: int) -> dict[str, Any]:
+    """Boxes that overlap without being equal (halo rows), a Parameter target, a transposed view."""
+    lo, hi = ((0, 600), (400, 1001))[rank]
+    u = full("uneven")
+    halo = sc.ShardedTensor(sentinel_like(u[lo:hi]), tuple(u.shape), (lo, 0))
+    rep = torch.nn.Parameter(torch.zeros(REP[0]))  # requires grad: filled without autograd
+    base = sentinel_like(full("w")).t().contiguous()  # 48 x 64 storage
+    w_view = base.t()  # a non-contiguous 64 x 48 view: filled through its strides
+    res = sc.load({"uneven": halo, "w": w_view}, ctx.uri("rows4"), storage_options=ctx.opts, strict=False)
+    res2 = sc.load({"rep": rep}, ctx.uri("rep2"), storage_options=ctx.opts, strict=False)
+    check_equal("uneven", halo.local_tensor, u[lo:hi])
+    check_equal("w", w_view, full("w"))
+    if w_view.data_ptr() != base.data_ptr():
+        raise AssertionError("the view was replaced instead of filled")
+    check_equal("rep", rep.detach(), full("rep"))
+    if rep.grad is not None or not rep.requires_grad:
+        raise AssertionError("the Parameter changed its autograd state")
+    return {"halo": load_stats(res), "rep": load_stats(res2)}
+
+
 W2_SCENARIOS: list[tuple[str, Callable[..., Any]]] = [
     ("rows4_to_cols2", rows4_to_cols2),
     ("dt4_to_replicate2", dt4_to_replicate2),
@@ -424,6 +507,8 @@ W2_SCENARIOS: list[tuple[str, Callable[..., Any]]] = [
     ("zstd4_to_cols2", zstd4_to_cols2),
     ("rep2_load2", rep2_load2),
     ("solo_groups_load_whole", solo_groups_load_whole),
+    ("edge4_to_cols2", edge4_to_cols2),
+    ("overlapping_targets2", overlapping_targets2),
 ]
 
 
@@ -701,3 +786,26 @@ def test_world_of_one_groups_load_whole_tensors(w4: ScenarioResults, w2: Scenari
     for s in stats:
         assert s["bytes_needed"] == needed and s["bytes_sent"] == s["bytes_received"] == 0
         assert needed <= s["bytes_read"] <= needed * 1.05
+
+
+def test_edge_shapes_dtypes_and_nested_keys(w4: ScenarioResults, w2: ScenarioResults, root: str,
+                                            opts: dict[str, Any]) -> None:
+    w4.values("save_edge4")
+    info = sc.inspect(f"{root}/edge4", storage_options=opts)
+    assert info.tensors["empty"].shape == (0, 4)
+    assert info.tensors["optim.state.0.exp_avg"].shape == (6, 4)
+    assert info.values["optim.param_groups"] == [{"lr": 0.5, "params": [0]}]
+    w2.values("edge4_to_cols2")
+    got = sc.load_full(f"{root}/edge4", storage_options=opts)
+    for name in [*EDGE, "empty"]:
+        check_equal(name, got[name], full(name))
+
+
+def test_overlapping_targets_parameters_and_views(w4: ScenarioResults, w2: ScenarioResults) -> None:
+    _saved(w4, "save_rows4")
+    _saved(w4, "save_replicated_by_2")
+    stats = w2.values("overlapping_targets2")
+    nbytes = (math.prod(ROWS["uneven"][0]) + math.prod(ROWS["w"][0])) * 4
+    reads = [s["halo"]["bytes_read"] for s in stats]
+    assert nbytes <= sum(reads) <= nbytes * 1.05, reads  # the 200 shared rows are read once
+    assert sum(s["halo"]["bytes_sent"] for s in stats) == sum(s["halo"]["bytes_received"] for s in stats) > 0
