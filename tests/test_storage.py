@@ -206,3 +206,41 @@ def test_local_file_uri_and_plain_path_share_objects(tmp_path: Any) -> None:
     via_url = Storage((tmp_path / "c").as_uri())
     assert via_url.read_bytes("manifest.json") == b"hello"
     assert os.path.exists(tmp_path / "c" / "manifest.json")
+
+
+def test_credentials_never_logged_raised_or_stored(
+    s3_uri: str, local_s3: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A DEBUG-level save, faulty load and failing calls: the secret shows up nowhere;
+    the access key id shows up in none of streamckpt's own logs or errors."""
+    import logging
+
+    import torch
+
+    import streamckpt as sc
+    from streamckpt.testing import FaultProxy
+
+    key, secret = "AKIASTREAMCKPTKEY0001", "s3cr3t/StreamckptValue+Do-Not-Print"
+    texts: list[str] = []
+    with caplog.at_level(logging.DEBUG), FaultProxy(local_s3.endpoint_url, rate=0.3, seed=2) as proxy:
+        opts = {"endpoint_url": proxy.endpoint_url, "key": key, "secret": secret}
+        sd = {"w": torch.arange(5000.0)}
+        sc.save(sd, s3_uri, storage_options=opts)
+        out = {"w": torch.zeros(5000)}
+        sc.load(out, s3_uri, storage_options=opts)
+        assert torch.equal(out["w"], sd["w"])
+        st = Storage(s3_uri, opts)
+        texts += [repr(st), str(sc.inspect(s3_uri, storage_options=opts))]
+        for call in (lambda: sc.load(out, s3_uri + "-absent", storage_options=opts),
+                     lambda: st.read_bytes("absent.bin", 0, 10),
+                     lambda: Storage(s3_uri, dict(opts, endpoint_url="http://127.0.0.1:9"),
+                                     policy=RetryPolicy(max_attempts=2, total_timeout=3)).size("x")):
+            with pytest.raises(sc.CheckpointError) as ei:
+                call()
+            texts += [str(ei.value), repr(ei.value)]
+        texts.append(st.read_bytes("manifest.json").decode())
+    assert proxy.injected > 0
+    everything = "\n".join(texts + [r.getMessage() for r in caplog.records])
+    assert secret not in everything
+    ours = "\n".join(texts + [r.getMessage() for r in caplog.records if r.name.startswith("streamckpt")])
+    assert key not in ours
