@@ -398,3 +398,16 @@ def test_memo_prescan_accepts_real_pickles(tmp_path: Path) -> None:
                  pickle.dumps({"x": [1, 2, {"y": "z"}]} , protocol=0),
                  pickle.dumps([[1], [2]] * 3, protocol=2)):
         dcpfmt.check_memo(data, where="t")
+
+
+def test_hostile_central_directory_size_is_refused(tmp_path: Path) -> None:
+    """An item whose ZIP end record claims a huge central directory is not read whole."""
+    _dcp_save({"w": torch.zeros(20 << 20, dtype=torch.uint8)}, tmp_path / "ck")  # one 20 MiB item
+    distcp = next((tmp_path / "ck").glob("*.distcp"))
+    data = bytearray(distcp.read_bytes())
+    z64 = data.rindex(b"PK\x06\x06")  # torch.save writes ZIP64 end records; zipfile trusts those
+    data[z64 + 40:z64 + 48] = (len(data) - 200).to_bytes(8, "little")  # size of the central directory
+    data[z64 + 48:z64 + 56] = (100).to_bytes(8, "little")  # its offset
+    distcp.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="read of ZIP metadata"):
+        read_dcp_manifest(Storage(str(tmp_path / "ck")))

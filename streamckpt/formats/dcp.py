@@ -564,6 +564,11 @@ class _ItemFile(io.RawIOBase):
         stop = self._item.length if n is None or n < 0 else min(self._item.length, self._pos + n)
         if stop <= self._pos:
             return b""
+        if stop - self._pos > MAX_VALUE_ITEM_BYTES:  # a hostile central directory size, say
+            raise CorruptCheckpointError(
+                f"{self._cache.storage.describe(self._item.file)}: a {stop - self._pos}-byte read of ZIP "
+                f"metadata inside the item at {self._item.offset}; refusing"
+            )
         data = self._cache.get(self._item.file, self._item.offset + self._pos, self._item.offset + stop)
         self._pos = stop
         return data
