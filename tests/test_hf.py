@@ -342,3 +342,50 @@ def test_sharded_index_loads_via_api(tmp_path: Path, s3_uri: str, s3_opts: dict[
     local = torch.empty(4, 3)
     sc.load({"layers.1.w": sc.ShardedTensor(local, (4, 6), (0, 3))}, s3_uri, storage_options=s3_opts, strict=False)
     assert torch.equal(local, tensors["layers.1.w"][:, 3:])
+
+
+_TP_LOAD = """
+import json, sys
+import torch, torch.distributed as dist
+import streamckpt as sc
+from safetensors.torch import load_file
+from streamckpt.testing import options_for
+dist.init_process_group("gloo")
+r, world = dist.get_rank(), dist.get_world_size()
+uri, endpoint, path = sys.argv[1:4]
+ref = load_file(path)
+state, expected = {}, {}
+for k, v in ref.items():
+    if v.dim() == 2 and v.shape[0] % world == 0:  # tensor parallel: this rank's rows
+        n = v.shape[0] // world
+        state[k] = sc.ShardedTensor(torch.empty(n, v.shape[1], dtype=v.dtype), v.shape, (r * n, 0))
+        expected[k] = v[r * n:(r + 1) * n]
+    else:  # replicated on every rank
+        state[k] = torch.empty_like(v)
+        expected[k] = v
+res = sc.load(state, uri, storage_options=options_for(endpoint), read_once=True)
+ok = all(torch.equal(getattr(state[k], "local_tensor", state[k]), expected[k]) for k in ref)
+print("RESULT " + json.dumps({"ok": ok, "read": res.bytes_read, "needed": res.bytes_needed,
+                              "received": res.bytes_received}), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_real_model_two_ranks_read_once(minilm_s3: tuple[str, dict[str, Any], Path], local_s3: Any) -> None:
+    """2 TP ranks over the real model: replicated tensors are read once and shared,
+    so the ranks together read each stored byte about once."""
+    from test_merge import run_ranks
+
+    uri, _, d = minilm_s3
+    outs = run_ranks(_TP_LOAD, [uri, local_s3.endpoint_url, str(d / "model.safetensors")], timeout=300)
+    res = [json.loads(line[7:]) for o in outs for line in o.splitlines() if line.startswith("RESULT ")]
+    assert len(res) == 2 and all(r["ok"] for r in res)
+    ref = load_file(str(d / "model.safetensors"))
+    total = sum(t.numel() * t.element_size() for t in ref.values())
+    replicated = sum(t.numel() * t.element_size() for t in ref.values() if not (t.dim() == 2 and t.shape[0] % 2 == 0))
+    assert replicated > 50_000
+    assert sum(r["needed"] for r in res) == total + replicated  # replicated tensors: needed by both ranks
+    assert total <= sum(r["read"] for r in res) <= total + replicated // 10  # ... but read once
+    assert all(r["received"] > 0 for r in res)
