@@ -74,6 +74,7 @@ EDGE = {  # odd shapes and dtypes; saved by 4 ranks along dim 0
 }
 EMPTY = ((0, 4), torch.float32)
 OWN = ((20, 16), torch.float32)
+BUDGET = 64 << 10
 
 
 def full(name: str) -> torch.Tensor:
@@ -287,6 +288,35 @@ def save_edge4(ctx: Ctx, rank: int, world: int) -> dict[str, Any]:
     return result_dict(sc.save(nest(flat), ctx.uri("edge4"), storage_options=ctx.opts))
 
 
+def zstd4_into_mesh_small_budget(ctx: Ctx, rank: int, world: int) -> dict[str, Any]:
+    """zstd frames, a 2x2 mesh in another layout and a 64 KiB budget: many rounds on 4 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    z, ez = dtensor(full("z"), mesh, [Shard(1), Shard(0)], fill=False)
+    zi, ezi = dtensor(full("zi"), mesh, [Shard(0), Shard(1)], fill=False)
+    res = sc.load({"z": z, "zi": zi}, ctx.uri("zstd4"), storage_options=ctx.opts, memory_budget=BUDGET)
+    check_equal("z", z.to_local(), ez)
+    check_equal("zi", zi.to_local(), ezi)
+    return load_stats(res)
+
+
+def overwrite_by_fewer_ranks(ctx: Ctx, rank: int, world: int) -> dict[str, Any] | None:
+    """4 ranks save; then 2 ranks (a sub-group) overwrite it with other data: the old data
+    files no longer listed are gone and the checkpoint reads as the new one."""
+    import torch.distributed as dist
+
+    sc.save({"w": sharded(full("w"), 0, world, rank)[0]}, ctx.uri("ow"), storage_options=ctx.opts)
+    dist.barrier()
+    if rank not in G2:
+        return None
+    new = full("w") * 2
+    res = sc.save({"w": sharded(new, 1, 2, G2.index(rank))[0]}, ctx.uri("ow"), storage_options=ctx.opts,
+                  process_group=ctx.groups["g2"], overwrite=True)
+    return result_dict(res)
+
+
 W4_SCENARIOS: list[tuple[str, Callable[..., Any]]] = [
     ("save_rows4", save_rows4),
     ("load_rows4_in_w4_columns", load_rows4_in_w4_columns),
@@ -301,6 +331,8 @@ W4_SCENARIOS: list[tuple[str, Callable[..., Any]]] = [
     ("save_replicated_by_2", save_replicated_by_2),
     ("submesh_save_and_load", submesh_save_and_load),
     ("save_edge4", save_edge4),
+    ("zstd4_into_mesh_small_budget", zstd4_into_mesh_small_budget),
+    ("overwrite_by_fewer_ranks", overwrite_by_fewer_ranks),
 ]
 
 
@@ -400,7 +432,6 @@ def read_once_false(ctx: Ctx, rank: int, world: int) -> dict[str, Any]:
     return {"dt": load_stats(res), "uneven": load_stats(res2)}
 
 
-BUDGET = 64 << 10
 
 
 def small_budget(ctx: Ctx, rank: int, world: int) -> dict[str, Any]:
@@ -809,3 +840,23 @@ def test_overlapping_targets_parameters_and_views(w4: ScenarioResults, w2: Scena
     reads = [s["halo"]["bytes_read"] for s in stats]
     assert nbytes <= sum(reads) <= nbytes * 1.05, reads  # the 200 shared rows are read once
     assert sum(s["halo"]["bytes_sent"] for s in stats) == sum(s["halo"]["bytes_received"] for s in stats) > 0
+
+
+def test_zstd_into_2x2_mesh_with_small_budget(w4: ScenarioResults) -> None:
+    _saved(w4, "save_zstd4")
+    stats = w4.values("zstd4_into_mesh_small_budget")
+    assert all(s["rounds"] >= 2 for s in stats), [s["rounds"] for s in stats]
+    assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats)
+
+
+def test_overwrite_by_fewer_ranks_removes_stale_files(w4: ScenarioResults, root: str, opts: dict[str, Any]) -> None:
+    res = w4.values("overwrite_by_fewer_ranks")
+    assert res[0] is None and res[1] is None
+    info = sc.inspect(f"{root}/ow", storage_options=opts)
+    assert sorted(k for k in info.files if k.startswith("data/")) == ["data/00000.safetensors", "data/00001.safetensors"]
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+    listed = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/ow/data", detail=False, refresh=True))
+    assert listed == ["00000.safetensors", "00001.safetensors"], listed
+    check_equal("w", sc.load_full(f"{root}/ow", storage_options=opts)["w"], full("w") * 2)
