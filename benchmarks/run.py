@@ -48,7 +48,7 @@ DATASET = {
 }
 PEER_MODULE = {
     "dcp-fsspec": "torch", "s3torchconnector": "s3torchconnector", "runai": "runai_model_streamer",
-    "naive": "safetensors",
+    "naive": "safetensors", "ceiling.obstore": "obstore",
 }
 
 
@@ -235,13 +235,13 @@ class Harness:
         return ["full"] * WORLD[scenario]
 
     def measure(self, scenario: str, loader: str, rep: int) -> Sample:
-        world = 1 if loader == "ceiling" else WORLD[scenario]
+        world = 1 if loader.startswith("ceiling") else WORLD[scenario]
         spec: dict[str, Any] = {
             "loader": loader, "scenario": scenario, "world": world, "endpoint": self.server.endpoint,
             "model": data.spec_to_json(self.model), "fingerprints": str(self.fingerprints_path),
             "views": self._views(scenario),
         }
-        if loader == "ceiling":
+        if loader.startswith("ceiling"):
             spec["ranges"] = self.ceiling_ranges(scenario)
         wrap0 = None
         prof = self.root / f"pyspy-{scenario}.txt"
@@ -294,7 +294,7 @@ class Harness:
             if s.bytes_read is None and "bytes_read" in s.sc_stats:
                 s.bytes_read = s.sc_stats["bytes_read"]
                 s.requests = s.sc_stats.get("requests")
-        elif loader == "ceiling" and s.bytes_read is None:
+        elif loader.startswith("ceiling") and s.bytes_read is None:
             s.bytes_read = int(results[0].get("bytes_read", 0))
             s.requests = int(results[0].get("requests", 0))
         return s
@@ -354,7 +354,7 @@ class Harness:
         if scenario == "e":
             ds = DATASET.get(loader, {}).get("e") or self.ceiling_dataset("e")
             return sum((self.bucket_dir / f).stat().st_size for f in self._data_files(ds)) if self.have(ds) else 0
-        if loader == "ceiling":
+        if loader.startswith("ceiling"):
             return sum(e - s for _, s, e in self.ceiling_ranges(scenario))
         return self.model.nbytes
 
@@ -381,8 +381,8 @@ class Harness:
         elif self.args.quick:
             base = ["streamckpt", "naive", "ceiling"]
         else:
-            base = ["streamckpt", "streamckpt.load_full", *PEERS, "ceiling"]
-        return [b for b in base if b == "ceiling" or scenario in DATASET.get(b, {}) or b == "runai"]
+            base = ["streamckpt", "streamckpt.load_full", *PEERS, "ceiling", "ceiling.obstore"]
+        return [b for b in base if b.startswith("ceiling") or scenario in DATASET.get(b, {}) or b == "runai"]
 
     def run_scenario(self, scenario: str) -> None:
         loaders = self.loaders_for(scenario)
@@ -395,7 +395,7 @@ class Harness:
                     res[loader].append(Sample(na=f"not installed in this venv (see benchmarks/requirements.txt)"))
                     continue
                 ds = DATASET.get(loader, {}).get(scenario)
-                if ds and not self.have(ds) and loader != "ceiling":
+                if ds and not self.have(ds) and not loader.startswith("ceiling"):
                     why = "not prepared by --quick" if self.args.quick else "could not be written (see Notes)"
                     res[loader].append(Sample(na=f"dataset {ds} {why}"))
                     continue
@@ -639,7 +639,8 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
         "- GB/s: unique stored bytes the scenario needs ÷ wall (10⁹ B/s). For (d) that is one copy of the model, "
         "for (b) a quarter, for (e) the compressed bytes the loader's own format stores.",
         "- × ceiling: GB/s ÷ the GB/s of `ceiling` (s3fs `cat_ranges` of the same needed bytes in 8 MiB ranges, "
-        "in a fresh process: the client stack's raw range-read speed). × curl: ÷ curl full GETs of the objects holding "
+        "in a fresh process: the client stack's raw range-read speed); `ceiling.obstore` reads the same ranges "
+        "through obstore (Rust) to show whether the Python client is the limit. × curl: ÷ curl full GETs of the objects holding "
         "those bytes (8 in parallel).",
         "- read ampl.: body bytes the server sent (its own counter) ÷ the unique bytes needed; requests: every request "
         "the server answered (HEAD, LIST, GET) during the load.",

@@ -18,19 +18,23 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.timeout(240)
-def test_quick_benchmark_runs_every_scenario(tmp_path: Path) -> None:
+def _run_quick(tmp_path: Path, scenarios: str) -> str:
     out = tmp_path / "BENCH.md"
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--scenario", "all",
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--scenario", scenarios,
          "--data-dir", str(tmp_path / "data"), "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=230,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = out.read_text()
-    assert "python -m benchmarks.run --quick --scenario all" in text
-    for sc in "abcde":
+    assert f"python -m benchmarks.run --quick --scenario {scenarios}" in text
+    assert "## Machine" in text and "cores" in text
+    for sc in "abcdef" if scenarios == "all" else scenarios.replace(",", ""):
+        if sc == "f":
+            section = text.split("## (f)", 1)[1].split("\n## ", 1)[0]
+            assert "| 64 |" in section and "error" not in section, section
+            continue
         section = text.split(f"## ({sc})", 1)[1].split("\n## ", 1)[0]
         rows = {line.split("|")[1].strip(): line for line in section.splitlines() if line.startswith("| ")}
         for loader in ("streamckpt", "naive", "ceiling"):
@@ -38,9 +42,20 @@ def test_quick_benchmark_runs_every_scenario(tmp_path: Path) -> None:
             assert "error" not in rows[loader] and "n/a" not in rows[loader].split("|")[2], rows[loader]
         assert rows["streamckpt"].rstrip(" |").endswith("yes"), rows["streamckpt"]
         assert rows["naive"].rstrip(" |").endswith("yes"), rows["naive"]
-    assert "## (f)" in text
-    assert "## Machine" in text and "cores" in text
     try:
         import localbucket  # noqa: F401
     except ImportError:
         assert "moto" in text.split("## Notes", 1)[1]
+    return text
+
+
+@pytest.mark.timeout(240)
+def test_quick_benchmark_single_rank_multi_rank_compressed_and_planner(tmp_path: Path) -> None:
+    """(a) one process, (c) 4 saving ranks -> 2 loading ranks on gloo, (e) zstd, (f) the planner."""
+    _run_quick(tmp_path, "a,c,e,f")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quick_benchmark_every_scenario(tmp_path: Path) -> None:
+    _run_quick(tmp_path, "all")
