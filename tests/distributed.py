@@ -101,8 +101,10 @@ def run_ranks(
     timeout: float = 120.0,
     pg_timeout: float = 60.0,
     env: Mapping[str, str] | None = None,
+    backend: str = "gloo",
 ) -> list[RankResult]:
-    """Run ``worker(rank, world_size, **kwargs)`` on ``world_size`` gloo ranks.
+    """Run ``worker(rank, world_size, **kwargs)`` on ``world_size`` ranks (gloo unless ``backend``;
+    with "nccl" rank r uses cuda:r).
 
     ``timeout`` bounds the whole run (start-up included); ``pg_timeout`` is the
     process group's collective timeout, so a hung collective fails inside it.
@@ -126,6 +128,7 @@ def run_ranks(
                 "world_size": world_size,
                 "init": f"tcp://127.0.0.1:{port}",
                 "pg_timeout": pg_timeout,
+                "backend": backend,
                 "result": str(work / f"rank{rank}.json"),
             }
             cfg_path = work / f"cfg{rank}.json"
@@ -182,8 +185,10 @@ def _child_main(cfg_path: str) -> None:
         if level:
             logging.basicConfig(level=level.upper(), format=f"rank{cfg['rank']} %(asctime)s %(name)s %(message)s")
         torch.set_num_threads(1)
+        if cfg["backend"] == "nccl":
+            torch.cuda.set_device(cfg["rank"])
         dist.init_process_group(
-            "gloo", init_method=cfg["init"], rank=cfg["rank"], world_size=cfg["world_size"],
+            cfg["backend"], init_method=cfg["init"], rank=cfg["rank"], world_size=cfg["world_size"],
             timeout=timedelta(seconds=cfg["pg_timeout"]),
         )
         try:

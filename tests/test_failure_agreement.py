@@ -395,3 +395,33 @@ def test_storage_outage_on_one_rank_raises_everywhere(root: str, opts: dict[str,
     assert errs[1] is not None and errs[1].cls == "StorageError", errs
     assert errs[0] is not None and errs[0].isa("CheckpointError") and errs[0].msg.startswith("rank 1 failed"), errs
     assert max(runs.seconds("load")) < PG_TIMEOUT, runs.seconds("load")
+
+
+# ----------------------------------------------------------------------------- the harness itself
+
+
+def hang_or_crash(rank: int, world: int, mode: str) -> int:
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        if mode == "hang":
+            time.sleep(3600)
+        os._exit(3)
+    dist.barrier()  # rank 1 never arrives: gloo must fail (peer gone) or the harness kill it
+    return 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["hang", "crash"])
+def test_harness_never_hangs(mode: str) -> None:
+    import time
+
+    t0 = time.monotonic()
+    ranks = run_ranks(2, hang_or_crash, kwargs={"mode": mode}, timeout=25, pg_timeout=10)
+    assert time.monotonic() - t0 < 60
+    assert ranks[1].error is not None and ranks[1].error.cls == "NoResult"
+    assert ("killed" in ranks[1].error.msg) == (mode == "hang")
+    assert ranks[0].error is not None  # the barrier failed or timed out; it did not return

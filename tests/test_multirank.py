@@ -860,3 +860,45 @@ def test_overwrite_by_fewer_ranks_removes_stale_files(w4: ScenarioResults, root:
     listed = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/ow/data", detail=False, refresh=True))
     assert listed == ["00000.safetensors", "00001.safetensors"], listed
     check_equal("w", sc.load_full(f"{root}/ow", storage_options=opts)["w"], full("w") * 2)
+
+
+# ----------------------------------------------------------------------------- CUDA (skipped without a GPU)
+
+
+def cuda_targets_worker(rank: int, world: int, root: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """CUDA target tensors: on gloo (pinned staging + H2D copies) and, with 2+ GPUs, on NCCL."""
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    ctx = Ctx(root, opts, {})
+
+    def load(rank: int, world: int) -> dict[str, Any]:
+        dt = torch.full(DT[0], float("nan"), device=dev)
+        u, eu = sharded(full("uneven"), 1, world, rank, fill=False)
+        u = sc.ShardedTensor(u.local_tensor.to(dev), u.global_shape, u.global_offset)
+        z, ez = sharded(full("z"), 1, world, rank, fill=False)
+        z = sc.ShardedTensor(z.local_tensor.to(dev), z.global_shape, z.global_offset)
+        r1 = sc.load({"dt": dt}, ctx.uri("dt4"), storage_options=ctx.opts, strict=False, memory_budget=BUDGET)
+        r2 = sc.load({"uneven": u}, ctx.uri("rows4"), storage_options=ctx.opts, strict=False)
+        r3 = sc.load({"z": z}, ctx.uri("zstd4"), storage_options=ctx.opts, strict=False)
+        check_equal("dt", dt.cpu(), full("dt"))
+        check_equal("uneven", u.local_tensor.cpu(), eu)
+        check_equal("z", z.local_tensor.cpu(), ez)
+        return {"dt": load_stats(r1), "uneven": load_stats(r2), "z": load_stats(r3)}
+
+    return run_scenarios(rank, world, [("load", load)])
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_count() < 1, reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_cuda_targets_multirank(w4: ScenarioResults, root: str, opts: dict[str, Any], backend: str) -> None:
+    if backend == "nccl" and _cuda_count() < 2:
+        pytest.skip("NCCL needs one GPU per rank")
+    ranks = run_ranks(2, cuda_targets_worker, kwargs={"root": root, "opts": opts}, timeout=240, backend=backend)
+    stats = ScenarioResults(ranks, ["load"]).values("load")
+    nbytes = math.prod(DT[0]) * 4
+    assert nbytes <= sum(s["dt"]["bytes_read"] for s in stats) <= nbytes * 1.05
+    assert sum(s["dt"]["bytes_sent"] for s in stats) == sum(s["dt"]["bytes_received"] for s in stats)
