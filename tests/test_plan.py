@@ -114,7 +114,7 @@ def simulate(plan, files, world, targets_by_rank, dtype):
     return dests, fetched
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.integers(1, 4), st.booleans(),
        st.sampled_from([256, 2048, 1 << 20]))
 def test_plan_writes_every_target_element_once_and_reads_once(seed, ndim, world, read_once, budget):
