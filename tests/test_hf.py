@@ -345,7 +345,7 @@ def test_sharded_index_loads_via_api(tmp_path: Path, s3_uri: str, s3_opts: dict[
 
 
 _TP_LOAD = """
-import json, sys
+import json, os, sys
 import torch, torch.distributed as dist
 import streamckpt as sc
 from safetensors.torch import load_file
@@ -369,6 +369,8 @@ print("RESULT " + json.dumps({"ok": ok, "read": res.bytes_read, "needed": res.by
                               "received": res.bytes_received}), flush=True)
 dist.barrier()
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # skip interpreter teardown (gloo threads can abort at exit)
 """
 
 
