@@ -1,19 +1,25 @@
 """A small harness for multi-rank tests: real processes, gloo on 127.0.0.1, no hangs.
 
-``run_ranks(world_size, worker, **kwargs)`` starts ``world_size`` fresh Python
-processes (``subprocess``, so every rank imports torch on its own, as in a real
-job), each joins a gloo process group on a free loopback port with a short
-collective timeout, imports ``worker`` (a top-level function given as the
-function itself or ``"module:name"``) and calls ``worker(rank, world_size,
-**kwargs)``. Each rank writes its outcome to a JSON file: the returned value
-(JSON-serializable) or the exception (class name, class hierarchy, message,
-traceback). The parent waits up to an overall deadline, kills stragglers, and
-returns one ``RankResult`` per rank; a rank that died or was killed has
-``error.cls == "NoResult"`` and its stderr tail in the message.
+``run_ranks(world_size, worker, **kwargs)`` starts ``world_size`` processes; each
+joins a gloo process group on a free loopback port with a short collective
+timeout, imports ``worker`` (a top-level function given as the function itself or
+``"module:name"``) and calls ``worker(rank, world_size, **kwargs)``. Each rank
+writes its outcome to a JSON file: the returned value (JSON-serializable) or the
+exception (class name, class hierarchy, message, traceback). The parent waits up
+to an overall deadline, kills stragglers, and returns one ``RankResult`` per rank;
+a rank that died or was killed has ``error.cls == "NoResult"`` and the tail of its
+output in the message.
+
+Processes are forked from a multiprocessing fork server that imported torch, s3fs
+and streamckpt once per test session (a fresh interpreter costs ~3 s of imports
+per rank on a small machine); ``SC_TEST_SPAWN=subprocess`` starts fresh
+interpreters instead. As with any fork server, a script (not pytest) that calls
+``run_ranks`` needs the ``if __name__ == "__main__":`` guard. ``SC_TEST_LOG=DEBUG``
+shows the library's logs in each rank's output.
 
 ``run_scenarios`` runs several named scenario functions in sequence inside one
-spawn (process start-up costs ~3 s per rank on a small machine) and keeps each
-scenario's outcome separate, so one failing case stays attributable.
+spawn and keeps each scenario's outcome separate, so one failing case stays
+attributable.
 """
 
 from __future__ import annotations
@@ -110,16 +116,11 @@ def run_ranks(
     process group's collective timeout, so a hung collective fails inside it.
     """
     port = free_port()
+    mode = os.environ.get("SC_TEST_SPAWN", "forkserver")
     with tempfile.TemporaryDirectory(prefix="sc-ranks-") as tmp:
         work = Path(tmp)
-        procs: list[subprocess.Popen[bytes]] = []
-        logs = []
-        child_env = dict(os.environ)
-        child_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-        child_env["PYTHONPATH"] = os.pathsep.join(
-            [str(TESTS_DIR), str(REPO_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
-        )
-        child_env.update(env or {})
+        child_env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        cfgs = []
         for rank in range(world_size):
             cfg = {
                 "worker": _worker_name(worker),
@@ -133,33 +134,84 @@ def run_ranks(
             }
             cfg_path = work / f"cfg{rank}.json"
             cfg_path.write_text(json.dumps(cfg))
-            log = open(work / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", "import distributed as d, sys; d._child_main(sys.argv[1])", str(cfg_path)],
-                    stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=str(REPO_DIR),
-                )
-            )
-        deadline = time.monotonic() + timeout
-        killed: set[int] = set()
-        for rank, p in enumerate(procs):
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for rank, p in enumerate(procs):
-            if p.poll() is None:
-                p.kill()
-                killed.add(rank)
-                p.wait(timeout=30)
-        for log in logs:
-            log.close()
-        return [_collect(work, rank, procs[rank].returncode, rank in killed, timeout) for rank in range(world_size)]
+            cfgs.append(str(cfg_path))
+        logs = [str(work / f"rank{rank}.log") for rank in range(world_size)]
+        if mode == "subprocess":
+            outcome = _run_subprocesses(cfgs, logs, child_env, timeout)
+        else:
+            outcome = _run_forked(cfgs, logs, child_env, timeout)
+        return [_collect(work, rank, rc, killed, timeout) for rank, (rc, killed) in enumerate(outcome)]
+
+
+_PRELOAD = ["distributed", "torch", "torch.distributed", "torch.distributed.tensor",
+            "torch.distributed.device_mesh", "s3fs", "streamckpt", "streamckpt.testing"]
+
+
+def _run_forked(cfgs: list[str], logs: list[str], env: dict[str, str], timeout: float) -> list[tuple[int | None, bool]]:
+    """Ranks forked from a server that imported torch, s3fs and streamckpt once per test
+    session: a rank starts in milliseconds instead of seconds of imports."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server first starts
+    procs = [ctx.Process(target=_forked_main, args=(c, log, env), daemon=True) for c, log in zip(cfgs, logs)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    out = []
+    for p in procs:
+        killed = p.is_alive()
+        if killed:
+            p.kill()
+            p.join(30)
+        out.append((p.exitcode, killed))
+    return out
+
+
+def _run_subprocesses(cfgs: list[str], logs: list[str], env: dict[str, str], timeout: float) -> list[tuple[int | None, bool]]:
+    """Ranks as fresh interpreters (SC_TEST_SPAWN=subprocess): slower, nothing shared."""
+    child_env = dict(os.environ)
+    child_env.update(env)
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        [str(TESTS_DIR), str(REPO_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    procs = []
+    for cfg, log in zip(cfgs, logs):
+        with open(log, "wb") as f:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", "import distributed as d, sys; d._child_main(sys.argv[1])", cfg],
+                stdout=f, stderr=subprocess.STDOUT, env=child_env, cwd=str(REPO_DIR),
+            ))
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    out = []
+    for p in procs:
+        killed = p.poll() is None
+        if killed:
+            p.kill()
+            p.wait(timeout=30)
+        out.append((p.returncode, killed))
+    return out
+
+
+def _forked_main(cfg_path: str, log_path: str, env: dict[str, str]) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.update(env)
+    _child_main(cfg_path)
 
 
 def _collect(work: Path, rank: int, rc: int | None, killed: bool, timeout: float) -> RankResult:
-    tail = (work / f"rank{rank}.log").read_bytes()[-int(os.environ.get("SC_TEST_TAIL", "6000")):].decode(errors="replace")
+    log = work / f"rank{rank}.log"
+    tail = (log.read_bytes() if log.exists() else b"")[-int(os.environ.get("SC_TEST_TAIL", "6000")):].decode(errors="replace")
     path = work / f"rank{rank}.json"
     if not path.exists():
         why = f"killed after the {timeout:.0f} s overall timeout" if killed else f"exited with code {rc}"

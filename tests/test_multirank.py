@@ -772,6 +772,16 @@ def test_small_memory_budget_many_rounds_still_exact(w4: ScenarioResults, w2: Sc
     assert total <= math.prod(DT[0]) * 4 * 1.05
 
 
+def test_small_memory_budget_staging_bounded_by_chunks(w4: ScenarioResults, w2: ScenarioResults) -> None:
+    """What holds today: a round is never smaller than one checksum chunk, so staging stays
+    within max(budget, two arenas of one chunk plus its messages)."""
+    from streamckpt.writer import DEFAULT_CHUNK_SIZE
+
+    bound = max(BUDGET, 2 * (2 * DEFAULT_CHUNK_SIZE + 4096))
+    for s in w2.values("small_budget"):
+        assert s["rows"]["staging_bytes"] <= bound and s["dt"]["staging_bytes"] <= bound, s
+
+
 @pytest.mark.xfail(strict=True, reason="lead: staging_bytes exceeds memory_budget when one checksum chunk "
                    "(here a whole 128 KiB shard) is larger than budget/2; reads never split a chunk")
 def test_small_memory_budget_staging_stays_under_budget(w4: ScenarioResults, w2: ScenarioResults) -> None:
