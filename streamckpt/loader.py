@@ -123,7 +123,7 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
     view_names = set(view.tensors)
     result = LoadResult(
         missing_keys=sorted(set(missing)),
-        unexpected_keys=sorted(k for k in view_names | set(manifest.values) if k not in mine_keys),
+        unexpected_keys=sorted(k for k in view_names | set(manifest.values) | _unloadable(manifest) if k not in mine_keys),
         bytes_read=stats.bytes_read,
         bytes_needed=sum(t.spec.nbytes for t in targets if t.spec.key not in missing),
         requests=stats.requests,
@@ -137,3 +137,9 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
     if comm.rank == 0:
         log.info("streamckpt load %s: %s", storage.describe(""), result)
     return result
+
+
+def _unloadable(manifest: mf.Manifest) -> set[str]:
+    """Entries a foreign checkpoint holds that cannot be restored (e.g. pickled DCP objects)."""
+    keys = manifest.metadata.get("unloadable_keys", ())
+    return {k for k in keys if isinstance(k, str)} if isinstance(keys, (list, tuple)) else set()
