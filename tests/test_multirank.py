@@ -684,6 +684,7 @@ def test_dtensor_shard0_by_4_loaded_replicated_by_2_reads_one_copy(w4: ScenarioR
     share = nbytes // 2
     one_request = nbytes // 4  # a stored shard is the largest single read here
     assert all(r <= share + one_request for r in reads), reads
+    assert sum(s["requests"] for s in stats) == 4  # one ranged GET per stored shard, over both ranks
     sent = [s["bytes_sent"] for s in stats]
     received = [s["bytes_received"] for s in stats]
     assert sum(sent) == sum(received)
@@ -703,7 +704,7 @@ def test_dtensor_saved_by_2_loaded_replicated_by_2(w2: ScenarioResults) -> None:
     nbytes = math.prod(DT[0]) * 4
     reads = [s["bytes_read"] for s in stats]
     assert nbytes <= sum(reads) <= nbytes * 1.05, reads
-    assert max(reads) <= nbytes // 2 + nbytes // 2, reads
+    assert max(reads) <= nbytes // 2 * 1.05, reads  # two stored shards, two readers: one each
     assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats) > 0
 
 
