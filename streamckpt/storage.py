@@ -29,6 +29,7 @@ import asyncio
 import base64
 import concurrent.futures as cf
 import hashlib
+import http.client
 import logging
 import os
 import posixpath
@@ -148,9 +149,32 @@ def _range_not_satisfiable(exc: BaseException) -> bool:
     ).lower()
 
 
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Exception types of the HTTP stacks that mean transport trouble (retryable)."""
+    found: list[type[BaseException]] = [http.client.HTTPException]
+    try:
+        from botocore.exceptions import HTTPClientError, ResponseStreamingError
+
+        found += [HTTPClientError, ResponseStreamingError]
+    except ImportError:  # pragma: no cover - s3fs not installed
+        pass
+    try:
+        import aiohttp
+
+        found += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError]
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(found)
+
+
+_TRANSPORT_ERRORS = _transport_errors()
+_FATAL_WORDS = ("credential", "accessdenied", "access denied", "forbidden", "paramvalidation", "invalidaccesskey",
+                "signaturedoesnotmatch", "nosuchbucket")
+
+
 def _transient(exc: BaseException) -> bool:
     """Errors worth retrying: network trouble, throttling, 5xx, timeouts, bad bodies."""
-    if isinstance(exc, (_Retryable, asyncio.TimeoutError, TimeoutError, ConnectionError)):
+    if isinstance(exc, (_Retryable, asyncio.TimeoutError, TimeoutError, ConnectionError, *_TRANSPORT_ERRORS)):
         return True
     if isinstance(exc, (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError)):
         return False
@@ -158,13 +182,12 @@ def _transient(exc: BaseException) -> bool:
     if status is not None:
         return status >= 500 or status in (408, 429)
     text = f"{type(exc).__name__} {exc}".lower()
+    if any(word in text for word in _FATAL_WORDS):
+        return False
     if any(word in text for word in _TRANSIENT_WORDS):
         return True
-    # Errors from the HTTP stack (aiohttp, botocore's HTTPClientError) are transport trouble.
-    mod = type(exc).__module__ or ""
-    return mod.startswith(("aiohttp", "botocore", "urllib3", "http.client")) or isinstance(exc, OSError) and (
-        exc.errno is None
-    )
+    # An OSError without an errno comes from a transport layer, not from the object.
+    return isinstance(exc, OSError) and exc.errno is None
 
 
 def _content_range_total(value: Any) -> int | None:

@@ -112,6 +112,7 @@ def test_save_killed_mid_way_leaves_previous_checkpoint_latest(
     assert torch.equal(back["w"], first["w"]) and back["step"] == 1
 
 
+@pytest.mark.slow
 def test_save_that_completes_in_a_child_becomes_latest(s3_uri: str, s3_opts: dict[str, Any]) -> None:
     """The control for the kill test: the same child, left alone, commits."""
     sc.save(_state(1), f"{s3_uri}/step-1", storage_options=s3_opts)

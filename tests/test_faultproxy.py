@@ -189,7 +189,7 @@ def test_proxy_is_seeded_and_counts(stored: tuple[str, bytes], local_s3: LocalS3
     uri, data = stored
     seen = []
     for _ in range(2):
-        with FaultProxy(local_s3.endpoint_url, rate=0.3, seed=42) as proxy:
+        with FaultProxy(local_s3.endpoint_url, faults=["reset", "short", "flip"], rate=0.3, seed=42) as proxy:
             st = Storage(uri, proxy.storage_options, max_concurrency=1)
             for r in _reads(data, 10, seed=10):
                 assert _read_all(st, [r])[0][0] == data[r.start:r.stop]

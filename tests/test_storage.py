@@ -193,7 +193,8 @@ def test_unreachable_endpoint_fails_fast_with_storage_error(s3_uri: str, s3_opts
     from streamckpt.testing.s3server import free_port
 
     opts = dict(s3_opts, endpoint_url=f"http://127.0.0.1:{free_port()}")  # nothing listens there
-    st = Storage(s3_uri, opts, policy=RetryPolicy(max_attempts=3, base_delay=0.01, total_timeout=10.0))
+    st = Storage(s3_uri, opts, policy=RetryPolicy(max_attempts=3, client_attempts=1, base_delay=0.01,
+                                                    total_timeout=10.0))
     with pytest.raises(StorageError) as ei:
         st.read_into([RangeRead("data/00000.bin", 0, 100)], [memoryview(bytearray(100))]).result(timeout=60)
     assert "data/00000.bin" in str(ei.value) and "[0, 100)" in str(ei.value)
@@ -222,7 +223,9 @@ def test_credentials_never_logged_raised_or_stored(
 
     key, secret = "AKIASTREAMCKPTKEY0001", "s3cr3t/StreamckptValue+Do-Not-Print"
     texts: list[str] = []
-    with caplog.at_level(logging.DEBUG), FaultProxy(local_s3.endpoint_url, rate=0.3, seed=2) as proxy:
+    with caplog.at_level(logging.DEBUG), FaultProxy(
+        local_s3.endpoint_url, faults=["reset", "short", "flip"], rate=0.3, seed=2
+    ) as proxy:
         opts = {"endpoint_url": proxy.endpoint_url, "key": key, "secret": secret}
         sd = {"w": torch.arange(5000.0)}
         sc.save(sd, s3_uri, storage_options=opts)
@@ -234,7 +237,8 @@ def test_credentials_never_logged_raised_or_stored(
         for call in (lambda: sc.load(out, s3_uri + "-absent", storage_options=opts),
                      lambda: st.read_bytes("absent.bin", 0, 10),
                      lambda: Storage(s3_uri, dict(opts, endpoint_url="http://127.0.0.1:9"),
-                                     policy=RetryPolicy(max_attempts=2, total_timeout=3)).size("x")):
+                                     policy=RetryPolicy(max_attempts=2, client_attempts=1,
+                                                        total_timeout=3)).size("x")):
             with pytest.raises(sc.CheckpointError) as ei:
                 call()
             texts += [str(ei.value), repr(ei.value)]

@@ -274,10 +274,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(503, "Slow Down", [("Content-Type", "application/xml")], _SLOWDOWN_BODY)
             return
         if kind == "stall":
+            proxy._record(key, kind)  # counted as it starts: the client may give up before it ends
             proxy._stall()
             if proxy._stopping.is_set() or self._client_gone():
                 # Nobody waits for the answer any more: a real server would not see the request.
-                proxy._record(key, kind)
                 self.close_connection = True
                 return
         headers = [(k, v) for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP]
@@ -292,7 +292,7 @@ class _Handler(BaseHTTPRequestHandler):
             proxy._record(key, None)
             return
         rheaders = [(k, v) for k, v in rheaders if k.lower() not in _HOP_BY_HOP | {"server", "date"}]
-        applied = kind if kind == "stall" else None
+        applied = None
         has_body = method != "HEAD" and status in (200, 206)
         if kind == "reset":
             proxy._record(key, kind)
@@ -305,7 +305,8 @@ class _Handler(BaseHTTPRequestHandler):
             buf = bytearray(data)
             buf[rng.randrange(len(buf))] ^= 1 << rng.randrange(8)
             data, applied = bytes(buf), kind
-        proxy._record(key, applied)  # before replying: the client may have given up on a stall
+        if kind != "stall":
+            proxy._record(key, applied)  # before replying: a client that gave up must not hide it
         self._reply(status, reason, rheaders, data, head=method == "HEAD")
 
     def _client_gone(self) -> bool:
