@@ -245,7 +245,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    return run_demo(size_mb=args.size_mb, quiet=args.quiet, serve=args.serve)
+    return run_demo(size_mb=args.size_mb, quiet=args.quiet, serve=args.serve, multirank=not args.single_process)
 
 
 # --------------------------------------------------------------------- demo
@@ -321,7 +321,7 @@ def _local(v: Any) -> Any:
     return getattr(v, "local_tensor", v)
 
 
-def run_demo(size_mb: float = 64.0, quiet: bool = False, serve: bool = False) -> int:
+def run_demo(size_mb: float = 64.0, quiet: bool = False, serve: bool = False, multirank: bool = True) -> int:
     """Save to an embedded S3 server, load other layouts by range reads, check every element."""
     import torch
 
@@ -352,6 +352,18 @@ def run_demo(size_mb: float = 64.0, quiet: bool = False, serve: bool = False) ->
         print()
         print(_demo_table(rows))
         print("\nevery element of every layout matched the saved tensors.")
+        if multirank:
+            from .demo import format_reports, multirank_demo
+
+            mr_uri = f"s3://{DEMO_BUCKET}/run-2/step-1000"
+            print(f"\nmulti-rank: 4 gloo processes save {mr_uri} row-wise; 2 processes load it column-wise,"
+                  f"\n3 processes as uneven row blocks (weights, a replicated norm, ZeRO-flat moments) ...")
+            reports = multirank_demo(mr_uri, opts)
+            print(format_reports(reports))
+            if not all(r.ok for r in reports):
+                print("a rank failed or loaded wrong values", file=sys.stderr)
+                return 1
+            print("every rank's every element matched.")
         if serve:
             _serve(s3, uri)
     return 0
@@ -428,6 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--size-mb", type=float, default=64.0, help="approximate checkpoint size in MiB (default 64)")
     s.add_argument("--serve", action="store_true",
                    help="keep the embedded S3 server running afterwards (Ctrl-C stops it)")
+    s.add_argument("--single-process", action="store_true",
+                   help="skip the multi-rank part (4 gloo processes save, 2 and 3 load other layouts)")
     s.set_defaults(func=cmd_demo)
     return p
 

@@ -183,6 +183,12 @@ def test_demo() -> None:
     full = next(v for k, v in rows.items() if k.startswith("full replica"))
     needed, read = re.findall(r"([\d.]+ [KMG]iB)", full)[:2]
     assert needed == read  # a full load reads each byte once
+    # the multi-rank part: 4 gloo ranks save, 2 and 3 ranks load other layouts, read once in total
+    assert "every rank's every element matched." in r.stdout
+    for phase in ("cols", "rows"):
+        line = next(x for x in r.stdout.splitlines() if x.startswith(f"{phase}: all ranks read"))
+        read_mib, needed_mib = map(float, re.findall(r"([\d.]+) MiB", line)[:2])
+        assert read_mib <= needed_mib  # each stored byte fetched by exactly one rank
 
 
 @pytest.mark.slow
@@ -190,7 +196,7 @@ def test_demo_serve_then_commands_against_it(tmp_path: Path) -> None:
     """``demo --serve`` checks every element, prints the table, then keeps its S3
     server up; inspect/verify/merge run against that embedded server."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.Popen([_script(), "demo", "--size-mb", "4", "--quiet", "--serve"], env=env,
+    p = subprocess.Popen([_script(), "demo", "--size-mb", "4", "--quiet", "--serve", "--single-process"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines: list[str] = []
