@@ -295,8 +295,6 @@ def _validate_tensor(m: Manifest, key: str, t: TensorMeta, where: str) -> None:
         if numel * itemsize > MAX_TENSOR_BYTES:
             raise CorruptCheckpointError(f"{where}: {path}.shape {list(t.shape)} is absurdly large")
     whole_box = Box((0,) * len(t.shape), t.shape)
-    covered = 0
-    pieces: list[Box] = []
     for i, s in enumerate(t.shards):
         sp = f"{path}.shards[{i}]"
         if len(s.offset) != len(t.shape) or len(s.shape) != len(t.shape):
@@ -306,24 +304,33 @@ def _validate_tensor(m: Manifest, key: str, t: TensorMeta, where: str) -> None:
                 f"{where}: {sp} box offset={list(s.offset)} shape={list(s.shape)} lies outside "
                 f"tensor shape {list(t.shape)}"
             )
-        box_numel = math.prod(s.shape)
         if s.flat_range is not None:
             a, b = s.flat_range
+            box_numel = math.prod(s.shape)
             if not a <= b <= box_numel:
                 raise CorruptCheckpointError(f"{where}: {sp}.flat_range [{a}, {b}) outside its box of {box_numel} elements")
-            shard_boxes = [bx for _, bx in flat_range_boxes(s.box, a, b)]
-        else:
-            shard_boxes = [] if s.box.is_empty() else [s.box]
-        raw = s.numel * itemsize
-        _validate_bytes(m, s, raw, sp, where)
-        covered += s.numel
-        pieces.extend(shard_boxes)
+        _validate_bytes(m, s, s.numel * itemsize, sp, where)
+    check_tiling(t.shape, [(s.box, s.flat_range) for s in t.shards], f"{where}: {path}")
+
+
+def check_tiling(shape: tuple[int, ...], regions: list[tuple[Box, tuple[int, int] | None]], what: str) -> None:
+    """Regions (boxes, maybe flat ranges of them) must cover a tensor exactly once."""
+    numel = math.prod(shape)
+    covered = 0
+    pieces: list[Box] = []
+    for box, flat in regions:
+        if flat is not None:
+            covered += flat[1] - flat[0]
+            pieces.extend(bx for _, bx in flat_range_boxes(box, *flat))
+        elif not box.is_empty():
+            covered += box.numel
+            pieces.append(box)
     if covered != numel:
         raise CorruptCheckpointError(
-            f"{where}: {path} shards cover {covered} elements, tensor has {numel} "
+            f"{what} shards cover {covered} elements, tensor has {numel} "
             f"({'holes' if covered < numel else 'overlaps'})"
         )
-    _check_no_overlap(pieces, path, where)
+    _check_no_overlap(pieces, what)
 
 
 def _validate_bytes(m: Manifest, s: Shard, raw: int, sp: str, where: str) -> None:
@@ -365,11 +372,11 @@ def _validate_bytes(m: Manifest, s: Shard, raw: int, sp: str, where: str) -> Non
         raise CorruptCheckpointError(f"{where}: {sp}.frame_lengths given for codec 'raw'")
 
 
-def _check_no_overlap(boxes: list[Box], path: str, where: str) -> None:
+def _check_no_overlap(boxes: list[Box], what: str) -> None:
     """Sweep along dim 0: only boxes whose dim-0 intervals meet are compared."""
     if len(boxes) < 2 or not boxes[0].ndim:
         if len(boxes) >= 2:
-            raise CorruptCheckpointError(f"{where}: {path} has overlapping shards")
+            raise CorruptCheckpointError(f"{what} has overlapping shards")
         return
     order = sorted(boxes, key=lambda b: b.offset[0])
     active: list[Box] = []
@@ -378,6 +385,6 @@ def _check_no_overlap(boxes: list[Box], path: str, where: str) -> None:
         for a in active:
             if intersect(a, b) is not None:
                 raise CorruptCheckpointError(
-                    f"{where}: {path} shards overlap at offset {list(intersect(a, b).offset)}"  # type: ignore[union-attr]
+                    f"{what} shards overlap at offset {list(intersect(a, b).offset)}"  # type: ignore[union-attr]
                 )
         active.append(b)

@@ -17,7 +17,6 @@ import concurrent.futures as cf
 import contextlib
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -26,8 +25,8 @@ import zstandard
 
 from . import dtypes
 from .comm import P2P, GroupComm, SoloComm
-from .errors import CorruptCheckpointError
-from .plan import ALIGN, Copy, LoadPlan, Read, message_layout, messages_of, read_cost
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .plan import ALIGN, Copy, LoadPlan, Read, message_layout, messages_of
 from .storage import RangeRead, Storage
 
 log = logging.getLogger(__name__)
@@ -169,6 +168,12 @@ class Executor:
         self.cuda = any(t.device.type == "cuda" for t in destinations.tensors.values()) or comm.device.type == "cuda"
         sizes = [max((lay.size for lay in self.layouts[slot::2]), default=0) for slot in range(2)]
         self.stats.staging_bytes = sum(sizes)
+        if self.stats.staging_bytes > plan.options.memory_budget:
+            log.warning(
+                "rank %d stages %d bytes, above memory_budget=%d: a checksum chunk (or zstd frame) is staged "
+                "whole, so the budget must hold about 4 chunks (the default chunk is 256 KiB)",
+                self.rank, self.stats.staging_bytes, plan.options.memory_budget,
+            )
         pin = self.cuda and torch.cuda.is_available()
         self.arenas = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in sizes]
         self.views = [memoryview(a.numpy()) if a.numel() else memoryview(b"") for a in self.arenas]
@@ -296,7 +301,7 @@ class Executor:
                     if k + 1 < n:
                         pending = self._submit(k + 1)  # overlaps with everything below
                     if current is not None:
-                        self.stats.requests += current.result()
+                        self.stats.requests += _result(current)
                     self._decode(k)
                 except Exception as e:  # noqa: BLE001
                     error = e
@@ -349,3 +354,11 @@ class Executor:
 
 def _tag(read_index: int) -> int:
     return read_index % (1 << 30)
+
+
+def _result(fut: cf.Future) -> int:
+    """A round's reads; a data object the manifest lists but storage lacks is corruption."""
+    try:
+        return int(fut.result())
+    except CheckpointNotFoundError as e:
+        raise CorruptCheckpointError(f"{e}, but the checkpoint's manifest lists it (deleted or never uploaded)") from None

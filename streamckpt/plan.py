@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from . import dtypes
-from .errors import CheckpointError, IncompatibleStateDictError, TransformError
+from .errors import IncompatibleStateDictError, TransformError
 from .manifest import Manifest, Shard
 from .regions import (
     Box,
@@ -298,7 +298,7 @@ def build_plan(
             for r in t.needers:
                 missing[r].append(t.spec.key)
             continue
-        _check_target(t.spec, vt, getattr(view, "transformed", True))
+        _check_target(t.spec, vt, getattr(view, "transformed", True), t.needers)
         live.append(uid)
     for r in range(world):
         rank_targets[r] = [
@@ -346,17 +346,18 @@ def _dedupe(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> tuple[list[Targe
     return targets, rank_targets
 
 
-def _check_target(spec: TargetSpec, vt: Any, transformed: bool) -> None:
+def _check_target(spec: TargetSpec, vt: Any, transformed: bool, needers: Sequence[int] = ()) -> None:
     err = TransformError if transformed else IncompatibleStateDictError
+    who = f" (rank {', '.join(map(str, needers[:8]))}{', ...' if len(needers) > 8 else ''})" if len(needers) else ""
     if tuple(vt.shape) != tuple(spec.global_shape):
         raise err(
             f"{spec.key}: checkpoint{' (after transforms)' if transformed else ''} has shape "
-            f"{list(vt.shape)}, the state_dict expects global shape {list(spec.global_shape)}"
+            f"{list(vt.shape)}, the state_dict{who} expects global shape {list(spec.global_shape)}"
         )
     if vt.dtype != spec.dtype:
         raise err(
             f"{spec.key}: checkpoint{' (after transforms)' if transformed else ''} has dtype {vt.dtype}, "
-            f"the state_dict has {spec.dtype}; add a 'cast' transform to convert on load"
+            f"the state_dict{who} has {spec.dtype}; add a 'cast' transform to convert on load"
         )
 
 

@@ -47,6 +47,22 @@ def _owners(all_specs: list[list[TargetSpec]]) -> dict[TargetSpec, int]:
     return owner
 
 
+def _check_layout(owner: dict[TargetSpec, int]) -> None:
+    """The distinct regions of every tensor must tile it exactly once."""
+    by_key: dict[str, list[TargetSpec]] = {}
+    for spec in owner:
+        by_key.setdefault(spec.key, []).append(spec)
+    for key, specs in by_key.items():
+        try:
+            mf.check_tiling(specs[0].global_shape, [(sp.box, sp.flat_range) for sp in specs], f"tensor {key!r}:")
+        except CorruptCheckpointError as e:
+            holders = sorted({owner[sp] for sp in specs})
+            raise IncompatibleStateDictError(
+                f"the ranks' shards do not form a valid checkpoint: {e} (held by ranks {holders[:16]}); every "
+                f"element of every tensor must be held by some rank, and distinct shards may not overlap"
+            ) from None
+
+
 def _gather_json(comm: SoloComm | GroupComm, doc: Any, own: BaseException | None) -> list[Any]:
     if isinstance(comm, SoloComm):
         if own is not None:
@@ -105,6 +121,7 @@ def run_save(
     files: dict[str, int] = {}
     try:
         owner = _owners(all_specs)
+        _check_layout(owner)  # before any upload: a bad layout leaves no orphaned data files
         mine = [ShardToWrite(t.spec, t.tensor) for t in local if owner[t.spec] == comm.rank]
         if mine:
             name = _data_name(comm.rank, compression)
