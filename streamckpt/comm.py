@@ -73,12 +73,26 @@ class SoloComm:
             raise RuntimeError("internal: point-to-point traffic in a single-process load")
         return []
 
+    def wait(self, works: Sequence[Any]) -> None:
+        return None
+
     def barrier(self) -> None:
         return None
 
 
+def _backend_failure(what: str, exc: BaseException) -> PeerError:
+    return PeerError(
+        f"{what} failed: a peer rank died, was killed or timed out ({type(exc).__name__}: "
+        f"{str(exc).splitlines()[0][:300] if str(exc) else ''}); this rank stops too"
+    )
+
+
 class GroupComm:
-    """A torch.distributed process group (gloo on CPU, NCCL on GPU)."""
+    """A torch.distributed process group (gloo on CPU, NCCL on GPU).
+
+    Backend errors (a peer's socket closed, a collective timing out) become
+    ``PeerError`` so that every surviving rank raises a ``CheckpointError``.
+    """
 
     def __init__(self, group: Any | None) -> None:
         import torch.distributed as dist
@@ -102,6 +116,12 @@ class GroupComm:
         return torch.tensor(list(values), dtype=torch.int64, device=self.device)
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        try:
+            return self._all_gather_bytes(data)
+        except RuntimeError as e:
+            raise _backend_failure("gathering metadata from all ranks", e) from None
+
+    def _all_gather_bytes(self, data: bytes) -> list[bytes]:
         sizes = [self._int_tensor([0]) for _ in range(self.world_size)]
         self.dist.all_gather(sizes, self._int_tensor([len(data)]), group=self.group)
         lens = [int(s.item()) for s in sizes]
@@ -115,6 +135,12 @@ class GroupComm:
         return [bytes(o[:n].cpu().numpy().tobytes()) for o, n in zip(out, lens)]
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        try:
+            return self._broadcast_bytes(data, src)
+        except RuntimeError as e:
+            raise _backend_failure(f"receiving metadata from rank {src}", e) from None
+
+    def _broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         n = self._int_tensor([len(data) if data is not None and self.rank == src else 0])
         self.dist.broadcast(n, self._global(src), group=self.group)
         size = int(n.item())
@@ -129,7 +155,12 @@ class GroupComm:
     def agree(self, exc: BaseException | None) -> None:
         """All ranks learn whether any failed; if so every rank raises."""
         flag = self._int_tensor([1 if exc is not None else 0])
-        self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group)
+        try:
+            self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as e:
+            if exc is not None:
+                raise exc from None
+            raise _backend_failure("agreeing on success with all ranks", e) from None
         if int(flag.item()) == 0:
             return
         blob = json.dumps(encode_error(exc, self.rank)).encode()
@@ -141,10 +172,23 @@ class GroupComm:
         ops += [self.dist.P2POp(self.dist.irecv, r.tensor, self._global(r.peer), self.group, r.tag) for r in recvs]
         if not ops:
             return []
-        return self.dist.batch_isend_irecv(ops)
+        try:
+            return self.dist.batch_isend_irecv(ops)
+        except RuntimeError as e:
+            raise _backend_failure("exchanging data with peer ranks", e) from None
+
+    def wait(self, works: Sequence[Any]) -> None:
+        try:
+            for w in works:
+                w.wait()
+        except RuntimeError as e:
+            raise _backend_failure("exchanging data with peer ranks", e) from None
 
     def barrier(self) -> None:
-        self.dist.barrier(group=self.group)
+        try:
+            self.dist.barrier(group=self.group)
+        except RuntimeError as e:
+            raise _backend_failure("waiting for all ranks", e) from None
 
 
 def make_comm(process_group: Any | None) -> SoloComm | GroupComm:

@@ -317,8 +317,7 @@ class Executor:
             works, landed = self._post_exchange(k)
             with self._side_stream():
                 self._scatter_local(k)
-            for w in works:
-                w.wait()
+            self.comm.wait(works)
             if self.stream is not None:
                 self.stream.wait_stream(torch.cuda.current_stream())  # received device buffers are ready
             with self._side_stream():
