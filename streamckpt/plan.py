@@ -110,7 +110,7 @@ class Target:
     needers: list[int]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class Copy:
     """One strided copy from a staged byte span into one target.
 
@@ -251,13 +251,16 @@ class _TensorIndex:
         self.max_extent = max((p.box.shape[0] if p.box.ndim else 1 for p in parts), default=0)
 
     def query(self, box: Box) -> Iterable[_SourcePart]:
-        if self.scalar or box.ndim == 0:
+        if self.scalar or not box[1]:
             yield from self.parts
             return
-        lo = bisect.bisect_left(self.starts, box.offset[0] - self.max_extent + 1)
-        hi = bisect.bisect_left(self.starts, box.offset[0] + box.shape[0])
+        q0 = box[0][0]
+        q1 = q0 + box[1][0]
+        lo = bisect.bisect_left(self.starts, q0 - self.max_extent + 1)
+        hi = bisect.bisect_left(self.starts, q1)
         for p in self.parts[lo:hi]:
-            if intersect(p.box, box) is not None:
+            pb = p.box
+            if pb[0][0] + pb[1][0] > q0 and intersect(pb, box) is not None:
                 yield p
 
 
@@ -319,7 +322,7 @@ def build_plan(
             else:
                 for o in owners:
                     needs.append(_Need(need.file, need.fetch_start, need.fetch_stop, need.shard,
-                                       need.chunk_lo, need.chunk_hi, need.raw_start, need.copy, o,
+                                       need.chunk_lo, need.chunk_hi, need.raw_start, _fresh(need.copy), o,
                                        need.raw_total))
     targets_needers = [tuple(t.needers) for t in targets]
     reads = _coalesce(needs, options, offsets, targets_needers)
@@ -442,7 +445,7 @@ def _need(
     tbox = _map_to_target(seg, piece)
     copy = Copy(
         target=uid,
-        offset=0,
+        offset=-1,
         length=raw_stop - raw_start,
         src_dtype=src_dtype,
         src_shape=piece.shape,
@@ -516,7 +519,7 @@ def _flat_fast_path(
         align = sh.chunk_size // isz if sh.chunk_size and sh.chunk_size % isz == 0 else 0
         for x, y in _aligned_cuts(src0, src0 + hi - lo, max(max_elems, align), align):
             n = y - x
-            copy = Copy(uid, 0, n * isz, dtype, (n,), (1,), Box((0,), (n,)), lo - a + (x - src0), (n,), None)
+            copy = Copy(uid, -1, n * isz, dtype, (n,), (1,), Box((0,), (n,)), lo - a + (x - src0), (n,), None)
             out.append(_need_bytes(sh, x * isz, y * isz, copy, isz, offsets))
     return out
 
@@ -617,7 +620,13 @@ class _FrameOffsets:
 
 
 def _with_offset(c: Copy, offset: int) -> Copy:
-    return Copy(c.target, offset, c.length, c.src_dtype, c.src_shape, c.src_strides, c.dst_box,
+    """Place a copy in its read (each copy belongs to exactly one read)."""
+    c.offset = offset
+    return c
+
+
+def _fresh(c: Copy) -> Copy:
+    return Copy(c.target, -1, c.length, c.src_dtype, c.src_shape, c.src_strides, c.dst_box,
                 c.dst_base, c.dst_frame, c.perm)
 
 

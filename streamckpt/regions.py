@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 Shape = tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Box:
-    """An axis-aligned N-d region: ``offset[d] <= i[d] < offset[d] + shape[d]``."""
+class Box(NamedTuple):
+    """An axis-aligned N-d region: ``offset[d] <= i[d] < offset[d] + shape[d]``.
+
+    A named tuple: immutable, hashable and cheap to create (the planner makes millions).
+    """
 
     offset: Shape
     shape: Shape
@@ -66,9 +68,11 @@ def intersect(a: Box, b: Box) -> Box | None:
     """The overlap of two boxes of the same tensor, or None if they do not meet."""
     offset = []
     shape = []
-    for ao, as_, bo, bs in zip(a.offset, a.shape, b.offset, b.shape):
-        lo = max(ao, bo)
-        hi = min(ao + as_, bo + bs)
+    for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1]):
+        lo = ao if ao > bo else bo
+        ae = ao + as_
+        be = bo + bs
+        hi = ae if ae < be else be
         if hi <= lo:
             return None
         offset.append(lo)
