@@ -18,6 +18,7 @@ import sys
 from typing import Any, Sequence
 
 from .errors import CheckpointError
+from .results import human_bytes as human
 from .verify import verify_checkpoint
 
 log = logging.getLogger("streamckpt.cli")
@@ -67,14 +68,6 @@ def parse_size(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
     return value
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 # ----------------------------------------------------------------- commands
