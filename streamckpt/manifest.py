@@ -373,18 +373,21 @@ def _validate_bytes(m: Manifest, s: Shard, raw: int, sp: str, where: str) -> Non
 
 
 def _check_no_overlap(boxes: list[Box], what: str) -> None:
-    """Sweep along dim 0: only boxes whose dim-0 intervals meet are compared."""
+    """Sweep along the dim where shards start at the most distinct offsets (rows for
+    row shards, columns for column shards): only boxes whose intervals there meet
+    are compared, so a tiling costs about O(n log n)."""
     if len(boxes) < 2 or not boxes[0].ndim:
         if len(boxes) >= 2:
             raise CorruptCheckpointError(f"{what} has overlapping shards")
         return
-    order = sorted(boxes, key=lambda b: b.offset[0])
+    d = max(range(boxes[0].ndim), key=lambda k: len({b.offset[k] for b in boxes}))
+    order = sorted(boxes, key=lambda b: b.offset[d])
     active: list[Box] = []
     for b in order:
-        active = [a for a in active if a.offset[0] + a.shape[0] > b.offset[0]]
+        start = b.offset[d]
+        active = [a for a in active if a.offset[d] + a.shape[d] > start]
         for a in active:
-            if intersect(a, b) is not None:
-                raise CorruptCheckpointError(
-                    f"{what} shards overlap at offset {list(intersect(a, b).offset)}"  # type: ignore[union-attr]
-                )
+            hit = intersect(a, b)
+            if hit is not None:
+                raise CorruptCheckpointError(f"{what} shards overlap at offset {list(hit.offset)}")
         active.append(b)
