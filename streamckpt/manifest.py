@@ -21,7 +21,7 @@ from .regions import Box, flat_range_boxes, intersect
 FORMAT_NAME = "streamckpt"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-MAX_MANIFEST_BYTES = 512 << 20
+MAX_MANIFEST_BYTES = 256 << 20  # ~20M chunk checksums: a multi-TB checkpoint
 MAX_TENSOR_BYTES = 1 << 50  # 1 PiB: anything larger is a hostile shape
 MAX_NDIM = 64
 CODECS = ("raw", "zstd")
@@ -161,7 +161,7 @@ def from_json(data: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
     if fmt != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: field 'format' is {fmt!r}, expected {FORMAT_NAME!r}")
     version = obj.get("version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version != FORMAT_VERSION:
         raise UnsupportedVersionError(
             f"{where}: format version {version!r} is not supported (this streamckpt reads "
             f"version {FORMAT_VERSION}); upgrade streamckpt to read it"
