@@ -109,7 +109,8 @@ def load_full(
         out = {
             k: torch.empty(shapes[k][0], dtype=dtypes.to_torch(shapes[k][1]), device=device) for k in wanted
         }
-        req = LoadRequest(out, strict=True, options=PlanOptions(memory_budget=memory_budget), transforms=tf)
+        req = LoadRequest(out, strict=True, options=PlanOptions(memory_budget=memory_budget), transforms=tf,
+                          manifest=manifest)
         run_load(SoloComm(), storage, req)
         return out
     finally:

@@ -64,6 +64,7 @@ class LoadRequest:
     options: PlanOptions
     transforms: Any  # streamckpt.transforms.Transforms | None
     progress: Callable[[int], None] | None = None
+    manifest: mf.Manifest | None = None  # already read by the caller (single process)
 
 
 def _view(manifest: mf.Manifest, transforms: Any) -> Any:
@@ -88,7 +89,7 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
         targets, values = collect(req.state_dict)
     except CheckpointError as e:
         own = e
-    manifest = share_manifest(comm, storage)
+    manifest = req.manifest if req.manifest is not None and isinstance(comm, SoloComm) else share_manifest(comm, storage)
     all_specs = gather_targets(comm, [t.spec for t in targets], own)
     plan: LoadPlan | None = None
     view: Any = None
