@@ -187,7 +187,6 @@ def _mark(dirpath: Path, spec: ModelSpec) -> None:
 def generate_local(bucket_dir: Path, spec: ModelSpec, *, dcp: bool = True) -> dict[str, Any]:
     """Write every dataset that one process can write (``dcp_full`` only if ``dcp``); returns fingerprints."""
     import safetensors.torch
-    import torch
     import zstandard
 
     fp_path = bucket_dir / "fingerprints.json"

@@ -21,7 +21,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from . import data
 from .server import BUCKET, BenchServer

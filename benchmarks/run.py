@@ -395,7 +395,7 @@ class Harness:
             order = loaders[rep % len(loaders):] + loaders[:rep % len(loaders)]  # alternate who goes first
             for loader in order:
                 if not peer_installed(loader):
-                    res[loader].append(Sample(na=f"not installed in this venv (see benchmarks/requirements.txt)"))
+                    res[loader].append(Sample(na="not installed in this venv (see benchmarks/requirements.txt)"))
                     continue
                 ds = DATASET.get(loader, {}).get(scenario)
                 if ds and not self.have(ds) and not loader.startswith("ceiling"):
@@ -466,7 +466,7 @@ def summarize_pyspy(path: Path, top: int = 22) -> str:
             continue
         n = int(count)
         frames = stack.split(";")
-        thread, frames = frames[0], [_fn(f) for f in frames[1:]]
+        frames = [_fn(f) for f in frames[1:]]  # frames[0] is py-spy's thread label
         if not frames:
             continue
         total += n

@@ -41,11 +41,9 @@ def free_port() -> int:
 
 
 def have_localbucket() -> bool:
-    try:
-        import localbucket  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    from importlib.util import find_spec
+
+    return find_spec("localbucket") is not None
 
 
 @dataclass
