@@ -44,13 +44,16 @@ import fsspec
 import fsspec.asyn
 from fsspec.core import url_to_fs
 
+from . import obstore_reader
 from .checksum import crc32c
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from .obstore_reader import ObstoreReader
 
 log = logging.getLogger(__name__)
 
 _S3_PROTOCOLS = ("s3", "s3a")
 _MIN_PART = 5 << 20  # S3's smallest multipart part (all but the last)
+_PIECE = 8 << 20  # obstore path: larger reads are split into concurrent GETs of this size
 _SECRET_OPTION = re.compile(r"(secret|token|password|passwd|key|credential|sas|signature)", re.I)
 
 
@@ -174,7 +177,8 @@ _FATAL_WORDS = ("credential", "accessdenied", "access denied", "forbidden", "par
 
 def _transient(exc: BaseException) -> bool:
     """Errors worth retrying: network trouble, throttling, 5xx, timeouts, bad bodies."""
-    if isinstance(exc, (_Retryable, asyncio.TimeoutError, TimeoutError, ConnectionError, *_TRANSPORT_ERRORS)):
+    if isinstance(exc, (_Retryable, obstore_reader.Transient, obstore_reader.RangeProblem, asyncio.TimeoutError,
+                        TimeoutError, ConnectionError, *_TRANSPORT_ERRORS)):
         return True
     if isinstance(exc, (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError)):
         return False
@@ -241,7 +245,9 @@ class Storage:
         self._secrets = _secrets_of(opts)
         protocol = fsspec.core.split_protocol(self.uri)[0] or "file"
         self._is_s3 = protocol in _S3_PROTOCOLS
+        self._obstore: ObstoreReader | None = None
         if self._is_s3:
+            self._obstore = self._pick_obstore(opts)
             opts = self._s3_options(opts)
         try:
             self.fs, root = url_to_fs(self.uri, **opts)
@@ -255,6 +261,36 @@ class Storage:
         self._rng = random.Random()
         self._pool: cf.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+
+    @property
+    def read_backend(self) -> str:
+        """Which client does the bulk range reads: ``obstore``, ``s3fs`` or ``fsspec``."""
+        if self._obstore is not None:
+            return "obstore"
+        return "s3fs" if self._is_s3 else "fsspec"
+
+    def _pick_obstore(self, opts: dict[str, Any]) -> ObstoreReader | None:
+        """The obstore reader for these options, or None to read through s3fs (see obstore_reader)."""
+        try:
+            wanted = obstore_reader.requested_backend()
+        except ValueError as e:
+            raise StorageError(str(e)) from None
+        if wanted == "s3fs":
+            return None
+        if not obstore_reader.available():
+            if wanted == "obstore":
+                raise StorageError(
+                    f"{obstore_reader.BACKEND_ENV}=obstore but obstore is not installed (pip install 'streamckpt[fast]')"
+                )
+            return None
+        try:
+            config = obstore_reader.s3_config(opts)
+        except obstore_reader.NotConfigurable as e:
+            (log.warning if wanted == "obstore" else log.debug)(
+                "range reads of %s go through s3fs: obstore cannot reproduce %s", self._public_uri(), e
+            )
+            return None
+        return ObstoreReader(config, self.policy.request_timeout, self.policy.client_attempts, self.max_concurrency)
 
     def _s3_options(self, opts: dict[str, Any]) -> dict[str, Any]:
         """A private s3fs instance whose client retries a little and times out on stalls."""
@@ -461,6 +497,8 @@ class Storage:
                 raise ValueError(f"bad range [{r.start}, {r.stop}) of {r.name!r}")
             if len(b) != r.length:
                 raise ValueError(f"buffer of {len(b)} bytes for a {r.length}-byte read")
+        if self._obstore is not None:
+            return asyncio.run_coroutine_threadsafe(self._read_all_obstore(reads, buffers), self.fs.loop)
         if self.is_async:
             return asyncio.run_coroutine_threadsafe(self._read_all_async(reads, buffers), self.fs.loop)
         return self._thread_pool().submit(self._read_all_sync, reads, buffers)
@@ -522,6 +560,100 @@ class Storage:
                     ) from None
                 log.debug("retrying %s: %s", where, self._err(e))
                 await asyncio.sleep(min(policy.delay(attempt, self._rng), max(0.0, deadline - time.monotonic())))
+
+    # ------------------------------------------------- obstore range reads
+
+    async def _read_all_obstore(self, reads: Sequence[RangeRead], buffers: Sequence[memoryview]) -> int:
+        """Like ``_read_all_async``, but the semaphore bounds GETs, and reads split into pieces."""
+        sem = asyncio.Semaphore(self.max_concurrency)
+        counter = [0]
+        tasks = [
+            asyncio.ensure_future(self._read_one_obstore(r, b, sem, counter))
+            for r, b in zip(reads, buffers)
+            if r.length > 0
+        ]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return counter[0]
+
+    async def _read_one_obstore(
+        self, r: RangeRead, buf: memoryview, sem: asyncio.Semaphore, counter: list[int]
+    ) -> None:
+        """Fetch ``r`` as concurrent pieces; failed pieces are retried under this layer's policy."""
+        policy = self.policy
+        where = f"{self.describe(r.name)} bytes [{r.start}, {r.stop})"
+        bucket, key, _ = self.fs.split_path(self.path(r.name))
+        pieces = [(a, min(r.stop, a + _PIECE)) for a in range(r.start, r.stop, _PIECE)]
+        todo = pieces
+        deadline = time.monotonic() + policy.total_timeout
+        attempt = 0
+        bad_sums = 0
+        etag: str | None = None
+        size: int | None = None
+        while True:
+            outcomes = await asyncio.gather(
+                *(self._piece_obstore(r, a, b, bucket, key, buf, sem, counter) for a, b in todo),
+                return_exceptions=True,
+            )
+            failed = [(p, o) for p, o in zip(todo, outcomes) if isinstance(o, BaseException)]
+            for o in outcomes:
+                if isinstance(o, obstore_reader.Fetched):
+                    etag, size = o.etag, o.size
+            if not failed:
+                try:
+                    _verify(r, buf)
+                    if not r.checks and r.start == 0 and size == r.stop and not _etag_matches(etag, buf):
+                        raise _ChecksumMismatch(f"[{r.start}, {r.stop}) (the whole object vs its ETag)")
+                    return
+                except _ChecksumMismatch as e:
+                    bad_sums += 1
+                    if bad_sums > policy.checksum_retries:
+                        raise CorruptCheckpointError(
+                            f"checksum mismatch in {self.describe(r.name)} bytes {e} (same on {bad_sums} reads): "
+                            "the stored object is corrupt"
+                        ) from None
+                    log.warning("checksum mismatch in %s bytes %s; re-fetching", self.describe(r.name), e)
+                    todo = pieces
+                    continue
+            e = _worst([o for _, o in failed])
+            if isinstance(e, asyncio.CancelledError):
+                raise e
+            if isinstance(e, _Truncated):
+                raise self._truncated(r, e.size) from None
+            if _is_not_found(e):
+                raise CheckpointNotFoundError(f"{self.describe(r.name)} does not exist") from None
+            if isinstance(e, (_Retryable, obstore_reader.RangeProblem)):
+                now = await self._size_async(r.name)
+                if now is not None and now < r.stop:
+                    raise self._truncated(r, now) from None
+            attempt += 1
+            if not _transient(e) or attempt >= policy.max_attempts or time.monotonic() >= deadline:
+                raise StorageError(f"reading {where} failed after {attempt} attempt(s): {self._err(e)}") from None
+            log.debug("retrying %d piece(s) of %s: %s", len(failed), where, self._err(e))
+            todo = [p for p, _ in failed]
+            await asyncio.sleep(min(policy.delay(attempt, self._rng), max(0.0, deadline - time.monotonic())))
+
+    async def _piece_obstore(
+        self, r: RangeRead, a: int, b: int, bucket: str, key: str, buf: memoryview,
+        sem: asyncio.Semaphore, counter: list[int],
+    ) -> obstore_reader.Fetched:
+        """One GET of ``[a, b)`` of ``r`` into its slice of ``buf``, length-checked."""
+        reader = self._obstore
+        if reader is None:
+            raise RuntimeError("obstore reader used on a Storage without one")
+        async with sem:
+            counter[0] += 1
+            got = await reader.fetch(bucket, key, a, buf[a - r.start:b - r.start])
+        if got.size < b:
+            raise _Truncated(got.size)
+        if got.got != b - a:
+            raise _Retryable(f"short body: got {got.got} of {b - a} bytes at {a}")
+        return got
 
     def _truncated(self, r: RangeRead, size: int | None) -> CorruptCheckpointError:
         has = "fewer bytes" if size is None else f"{size} bytes"
@@ -664,6 +796,21 @@ class Storage:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
+
+
+def _worst(errors: Sequence[BaseException]) -> BaseException:
+    """The failure that decides a read's fate: cancellation, truncation, missing, fatal, then transient."""
+
+    def rank(e: BaseException) -> int:
+        if isinstance(e, asyncio.CancelledError):
+            return 0
+        if isinstance(e, _Truncated):
+            return 1
+        if _is_not_found(e):
+            return 2
+        return 4 if _transient(e) else 3
+
+    return min(errors, key=rank)
 
 
 def _etag_matches(etag: Any, data: bytes | bytearray | memoryview) -> bool:
