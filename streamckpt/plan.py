@@ -249,6 +249,34 @@ class _TensorIndex:
         self.parts = parts
         self.starts = [p.box.offset[0] if p.box.ndim else 0 for p in parts]
         self.max_extent = max((p.box.shape[0] if p.box.ndim else 1 for p in parts), default=0)
+        # shards grouped by box, flat ranges sorted: the flat fast path's 1-D lookups
+        groups: dict[Box, list[Shard]] = {}
+        for s in shards:
+            groups.setdefault(s.box, []).append(s)
+        self.boxes: list[tuple[Box, list[int], list[Shard]]] = []
+        for b, group in groups.items():
+            group.sort(key=lambda sh: sh.flat_range[0] if sh.flat_range else 0)
+            self.boxes.append((b, [sh.flat_range[1] if sh.flat_range else math.prod(b.shape) for sh in group], group))
+        self.boxes.sort(key=lambda x: x[0].offset[0] if x[0].ndim else 0)
+
+    def shards_in_rows(self, band: Box, r0: int, r1: int, lo: int, hi: int) -> Iterable[Shard]:
+        """Shards whose box meets rows ``[r0, r1)`` of the row band ``band`` and whose
+        elements, in the band's flattening, meet ``[lo, hi)``. A shard whose box is not
+        a row band like ``band`` is yielded as is (the caller falls back)."""
+        inner = math.prod(band.shape[1:])
+        for b, stops, group in self.boxes:
+            if not b.ndim or b.offset[0] >= r1 or b.offset[0] + b.shape[0] <= r0:
+                continue
+            if b.offset[1:] != band.offset[1:] or b.shape[1:] != band.shape[1:]:
+                yield group[0]
+                continue
+            d = (b.offset[0] - band.offset[0]) * inner
+            i = bisect.bisect_right(stops, lo - d)  # first shard ending after lo
+            for sh in group[i:]:
+                start = sh.flat_range[0] if sh.flat_range else 0
+                if start + d >= hi:
+                    break
+                yield sh
 
     def query(self, box: Box) -> Iterable[_SourcePart]:
         if self.scalar or not box[1]:
@@ -496,16 +524,10 @@ def _flat_fast_path(
         return []
     r0 = box.offset[0] + a // inner
     r1 = box.offset[0] + -(-b // inner)
-    rows = Box((r0,) + box.offset[1:], (r1 - r0,) + box.shape[1:])
     isz = dtypes.itemsize(dtype)
     max_elems = max(1, options.max_piece_bytes // isz)
     out: list[_Need] = []
-    seen: set[int] = set()
-    for sp in index.query(rows):
-        sh = sp.shard
-        if id(sh) in seen:
-            continue
-        seen.add(id(sh))
+    for sh in index.shards_in_rows(box, r0, r1, a, b):
         if sh.shape[1:] != box.shape[1:] or sh.offset[1:] != box.offset[1:]:
             return None  # not a row band of the target box: use the general path
         # a row band's flattening is the target's flattening shifted by d elements
@@ -677,12 +699,26 @@ def _pack_rounds(reads: list[Read], targets: list[Target], world: int, options: 
     cap = options.round_cap
     cur = [0] * world
     used = [0] * world
+    sole = [t.needers[0] if len(t.needers) == 1 else -1 for t in targets]  # the only rank needing it
     last = -1
     for r in reads:
-        costs: dict[int, int] = {r.reader: read_cost(r)}
+        cost = read_cost(r)
+        reader = r.reader
+        if r.private or all(sole[c.target] == reader for c in r.copies):
+            # only the reader is involved: its own staging decides
+            u = used[reader]
+            rnd = cur[reader] + 1 if u > 0 and u + cost > cap else cur[reader]
+            if rnd > cur[reader]:
+                cur[reader] = rnd
+                used[reader] = 0
+            used[reader] += cost
+            r.round = rnd
+            last = rnd if rnd > last else last
+            continue
+        costs: dict[int, int] = {reader: cost}
         for rank, copies in messages_of(r, targets).items():
             size = message_layout(copies)[1]
-            costs[r.reader] += size if len(copies) > 1 else 0
+            costs[reader] += size if len(copies) > 1 else 0
             costs[rank] = costs.get(rank, 0) + size
         rnd = 0
         for rank, c in costs.items():
