@@ -246,6 +246,7 @@ class Storage:
         protocol = fsspec.core.split_protocol(self.uri)[0] or "file"
         self._is_s3 = protocol in _S3_PROTOCOLS
         self._obstore: ObstoreReader | None = None
+        self.piece_size = _PIECE  # obstore path: reads larger than this become concurrent GETs
         if self._is_s3:
             self._obstore = self._pick_obstore(opts)
             opts = self._s3_options(opts)
@@ -588,11 +589,14 @@ class Storage:
         policy = self.policy
         where = f"{self.describe(r.name)} bytes [{r.start}, {r.stop})"
         bucket, key, _ = self.fs.split_path(self.path(r.name))
-        pieces = [(a, min(r.stop, a + _PIECE)) for a in range(r.start, r.stop, _PIECE)]
+        # A read that may be a whole object without checksums of its own is checked against
+        # the ETag, which cannot say which piece was bad: keep it one GET.
+        step = max(1, self.piece_size) if r.checks or r.start > 0 else max(1, r.length)
+        pieces = [(a, min(r.stop, a + step)) for a in range(r.start, r.stop, step)]
         todo = pieces
         deadline = time.monotonic() + policy.total_timeout
         attempt = 0
-        bad_sums = 0
+        bad_sums: dict[int, int] = {}  # check offset (-1: the ETag) -> mismatches seen
         etag: str | None = None
         size: int | None = None
         while True:
@@ -605,21 +609,26 @@ class Storage:
                 if isinstance(o, obstore_reader.Fetched):
                     etag, size = o.etag, o.size
             if not failed:
-                try:
-                    _verify(r, buf)
-                    if not r.checks and r.start == 0 and size == r.stop and not _etag_matches(etag, buf):
-                        raise _ChecksumMismatch(f"[{r.start}, {r.stop}) (the whole object vs its ETag)")
+                bad = _bad_checks(r, buf)
+                if not bad and not r.checks and r.start == 0 and size == r.stop and not _etag_matches(etag, buf):
+                    bad = [(-1, 0, r.length)]
+                if not bad:
                     return
-                except _ChecksumMismatch as e:
-                    bad_sums += 1
-                    if bad_sums > policy.checksum_retries:
-                        raise CorruptCheckpointError(
-                            f"checksum mismatch in {self.describe(r.name)} bytes {e} (same on {bad_sums} reads): "
-                            "the stored object is corrupt"
-                        ) from None
-                    log.warning("checksum mismatch in %s bytes %s; re-fetching", self.describe(r.name), e)
-                    todo = pieces
-                    continue
+                for off, _, _ in bad:
+                    bad_sums[off] = bad_sums.get(off, 0) + 1
+                off, a, b = max(bad, key=lambda c: bad_sums[c[0]])
+                if bad_sums[off] > policy.checksum_retries:
+                    what = " (the whole object vs its ETag)" if off < 0 else ""
+                    raise CorruptCheckpointError(
+                        f"checksum mismatch in {self.describe(r.name)} bytes [{r.start + a}, {r.start + b}){what} "
+                        f"(same on {bad_sums[off]} reads): the stored object is corrupt"
+                    ) from None
+                log.warning("checksum mismatch in %s bytes [%d, %d); re-fetching", self.describe(r.name),
+                            r.start + a, r.start + b)
+                # Only the pieces under a bad check come again (the others verified).
+                todo = [(pa, pb) for pa, pb in pieces
+                        if any(pa < r.start + cb and r.start + ca < pb for _, ca, cb in bad)]
+                continue
             e = _worst([o for _, o in failed])
             if isinstance(e, asyncio.CancelledError):
                 raise e
@@ -823,6 +832,12 @@ def _etag_matches(etag: Any, data: bytes | bytearray | memoryview) -> bool:
 
 def _is_local(fs: Any) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def _bad_checks(r: RangeRead, buf: memoryview) -> list[tuple[int, int, int]]:
+    """``(offset, start, stop)`` (relative to the read) of every check that fails."""
+    return [(off, off, off + length) for off, length, expected in r.checks
+            if crc32c(buf[off:off + length]) != expected]
 
 
 def _verify(r: RangeRead, buf: memoryview) -> None:
