@@ -264,10 +264,18 @@ def split_for_span(frame: Box, sub: Box, max_elems: int) -> list[Box]:
 
 @dataclass(frozen=True, slots=True)
 class CoalesceOptions:
-    """Knobs for merging byte ranges into requests (zarr-style)."""
+    """Knobs for merging byte ranges into requests (zarr-style).
+
+    A gap is read through (one request instead of two) when it is at most
+    ``small_gap_bytes``, or at most ``max_gap_bytes`` and at most ``max_gap_ratio``
+    of the merged request — so bridging never costs more than a few percent of
+    extra bytes, and tiny gaps (a norm between two matrices) never cost a request.
+    """
 
     max_gap_bytes: int = 1 << 20
     max_request_bytes: int = 16 << 20
+    small_gap_bytes: int = 16 << 10
+    max_gap_ratio: float = 1 / 64
 
 
 def coalesce(
@@ -290,9 +298,11 @@ def coalesce(
         if out:
             cs, ce, members = out[-1]
             overlaps = s < ce
+            gap = s - ce
+            merged = max(ce, e) - cs
             close = (
-                s - ce <= opts.max_gap_bytes
-                and max(ce, e) - cs <= opts.max_request_bytes
+                (gap <= opts.small_gap_bytes or (gap <= opts.max_gap_bytes and gap <= opts.max_gap_ratio * merged))
+                and merged <= opts.max_request_bytes
                 and (keys is None or keys[i] == group_key)
             )
             if overlaps or close:
