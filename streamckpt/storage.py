@@ -21,6 +21,11 @@ Fault policy (see docs/RELIABILITY.md). Two layers, one bound:
 
 So a persistent outage ends in ``StorageError`` naming the object and byte range
 after at most about ``total_timeout + request_timeout`` seconds.
+
+Bulk range reads of ``s3://`` can go through obstore (Rust) instead of s3fs
+(``STREAMCKPT_S3_BACKEND``, see ``obstore_reader``): the same policy applies, the
+client's own attempts are ``client_attempts``, reads larger than ``piece_size``
+become concurrent GETs, and at most ``max_concurrency`` GETs are in flight.
 """
 
 from __future__ import annotations
@@ -276,7 +281,7 @@ class Storage:
             wanted = obstore_reader.requested_backend()
         except ValueError as e:
             raise StorageError(str(e)) from None
-        if wanted == "s3fs":
+        if wanted == "s3fs" or (wanted == "auto" and not obstore_reader.AUTO_PICKS_OBSTORE):
             return None
         if not obstore_reader.available():
             if wanted == "obstore":
@@ -657,8 +662,10 @@ class Storage:
             raise RuntimeError("obstore reader used on a Storage without one")
         async with sem:
             counter[0] += 1
-            got = await reader.fetch(bucket, key, a, buf[a - r.start:b - r.start])
-        if got.size < b:
+            got = await reader.fetch(
+                bucket, key, a, buf[a - r.start:b - r.start], want_meta=not r.checks and r.start == 0
+            )
+        if got.size is not None and got.size < b:
             raise _Truncated(got.size)
         if got.got != b - a:
             raise _Retryable(f"short body: got {got.got} of {b - a} bytes at {a}")

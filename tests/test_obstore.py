@@ -11,7 +11,7 @@ import pytest
 
 from streamckpt.checksum import crc32c
 from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from streamckpt.obstore_reader import BACKEND_ENV, NotConfigurable, s3_config
+from streamckpt.obstore_reader import AUTO_PICKS_OBSTORE, BACKEND_ENV, NotConfigurable, s3_config
 from streamckpt.storage import RangeRead, RetryPolicy, Storage
 from streamckpt.testing import FaultProxy, LocalS3
 
@@ -137,10 +137,14 @@ def test_faults_never_give_wrong_bytes(
 
 
 def test_selection(monkeypatch: pytest.MonkeyPatch, s3_uri: str, s3_opts: dict[str, Any]) -> None:
-    assert _storage(monkeypatch, "auto", s3_uri, s3_opts).read_backend == "obstore"
+    auto = "obstore" if AUTO_PICKS_OBSTORE else "s3fs"
+    assert _storage(monkeypatch, "auto", s3_uri, s3_opts).read_backend == auto
+    monkeypatch.delenv(BACKEND_ENV)
+    assert Storage(s3_uri, s3_opts).read_backend == auto  # unset means auto
+    assert _storage(monkeypatch, "obstore", s3_uri, s3_opts).read_backend == "obstore"
     assert _storage(monkeypatch, "s3fs", s3_uri, s3_opts).read_backend == "s3fs"
     # An option obstore cannot reproduce: s3fs for this Storage (and s3fs still gets the option).
-    assert _storage(monkeypatch, "auto", s3_uri, {**s3_opts, "requester_pays": False}).read_backend == "s3fs"
+    assert _storage(monkeypatch, "obstore", s3_uri, {**s3_opts, "requester_pays": False}).read_backend == "s3fs"
     assert _storage(monkeypatch, "auto", "/tmp/x", None).read_backend == "fsspec"
     with pytest.raises(StorageError, match=BACKEND_ENV):
         _storage(monkeypatch, "rust", s3_uri, s3_opts)
