@@ -40,6 +40,7 @@ WORLD = {"a": 1, "b": 1, "c": data.LOAD_COL_WORLD, "d": 2, "e": 1}
 # What each loader reads in each scenario (for bytes-needed and notes).
 DATASET = {
     "streamckpt": {"a": "hf", "b": "hf", "c": "sc_rows4", "d": "hf", "e": "sc_rows4_zstd"},
+    "streamckpt.obstore": {"a": "hf", "b": "hf", "c": "sc_rows4", "d": "hf", "e": "sc_rows4_zstd"},
     "streamckpt.load_full": {"a": "hf", "e": "sc_rows4_zstd"},
     "naive": {"a": "hf", "b": "hf", "c": "naive_rows4", "d": "hf", "e": "naive_zst"},
     "dcp-fsspec": {"a": "dcp_full", "b": "dcp_full", "c": "dcp_rows4", "d": "dcp_full", "e": "dcp_rows4_zstd"},
@@ -381,7 +382,7 @@ class Harness:
         elif self.args.quick:
             base = ["streamckpt", "naive", "ceiling"]
         else:
-            base = ["streamckpt", "streamckpt.load_full", *PEERS, "ceiling", "ceiling.obstore"]
+            base = ["streamckpt", "streamckpt.obstore", "streamckpt.load_full", *PEERS, "ceiling", "ceiling.obstore"]
         return [b for b in base if b.startswith("ceiling") or scenario in DATASET.get(b, {}) or b == "runai"]
 
     def run_scenario(self, scenario: str) -> None:

@@ -307,8 +307,19 @@ def load_ceiling_obstore(spec: dict[str, Any], model: data.ModelSpec, rank: int,
     return None, {"bytes_read": n}
 
 
+def _with_obstore(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The same streamckpt loader with the obstore range-read path (STREAMCKPT_S3_BACKEND=obstore)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        os.environ["STREAMCKPT_S3_BACKEND"] = "obstore"
+        return fn(*args, **kwargs)
+
+    return run
+
+
 LOADERS: dict[str, Callable[..., Any]] = {
     "streamckpt": load_streamckpt,
+    "streamckpt.obstore": _with_obstore(load_streamckpt),
     "streamckpt.load_full": load_streamckpt_full,
     "naive": load_naive,
     "dcp-fsspec": load_dcp_fsspec,

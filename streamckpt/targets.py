@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
@@ -89,11 +90,11 @@ def is_tensor_like(value: Any) -> bool:
 
 
 def _is_dtensor(value: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(value, DTensor)
+    """A DTensor can only exist once its module is imported: never import it here
+    (``torch.distributed.tensor`` pulls in sympy, ~0.7 s on a load's hot path)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(mod, "DTensor", None) if mod is not None else None
+    return dtensor is not None and isinstance(value, dtensor)
 
 
 def target_of(key: str, value: Any) -> LocalTarget | None:
