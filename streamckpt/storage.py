@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 _S3_PROTOCOLS = ("s3", "s3a")
 _MIN_PART = 5 << 20  # S3's smallest multipart part (all but the last)
 _PIECE = 8 << 20  # obstore path: larger reads are split into concurrent GETs of this size
+_INFLIGHT = 64 << 20  # obstore path: bodies in flight, collected in Rust before their copy into the buffer
 _SECRET_OPTION = re.compile(r"(secret|token|password|passwd|key|credential|sas|signature)", re.I)
 
 
@@ -252,6 +253,7 @@ class Storage:
         self._is_s3 = protocol in _S3_PROTOCOLS
         self._obstore: ObstoreReader | None = None
         self.piece_size = _PIECE  # obstore path: reads larger than this become concurrent GETs
+        self.inflight_bytes = _INFLIGHT  # obstore path: bytes of GETs in flight (each body is held once in Rust)
         if self._is_s3:
             self._obstore = self._pick_obstore(opts)
             opts = self._s3_options(opts)
@@ -571,7 +573,7 @@ class Storage:
 
     async def _read_all_obstore(self, reads: Sequence[RangeRead], buffers: Sequence[memoryview]) -> int:
         """Like ``_read_all_async``, but the semaphore bounds GETs, and reads split into pieces."""
-        sem = asyncio.Semaphore(self.max_concurrency)
+        sem = _Gate(self.max_concurrency, self.inflight_bytes)
         counter = [0]
         tasks = [
             asyncio.ensure_future(self._read_one_obstore(r, b, sem, counter))
@@ -588,7 +590,7 @@ class Storage:
         return counter[0]
 
     async def _read_one_obstore(
-        self, r: RangeRead, buf: memoryview, sem: asyncio.Semaphore, counter: list[int]
+        self, r: RangeRead, buf: memoryview, sem: "_Gate", counter: list[int]
     ) -> None:
         """Fetch ``r`` as concurrent pieces; failed pieces are retried under this layer's policy."""
         policy = self.policy
@@ -654,17 +656,20 @@ class Storage:
 
     async def _piece_obstore(
         self, r: RangeRead, a: int, b: int, bucket: str, key: str, buf: memoryview,
-        sem: asyncio.Semaphore, counter: list[int],
+        sem: "_Gate", counter: list[int],
     ) -> obstore_reader.Fetched:
         """One GET of ``[a, b)`` of ``r`` into its slice of ``buf``, length-checked."""
         reader = self._obstore
         if reader is None:
             raise RuntimeError("obstore reader used on a Storage without one")
-        async with sem:
+        await sem.acquire(b - a)
+        try:
             counter[0] += 1
             got = await reader.fetch(
                 bucket, key, a, buf[a - r.start:b - r.start], want_meta=not r.checks and r.start == 0
             )
+        finally:
+            sem.release(b - a)
         if got.size is not None and got.size < b:
             raise _Truncated(got.size)
         if got.got != b - a:
@@ -812,6 +817,31 @@ class Storage:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
+
+
+class _Gate:
+    """At most ``count`` requests and ``nbytes`` bytes in flight (one request always may go)."""
+
+    def __init__(self, count: int, nbytes: int) -> None:
+        self._count = count
+        self._bytes = nbytes
+        self._used = (0, 0)
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> None:
+        async with self._cond:
+            await self._cond.wait_for(
+                lambda: self._used[0] == 0 or (self._used[0] < self._count and self._used[1] + n <= self._bytes)
+            )
+            self._used = (self._used[0] + 1, self._used[1] + n)
+
+    def release(self, n: int) -> None:
+        self._used = (self._used[0] - 1, self._used[1] - n)
+        asyncio.ensure_future(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
 
 
 def _worst(errors: Sequence[BaseException]) -> BaseException:

@@ -79,6 +79,9 @@ def test_large_reads_split_into_pieces_landing_in_place(
     got, n = _read(st, reads)
     assert [g == data[r.start:r.stop] for r, g in zip(reads, got)] == [True, True, True]
     assert n == 5 + 1 + 1  # ceil((1 MiB + 5) / 256 KiB) pieces, then one each
+    st.inflight_bytes = 300 * KiB  # one piece at a time: same bytes, same requests
+    got, n = _read(st, reads)
+    assert [g == data[r.start:r.stop] for r, g in zip(reads, got)] == [True, True, True] and n == 7
 
 
 def test_error_classes_match_s3fs(
