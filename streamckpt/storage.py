@@ -25,7 +25,9 @@ after at most about ``total_timeout + request_timeout`` seconds.
 Bulk range reads of ``s3://`` can go through obstore (Rust) instead of s3fs
 (``STREAMCKPT_S3_BACKEND``, see ``obstore_reader``): the same policy applies, the
 client's own attempts are ``client_attempts``, reads larger than ``piece_size``
-become concurrent GETs, and at most ``max_concurrency`` GETs are in flight.
+become concurrent GETs, and at most ``max_concurrency`` GETs and ``inflight_bytes``
+of bodies are in flight (each body is held once in Rust, then copied into its
+buffer: that copy is the resident-memory cost of the faster client).
 """
 
 from __future__ import annotations
@@ -572,7 +574,7 @@ class Storage:
     # ------------------------------------------------- obstore range reads
 
     async def _read_all_obstore(self, reads: Sequence[RangeRead], buffers: Sequence[memoryview]) -> int:
-        """Like ``_read_all_async``, but the semaphore bounds GETs, and reads split into pieces."""
+        """Like ``_read_all_async``, but the gate bounds GETs (and their bytes), and reads split into pieces."""
         sem = _Gate(self.max_concurrency, self.inflight_bytes)
         counter = [0]
         tasks = [
