@@ -16,7 +16,7 @@ from .formats import read_manifest
 from .loader import LoadRequest, run_load
 from .manifest import MANIFEST_NAME
 from .plan import PlanOptions
-from .results import CheckpointInfo, LoadResult, SaveResult, TensorInfo
+from .results import CheckpointInfo, DtypeName, LoadResult, SaveResult, TensorInfo
 from .saver import run_save
 from .storage import Storage
 
@@ -125,7 +125,7 @@ def inspect(uri: str, *, storage_options: dict[str, Any] | None = None) -> Check
     finally:
         storage.close()
     tensors = {
-        k: TensorInfo(shape=t.shape, dtype=t.dtype, shards=len(t.shards), bytes=t.nbytes)
+        k: TensorInfo(shape=tuple(t.shape), dtype=DtypeName(t.dtype), shards=len(t.shards), bytes=t.nbytes)
         for k, t in m.tensors.items()
     }
     return CheckpointInfo(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
 def human_bytes(n: float) -> str:
@@ -55,10 +55,47 @@ class SaveResult:
     uri: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
+class DtypeName(str):
+    """A stored dtype code (``"BF16"``) that also compares equal to its torch dtype
+    (``torch.bfloat16``) and torch's names (``"bfloat16"``, ``"torch.bfloat16"``)."""
+
+    __slots__ = ()
+
+    @property
+    def torch(self) -> Any:
+        from . import dtypes
+
+        return dtypes.to_torch(str(self))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            if str.__eq__(self, other):
+                return True
+            try:
+                return str(self.torch).removeprefix("torch.") == other.removeprefix("torch.")
+            except Exception:  # noqa: BLE001 - an unknown code equals nothing else
+                return False
+        try:
+            import torch
+
+            if isinstance(other, torch.dtype):
+                return bool(self.torch == other)
+        except ImportError:  # pragma: no cover
+            pass
+        return NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = str.__hash__
+
+
+class TensorInfo(NamedTuple):
+    """One tensor of a checkpoint: unpacks as ``shape, dtype, shards, bytes``."""
+
     shape: tuple[int, ...]
-    dtype: str
+    dtype: DtypeName
     shards: int
     bytes: int
 
@@ -101,7 +138,7 @@ class CheckpointInfo:
             f"{len(self.files)} files ({human_bytes(self.stored_bytes)} stored)",
         ]
         if self.tensors:
-            width = min(60, max(len(k) for k in self.tensors))
+            width = min(60, max(4, max(len(k) for k in self.tensors)))
             lines.append(f"{'name':<{width}}  {'dtype':<8} {'shape':<22} {'shards':>6} {'bytes':>11}")
             for k, t in self.tensors.items():
                 shape = "x".join(map(str, t.shape)) or "()"
