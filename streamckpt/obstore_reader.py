@@ -138,6 +138,8 @@ class ObstoreReader:
             client = {
                 "allow_http": str(self.config.get("endpoint", "")).startswith("http://"),
                 "connect_timeout": timeout,
+                # A stalled response (head or body) fails after this, as with s3fs's read_timeout.
+                "read_timeout": timeout,
                 # A backstop only: stalls are caught per chunk by the caller's own timeout.
                 "timeout": timedelta(seconds=max(60.0, 4 * self.request_timeout)),
                 "pool_max_idle_per_host": str(max(10, self.max_concurrency)),
