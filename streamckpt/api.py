@@ -68,6 +68,8 @@ def load(
         raise CheckpointError("memory_budget and max_concurrency must be positive")
     comm = make_comm(process_group)
     storage = Storage(uri, storage_options, max_concurrency=max_concurrency)
+    # response bodies a native client holds before the copy count against the budget too
+    storage.inflight_bytes = min(storage.inflight_bytes, max(storage.piece_size, memory_budget // 4))
     try:
         req = LoadRequest(
             state_dict=state_dict,
