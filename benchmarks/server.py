@@ -234,7 +234,13 @@ def serve(root: Path, port: int) -> None:
     (root / BUCKET).mkdir(parents=True, exist_ok=True)
     Handler = _make_handler()
     Handler.data_root = root
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    class Server(ThreadingHTTPServer):
+        # socketserver's default listen backlog is 5: a burst of 32 concurrent connects
+        # overflows it, dropped SYNs are retransmitted after ~1 s, and whichever loader
+        # opens many connections at once pays a random extra second.
+        request_queue_size = 1024
+
+    server = Server(("127.0.0.1", port), Handler)
     server.daemon_threads = True
     try:
         server.serve_forever()
