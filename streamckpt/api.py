@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import posixpath
-from datetime import datetime
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -13,8 +11,8 @@ from . import dtypes
 from .comm import SoloComm, make_comm
 from .errors import CheckpointError, MissingKeysError
 from .formats import read_manifest
+from .formats.native import latest_committed
 from .loader import LoadRequest, run_load
-from .manifest import MANIFEST_NAME
 from .plan import PlanOptions
 from .results import CheckpointInfo, DtypeName, LoadResult, SaveResult, TensorInfo
 from .saver import run_save
@@ -140,39 +138,10 @@ def latest(root_uri: str, *, storage_options: dict[str, Any] | None = None) -> s
     """The newest committed checkpoint directly under ``root_uri`` (by manifest time), or None."""
     storage = Storage(root_uri, storage_options)
     try:
-        best: tuple[float, str] | None = None
-        for name in storage.list(""):
-            base = posixpath.basename(name.rstrip("/"))
-            try:
-                info = storage.fs.info(storage.path(f"{base}/{MANIFEST_NAME}"))
-            except FileNotFoundError:
-                continue
-            except Exception as e:  # noqa: BLE001 - a non-directory entry, etc.
-                log.debug("latest: skipping %s: %s", base, e)
-                continue
-            key = (_mtime(info), base)
-            if best is None or key > best:
-                best = key
-        if best is None:
-            return None
-        return f"{str(root_uri).rstrip('/')}/{best[1]}"
+        child = latest_committed(storage)
     finally:
         storage.close()
-
-
-def _mtime(info: Mapping[str, Any]) -> float:
-    for field in ("LastModified", "mtime", "updated", "last_modified", "created"):
-        v = info.get(field)
-        if isinstance(v, datetime):
-            return v.timestamp()
-        if isinstance(v, (int, float)):
-            return float(v)
-        if isinstance(v, str):
-            try:
-                return datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
-            except ValueError:
-                continue
-    return 0.0
+    return None if child is None else f"{str(root_uri).rstrip('/')}/{child}"
 
 
 def merge(

@@ -71,13 +71,7 @@ def _view(manifest: mf.Manifest, transforms: Any) -> Any:
     if transforms is None:
         return IdentityView(manifest)
     source = {k: (t.shape, t.dtype) for k, t in manifest.tensors.items()}
-    view = transforms.apply(source)
-    if not hasattr(view, "transformed"):
-        try:
-            view.transformed = True
-        except AttributeError:
-            pass
-    return view
+    return transforms.apply(source)
 
 
 def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> LoadResult:

@@ -406,7 +406,7 @@ def _needs_for_target(
     uid: int, spec: TargetSpec, view: ViewLike, manifest: Manifest,
     indexes: dict[str, _TensorIndex], options: PlanOptions, offsets: "_FrameOffsets",
 ) -> Iterable[_Need]:
-    if spec.flat_range is not None and view.map_box is not None and _is_identity(view, spec.key):
+    if spec.flat_range is not None and _is_identity(view, spec.key):
         meta = manifest.tensors[spec.key]
         index = indexes.get(spec.key)
         if index is None:

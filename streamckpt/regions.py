@@ -35,10 +35,6 @@ class Box(NamedTuple):
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
-    def end(self) -> Shape:
-        return tuple(o + s for o, s in zip(self.offset, self.shape))
-
     def is_empty(self) -> bool:
         return any(s == 0 for s in self.shape)
 

@@ -33,6 +33,7 @@ buffer: that copy is the resident-memory cost of the faster client).
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime
 import base64
 import concurrent.futures as cf
 import hashlib
@@ -356,6 +357,14 @@ class Storage:
                     raise StorageError(f"{what} failed after {attempt} attempt(s): {self._err(e)}") from None
                 log.debug("retrying %s: %s", what, self._err(e))
                 time.sleep(min(policy.delay(attempt, self._rng), max(0.0, deadline - time.monotonic())))
+
+    def modified(self, name: str) -> float | None:
+        """Last-modified time (POSIX seconds) of an object, or None if it does not exist."""
+        try:
+            info = self._retry_sync(f"checking {self.describe(name)}", lambda: self.fs.info(self.path(name)))
+        except FileNotFoundError:
+            return None
+        return _mtime(info)
 
     def exists(self, name: str) -> bool:
         return bool(self._retry_sync(f"checking {self.describe(name)}", lambda: self.fs.exists(self.path(name))))
@@ -1055,3 +1064,19 @@ class _S3Upload(Upload):
 def iter_chunks(data: memoryview, size: int) -> Iterator[memoryview]:
     for i in range(0, len(data), size):
         yield data[i:i + size]
+
+
+def _mtime(info: Any) -> float:
+    """The modification time in an fsspec ``info`` dict, whatever the backend calls it."""
+    for key in ("LastModified", "mtime", "updated", "last_modified", "created"):
+        v = info.get(key)
+        if isinstance(v, datetime):
+            return v.timestamp()
+        if isinstance(v, (int, float)):
+            return float(v)
+        if isinstance(v, str):
+            try:
+                return datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return 0.0

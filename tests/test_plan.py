@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from streamckpt.manifest import Manifest, Shard, TensorMeta, validate
 from streamckpt.pipeline import Destinations, local_schedule
 from streamckpt.plan import PlanOptions, build_plan, message_layout, messages_of, read_cost
-from streamckpt.regions import Box, flat_range_boxes
+from streamckpt.regions import Box
 from streamckpt.targets import TargetSpec
 
 
@@ -156,7 +156,6 @@ def test_plan_writes_every_target_element_once_and_reads_once(seed, ndim, world,
 
 
 def test_row_slice_reads_only_its_rows():
-    rng = random.Random(0)
     shape = (64, 16)
     shards = (Shard((0, 0), shape, "f", 0, 64 * 16 * 4, chunk_size=256, crc32c=tuple([0] * 16)),)
     m = Manifest(tensors={"w": TensorMeta("F32", shape, shards)}, files={"f": 64 * 16 * 4})
@@ -164,7 +163,6 @@ def test_row_slice_reads_only_its_rows():
     plan = build_plan(m, [[spec]], PlanOptions())
     assert [(r.start, r.stop) for r in plan.reads] == [(16 * 64, 32 * 64)]
     assert len(plan.reads[0].checks) == 4
-    del rng
 
 
 def test_replicated_target_is_read_once_and_split_across_ranks():

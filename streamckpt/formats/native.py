@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+import logging
+import posixpath
+
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, from_json
 from ..storage import Storage
+
+log = logging.getLogger(__name__)
 
 
 def read_native_manifest(storage: Storage) -> Manifest | None:
@@ -19,3 +24,19 @@ def read_native_manifest(storage: Storage) -> Manifest | None:
         )
     data = storage.read_bytes(MANIFEST_NAME, 0, size) if size else b""
     return from_json(data, where=storage.describe(MANIFEST_NAME))
+
+
+def latest_committed(storage: Storage) -> str | None:
+    """The name of the newest child prefix holding a committed checkpoint (by its
+    manifest's modification time), or None. Prefixes without a manifest are uncommitted."""
+    best: tuple[float, str] | None = None
+    for name in storage.list(""):
+        child = posixpath.basename(name.rstrip("/"))
+        try:
+            when = storage.modified(f"{child}/{MANIFEST_NAME}")
+        except CheckpointError as e:  # a plain object, not a prefix, and the like
+            log.debug("latest: skipping %s: %s", child, e)
+            continue
+        if when is not None and (best is None or (when, child) > best):
+            best = (when, child)
+    return None if best is None else best[1]
