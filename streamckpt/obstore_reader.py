@@ -2,10 +2,12 @@
 
 The s3fs/aiohttp/botocore stack costs more CPU per byte than the reads
 themselves on a fast network; obstore does the HTTP, signing and body handling
-in Rust. Only ``Storage.read_into`` uses this module: metadata calls and
-uploads stay on s3fs, and the retry/length/checksum policy stays in
-``storage.py`` — this module makes exactly one attempt per call and reports
-failures as the exception types that policy already classifies.
+in Rust. ``Storage`` uses it for every read of an ``s3://`` prefix: ranged
+GETs, whole small objects, HEAD and LIST (so a load never starts s3fs's
+botocore client, ~0.2 s); uploads and deletes stay on s3fs, and the
+retry/length/checksum policy stays in ``storage.py`` — this module makes
+exactly one attempt per call and reports failures as the exception types that
+policy already classifies.
 
 Selection: ``STREAMCKPT_S3_BACKEND`` = ``auto`` (the default), ``obstore`` or
 ``s3fs``. ``obstore`` uses it whenever it is installed and every storage option
@@ -55,6 +57,14 @@ class Transient(Exception):
 
 class RangeProblem(Exception):
     """The server refused or shortened the range: the object may be truncated."""
+
+
+class TooLarge(Exception):
+    """A whole-object read refused from the object's size; the value is the size."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,10 +172,9 @@ class ObstoreReader:
         and ETag (a whole-object read checked against its MD5).
         """
         import obstore
-        from obstore import exceptions as ox
 
         stop = start + len(buf)
-        try:
+        with _translated():
             if want_meta:
                 return await self._fetch_streamed(bucket, key, start, buf)
             # No per-chunk hook here: a stall is a deadline at a floor rate of 1 MiB/s.
@@ -178,20 +187,42 @@ class ObstoreReader:
                 raise Transient(f"body of {n} bytes for a {len(buf)}-byte range")
             buf[:n] = memoryview(data)
             return Fetched(size=None, etag=None, got=n)
-        except (ox.NotFoundError, FileNotFoundError) as e:
-            raise FileNotFoundError(_first_line(e)) from None
-        except (ox.PermissionDeniedError, ox.UnauthenticatedError) as e:
-            raise PermissionError(_first_line(e)) from None
-        except (ox.InvalidPathError, ox.UnknownConfigurationKeyError, ox.NotSupportedError) as e:
-            raise ValueError(_first_line(e)) from None
-        except ox.BaseError as e:
-            text = str(e).split("\n", 1)[0]  # the rest is a Rust debug dump of the same error
-            low = text.lower()
-            if "416" in text or "range not satisfiable" in low or "invalidrange" in low or "range" in low and (
-                "invalid" in low or "start" in low
-            ):
-                raise RangeProblem(text) from None
-            raise Transient(f"{type(e).__name__}: {text}") from None
+
+    async def head(self, bucket: str, key: str) -> dict[str, Any]:
+        """The object's metadata (``size``, ``last_modified``, ``e_tag``); FileNotFoundError if absent."""
+        import obstore
+
+        with _translated():
+            return dict(await asyncio.wait_for(obstore.head_async(self.store(bucket), key), self.request_timeout))
+
+    async def listing(self, bucket: str, prefix: str, *, recursive: bool) -> list[str]:
+        """Keys under ``prefix`` (a path: ``a/b`` lists ``a/b/...``); one level deep adds sub-prefixes."""
+        import obstore
+
+        store = self.store(bucket)
+        with _translated():
+            if recursive:
+                stream = obstore.list(store, prefix or None, chunk_size=1000)
+                metas = await asyncio.wait_for(stream.collect_async(), 4 * self.request_timeout)
+                return [m["path"] for m in metas]
+            res = await asyncio.wait_for(
+                obstore.list_with_delimiter_async(store, prefix or None), 4 * self.request_timeout
+            )
+            return [*res["common_prefixes"], *(m["path"] for m in res["objects"])]
+
+    async def get_whole(self, bucket: str, key: str, max_bytes: int | None) -> tuple[bytes, str | None]:
+        """A whole (small) object and its ETag; ``TooLarge`` before its body is read if it exceeds ``max_bytes``."""
+        import obstore
+
+        with _translated():
+            result = await asyncio.wait_for(obstore.get_async(self.store(bucket), key), self.request_timeout)
+            size = int(result.meta["size"])
+            if max_bytes is not None and size > max_bytes:
+                raise TooLarge(size)
+            data = await asyncio.wait_for(result.bytes_async(), self.request_timeout + size / (1 << 20))
+            if len(data) != size:
+                raise Transient(f"short body: {len(data)} of {size} bytes")
+            return bytes(data), result.meta.get("e_tag")
 
     async def _fetch_streamed(self, bucket: str, key: str, start: int, buf: memoryview) -> Fetched:
         import obstore
@@ -221,3 +252,29 @@ class ObstoreReader:
 
 def _first_line(exc: BaseException) -> str:
     return str(exc).split("\n", 1)[0]
+
+
+class _translated:
+    """obstore's exceptions, raised again as the types ``storage``'s retry policy classifies."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: Any) -> None:
+        from obstore import exceptions as ox
+
+        if e is None or not isinstance(e, (ox.BaseError, FileNotFoundError)):
+            return None
+        text = _first_line(e)  # the rest is a Rust debug dump of the same error
+        if isinstance(e, (ox.NotFoundError, FileNotFoundError)):
+            raise FileNotFoundError(text) from None
+        if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError)):
+            raise PermissionError(text) from None
+        if isinstance(e, (ox.InvalidPathError, ox.UnknownConfigurationKeyError, ox.NotSupportedError)):
+            raise ValueError(text) from None
+        low = text.lower()
+        if "416" in text or "range not satisfiable" in low or "invalidrange" in low or "range" in low and (
+            "invalid" in low or "start" in low
+        ):
+            raise RangeProblem(text) from None
+        raise Transient(f"{type(e).__name__}: {text}") from None

@@ -22,8 +22,9 @@ Fault policy (see docs/RELIABILITY.md). Two layers, one bound:
 So a persistent outage ends in ``StorageError`` naming the object and byte range
 after at most about ``total_timeout + request_timeout`` seconds.
 
-Bulk range reads of ``s3://`` can go through obstore (Rust) instead of s3fs
-(``STREAMCKPT_S3_BACKEND``, see ``obstore_reader``): the same policy applies, the
+Reads of ``s3://`` (ranges, whole objects, HEAD, LIST) can go through obstore
+(Rust) instead of s3fs (``STREAMCKPT_S3_BACKEND``, see ``obstore_reader``); s3fs is
+then created only if the Storage writes. The same policy applies, the
 client's own attempts are ``client_attempts``, reads larger than ``piece_size``
 become concurrent GETs, and at most ``max_concurrency`` GETs and ``inflight_bytes``
 of bodies are in flight (each body is held once in Rust, then copied into its
@@ -257,21 +258,60 @@ class Storage:
         self._obstore: ObstoreReader | None = None
         self.piece_size = _PIECE  # obstore path: reads larger than this become concurrent GETs
         self.inflight_bytes = _INFLIGHT  # obstore path: bytes of GETs in flight (each body is held once in Rust)
+        self._fs: Any = None
         if self._is_s3:
             self._obstore = self._pick_obstore(opts)
             opts = self._s3_options(opts)
-        try:
-            self.fs, root = url_to_fs(self.uri, **opts)
-        except (ImportError, ValueError, TypeError) as e:
-            raise StorageError(f"cannot open {self._public_uri()}: {self._scrub(str(e))}") from None
-        if self._is_s3:
-            self.fs.retries = 1  # s3fs's own loop would multiply the client's attempts
-        self.root = root.rstrip("/")
-        self.is_async = bool(getattr(self.fs, "async_impl", False))
-        self._local = _is_local(self.fs)
+        self._fs_options = opts
+        if self._obstore is not None:
+            # Every read goes through obstore: s3fs (and its botocore client, ~0.1 s to import
+            # and ~0.1 s to create) only comes up if this Storage writes or deletes.
+            self.root = _s3_root(self.uri)
+            self.is_async = True
+            self._local = False
+        else:
+            self.root = self._open_fs()
+            self.is_async = bool(getattr(self._fs, "async_impl", False))
+            self._local = _is_local(self._fs)
         self._rng = random.Random()
         self._pool: cf.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+
+    def _open_fs(self) -> str:
+        """Create the fsspec filesystem; returns the root path it gives the URI."""
+        try:
+            self._fs, root = url_to_fs(self.uri, **self._fs_options)
+        except (ImportError, ValueError, TypeError) as e:
+            raise StorageError(f"cannot open {self._public_uri()}: {self._scrub(str(e))}") from None
+        if self._is_s3:
+            self._fs.retries = 1  # s3fs's own loop would multiply the client's attempts
+        return str(root).rstrip("/")
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem (s3fs, local, ...), created on first use."""
+        if self._fs is None:
+            self._open_fs()
+        return self._fs
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """fsspec's I/O event loop thread, where every asynchronous read runs."""
+        return self._fs.loop if self._fs is not None else fsspec.asyn.get_loop()
+
+    def _split(self, name: str) -> tuple[str, str]:
+        """(bucket, key) of a name under an ``s3://`` root."""
+        bucket, _, key = self.path(name).partition("/")
+        return bucket, key
+
+    def _ob(self) -> ObstoreReader:
+        if self._obstore is None:
+            raise RuntimeError("obstore reader used on a Storage without one")
+        return self._obstore
+
+    def _ob_sync(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one obstore coroutine on the I/O loop and wait for it."""
+        return fsspec.asyn.sync(self._loop, fn, *args, **kwargs)
 
     @property
     def read_backend(self) -> str:
@@ -287,6 +327,9 @@ class Storage:
         except ValueError as e:
             raise StorageError(str(e)) from None
         if wanted == "s3fs" or (wanted == "auto" and not obstore_reader.AUTO_PICKS_OBSTORE):
+            return None
+        if "?" in self.uri or "::" in self.uri:
+            log.debug("range reads of %s go through s3fs (query string or chained URL)", self._public_uri())
             return None
         if not obstore_reader.available():
             if wanted == "obstore":
@@ -360,14 +403,32 @@ class Storage:
 
     def modified(self, name: str) -> float | None:
         """Last-modified time (POSIX seconds) of an object, or None if it does not exist."""
+        if self._obstore is not None:
+            info = {"LastModified": self._head(name, f"checking {self.describe(name)}").get("last_modified")}
+            return None if info["LastModified"] is None else _mtime(info)
         try:
             info = self._retry_sync(f"checking {self.describe(name)}", lambda: self.fs.info(self.path(name)))
         except FileNotFoundError:
             return None
         return _mtime(info)
 
+    def _head(self, name: str, what: str) -> dict[str, Any]:
+        """obstore HEAD of an object with retries; an empty dict when it does not exist."""
+        try:
+            return dict(self._retry_sync(what, lambda: self._ob_sync(self._ob().head, *self._split(name))))
+        except FileNotFoundError:
+            return {}
+
     def exists(self, name: str) -> bool:
-        return bool(self._retry_sync(f"checking {self.describe(name)}", lambda: self.fs.exists(self.path(name))))
+        """Whether an object (or, as in s3fs, a prefix with objects under it) exists."""
+        what = f"checking {self.describe(name)}"
+        if self._obstore is not None:
+            if self._head(name, what):
+                return True
+            bucket, key = self._split(name)
+            lister = self._ob().listing
+            return bool(self._retry_sync(what, lambda: self._ob_sync(lister, bucket, key, recursive=False)))
+        return bool(self._retry_sync(what, lambda: self.fs.exists(self.path(name))))
 
     def size(self, name: str) -> int:
         try:
@@ -376,18 +437,26 @@ class Storage:
             raise CheckpointNotFoundError(f"{self.describe(name)} does not exist") from None
 
     def _size(self, name: str) -> int:
+        if self._obstore is not None:
+            return int(self._ob_sync(self._ob().head, *self._split(name))["size"])
         self.fs.invalidate_cache(self.path(name))
         return int(self.fs.size(self.path(name)))
 
     def list(self, prefix: str = "", *, recursive: bool = False) -> list[str]:
         """Names (relative to the root) of objects under ``prefix``."""
         base = self.path(prefix).rstrip("/")
-        self.fs.invalidate_cache(base)
         what = f"listing {self.describe(prefix)}"
         try:
-            if recursive:
+            if self._obstore is not None:
+                bucket, key = self._split(prefix.rstrip("/"))
+                lister = self._ob().listing
+                keys = self._retry_sync(what, lambda: self._ob_sync(lister, bucket, key, recursive=recursive))
+                found = [f"{bucket}/{k}" for k in keys]
+            elif recursive:
+                self.fs.invalidate_cache(base)
                 found = self._retry_sync(what, lambda: self.fs.find(base))
             else:
+                self.fs.invalidate_cache(base)
                 found = self._retry_sync(what, lambda: self.fs.ls(base, detail=False))
         except (FileNotFoundError, NotADirectoryError):
             return []
@@ -420,7 +489,7 @@ class Storage:
         where = self.describe(name)
         try:
             if self._is_s3:
-                return fsspec.asyn.sync(self.fs.loop, self._read_whole_s3, name, max_bytes)
+                return fsspec.asyn.sync(self._loop, self._read_whole_s3, name, max_bytes)
             if max_bytes is not None:
                 n = self.size(name)
                 if n > max_bytes:
@@ -432,13 +501,14 @@ class Storage:
     async def _read_whole_s3(self, name: str, max_bytes: int | None) -> bytes:
         policy = self.policy
         where = self.describe(name)
-        bucket, key, _ = self.fs.split_path(self.path(name))
+        bucket, key = self._split(name)
+        get = self._get_whole_obstore if self._obstore is not None else self._get_whole_s3
         deadline = time.monotonic() + policy.total_timeout
         attempt = 0
         bad_sums = 0
         while True:
             try:
-                return await self._get_whole_s3(bucket, key, where, max_bytes)
+                return await get(bucket, key, where, max_bytes)
             except (CheckpointNotFoundError, CorruptCheckpointError):
                 raise
             except _ChecksumMismatch:
@@ -477,6 +547,15 @@ class Storage:
         if not _etag_matches(resp.get("ETag"), buf):
             raise _ChecksumMismatch("whole object")
         return bytes(buf)
+
+    async def _get_whole_obstore(self, bucket: str, key: str, where: str, max_bytes: int | None) -> bytes:
+        try:
+            data, etag = await self._ob().get_whole(bucket, key, max_bytes)
+        except obstore_reader.TooLarge as e:
+            raise CorruptCheckpointError(f"{where} is {e.size} bytes, more than the {max_bytes}-byte limit") from None
+        if not _etag_matches(etag, data):
+            raise _ChecksumMismatch("whole object")
+        return data
 
     def write_bytes(self, name: str, data: bytes) -> None:
         """Write a small object whole; on local disk via a temporary name and rename."""
@@ -517,7 +596,7 @@ class Storage:
             if len(b) != r.length:
                 raise ValueError(f"buffer of {len(b)} bytes for a {r.length}-byte read")
         if self._obstore is not None:
-            return asyncio.run_coroutine_threadsafe(self._read_all_obstore(reads, buffers), self.fs.loop)
+            return asyncio.run_coroutine_threadsafe(self._read_all_obstore(reads, buffers), self._loop)
         if self.is_async:
             return asyncio.run_coroutine_threadsafe(self._read_all_async(reads, buffers), self.fs.loop)
         return self._thread_pool().submit(self._read_all_sync, reads, buffers)
@@ -606,7 +685,7 @@ class Storage:
         """Fetch ``r`` as concurrent pieces; failed pieces are retried under this layer's policy."""
         policy = self.policy
         where = f"{self.describe(r.name)} bytes [{r.start}, {r.stop})"
-        bucket, key, _ = self.fs.split_path(self.path(r.name))
+        bucket, key = self._split(r.name)
         # A read that may be a whole object without checksums of its own is checked against
         # the ETag, which cannot say which piece was bad: keep it one GET.
         step = max(1, self.piece_size) if r.checks or r.start > 0 else max(1, r.length)
@@ -670,9 +749,7 @@ class Storage:
         sem: "_Gate", counter: list[int],
     ) -> obstore_reader.Fetched:
         """One GET of ``[a, b)`` of ``r`` into its slice of ``buf``, length-checked."""
-        reader = self._obstore
-        if reader is None:
-            raise RuntimeError("obstore reader used on a Storage without one")
+        reader = self._ob()
         await sem.acquire(b - a)
         try:
             counter[0] += 1
@@ -696,6 +773,8 @@ class Storage:
     async def _size_async(self, name: str) -> int | None:
         """The object's size now (None if it cannot be found out)."""
         try:
+            if self._obstore is not None:
+                return int((await self._obstore.head(*self._split(name)))["size"])
             self.fs.invalidate_cache(self.path(name))
             return int(await asyncio.wait_for(self.fs._size(self.path(name)), self.policy.request_timeout))
         except Exception:  # noqa: BLE001 - only a hint for the message
@@ -876,6 +955,11 @@ def _etag_matches(etag: Any, data: bytes | bytearray | memoryview) -> bool:
     if not re.fullmatch(r"[0-9a-f]{32}", tag):
         return True
     return hashlib.md5(data, usedforsecurity=False).hexdigest() == tag
+
+
+def _s3_root(uri: str) -> str:
+    """``bucket/prefix`` of an ``s3://`` or ``s3a://`` URI, as s3fs would give it."""
+    return uri.split("://", 1)[1].strip("/")
 
 
 def _is_local(fs: Any) -> bool:

@@ -139,6 +139,37 @@ def test_faults_never_give_wrong_bytes(
         assert n > len(reads)  # the faulted pieces were fetched again
 
 
+def test_metadata_calls_match_s3fs_and_never_create_it(
+    monkeypatch: pytest.MonkeyPatch, stored: tuple[str, bytes], s3_opts: dict[str, Any]
+) -> None:
+    uri, data = stored
+    writer = _storage(monkeypatch, "s3fs", uri, s3_opts)
+    writer.write_bytes("manifest.json", b'{"a": 1}')
+    writer.write_bytes("data/sub/deep.bin", b"d" * 7)
+    fast = _storage(monkeypatch, "obstore", uri, s3_opts)
+    slow = _storage(monkeypatch, "s3fs", uri, s3_opts)
+    for st in (fast, slow):
+        assert st.list() == ["data", "manifest.json"]
+        assert st.list("data") == ["data/00000.bin", "data/sub"]
+        assert st.list(recursive=True) == [NAME, "data/sub/deep.bin", "manifest.json"]
+        assert st.list("data/sub", recursive=True) == ["data/sub/deep.bin"]
+        assert st.list("absent") == st.list("absent", recursive=True) == []
+        assert st.size(NAME) == len(data) and st.size("manifest.json") == 8
+        assert st.exists(NAME) and st.exists("data/sub") and not st.exists("absent.bin")
+        assert abs(st.modified("manifest.json") - time.time()) < 300 and st.modified("absent.bin") is None
+        assert st.read_bytes("manifest.json") == b'{"a": 1}'
+        with pytest.raises(CorruptCheckpointError, match="more than the 4-byte limit"):
+            st.read_bytes("manifest.json", max_bytes=4)
+        with pytest.raises(CheckpointNotFoundError, match="absent.bin"):
+            st.size("absent.bin")
+        with pytest.raises(CheckpointNotFoundError, match="absent.json"):
+            st.read_bytes("absent.json")
+    # the whole read path of a load ran without s3fs (its botocore client costs ~0.2 s to start)
+    assert fast._fs is None and slow._fs is not None
+    fast.write_bytes("late.bin", b"x")  # writes still go through s3fs, created on demand
+    assert fast._fs is not None and fast.read_bytes("late.bin") == b"x"
+
+
 def test_selection(monkeypatch: pytest.MonkeyPatch, s3_uri: str, s3_opts: dict[str, Any]) -> None:
     auto = "obstore" if AUTO_PICKS_OBSTORE else "s3fs"
     assert _storage(monkeypatch, "auto", s3_uri, s3_opts).read_backend == auto
