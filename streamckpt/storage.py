@@ -34,8 +34,8 @@ buffer: that copy is the resident-memory cost of the faster client).
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime
 import base64
+import collections
 import concurrent.futures as cf
 import hashlib
 import http.client
@@ -47,6 +47,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 import fsspec
@@ -910,28 +911,50 @@ class Storage:
 
 
 class _Gate:
-    """At most ``count`` requests and ``nbytes`` bytes in flight (one request always may go)."""
+    """At most ``count`` requests and ``nbytes`` bytes in flight (one request always may go).
+
+    First come, first served: a release wakes only the waiters at the head that now fit
+    (a Condition's notify_all re-ran every waiter's test, O(n^2) wake-ups for n reads).
+    """
 
     def __init__(self, count: int, nbytes: int) -> None:
         self._count = count
         self._bytes = nbytes
-        self._used = (0, 0)
-        self._cond = asyncio.Condition()
+        self._requests = 0
+        self._used = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    def _fits(self, n: int) -> bool:
+        return self._requests == 0 or (self._requests < self._count and self._used + n <= self._bytes)
 
     async def acquire(self, n: int) -> None:
-        async with self._cond:
-            await self._cond.wait_for(
-                lambda: self._used[0] == 0 or (self._used[0] < self._count and self._used[1] + n <= self._bytes)
-            )
-            self._used = (self._used[0] + 1, self._used[1] + n)
+        if not self._waiters and self._fits(n):
+            self._requests += 1
+            self._used += n
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((n, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(n)  # granted, then cancelled before it ran: give the slot back
+            raise
 
     def release(self, n: int) -> None:
-        self._used = (self._used[0] - 1, self._used[1] - n)
-        asyncio.ensure_future(self._notify())
-
-    async def _notify(self) -> None:
-        async with self._cond:
-            self._cond.notify_all()
+        self._requests -= 1
+        self._used -= n
+        while self._waiters:
+            want, fut = self._waiters[0]
+            if fut.done():  # cancelled while waiting
+                self._waiters.popleft()
+                continue
+            if not self._fits(want):
+                break
+            self._waiters.popleft()
+            self._requests += 1
+            self._used += want
+            fut.set_result(None)
 
 
 def _worst(errors: Sequence[BaseException]) -> BaseException:

@@ -248,3 +248,43 @@ def test_credentials_never_logged_raised_or_stored(
     assert secret not in everything
     ours = "\n".join(texts + [r.getMessage() for r in caplog.records if r.name.startswith("streamckpt")])
     assert key not in ours
+
+
+def test_gate_bounds_requests_and_bytes_first_come_first_served() -> None:
+    """The obstore path's admission gate: never more than its bounds, in arrival order,
+    a cancelled waiter leaves no hole, and one request always goes even if oversized."""
+    import asyncio
+
+    from streamckpt.storage import _Gate
+
+    async def scenario() -> list[tuple[str, int, int]]:
+        gate = _Gate(count=2, nbytes=10)
+        log: list[tuple[str, int, int]] = []
+
+        async def job(name: str, n: int, hold: asyncio.Event) -> None:
+            await gate.acquire(n)
+            log.append((name, gate._requests, gate._used))
+            await hold.wait()
+            gate.release(n)
+
+        holds = {k: asyncio.Event() for k in "abcdefg"}
+        tasks = {k: asyncio.ensure_future(job(k, n, holds[k]))
+                 for k, n in zip("abcdefg", [40, 3, 6, 4, 4, 1, 1])}
+        await asyncio.sleep(0.01)
+        assert [e[0] for e in log] == ["a"]  # 40 > 10 bytes, but alone it may go
+        holds["a"].set()
+        await asyncio.sleep(0.01)
+        assert [e[0] for e in log] == ["a", "b", "c"]  # 3 + 6 fit; d (4) would not
+        tasks["d"].cancel()  # waiting: leaves the queue without taking anything
+        holds["b"].set()
+        await asyncio.sleep(0.01)
+        assert [e[0] for e in log] == ["a", "b", "c", "e"]  # e next in line; f waits behind it (2 requests)
+        for k in "cefg":
+            holds[k].set()
+        await asyncio.gather(*(t for k, t in tasks.items() if k != "d"))
+        assert (gate._requests, gate._used) == (0, 0)
+        return log
+
+    log = asyncio.run(scenario())
+    assert [e[0] for e in log] == ["a", "b", "c", "e", "f", "g"]
+    assert all(r <= 2 and (u <= 10 or r == 1) for _, r, u in log)
