@@ -68,6 +68,9 @@ class SoloComm:
         if exc is not None:
             raise exc
 
+    def max_ints(self, values: list[int]) -> list[int]:
+        return list(values)
+
     def exchange(self, sends: Sequence[P2P], recvs: Sequence[P2P]) -> list[Any]:
         if sends or recvs:
             raise RuntimeError("internal: point-to-point traffic in a single-process load")
@@ -151,6 +154,15 @@ class GroupComm:
         if size:
             self.dist.broadcast(buf, self._global(src), group=self.group)
         return bytes(buf.cpu().numpy().tobytes())
+
+    def max_ints(self, values: list[int]) -> list[int]:
+        """Element-wise maximum of every rank's ``values``."""
+        t = self._int_tensor(values)
+        try:
+            self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as e:
+            raise _backend_failure("agreeing on the plan's rounds with all ranks", e) from None
+        return [int(x) for x in t.tolist()]
 
     def agree(self, exc: BaseException | None) -> None:
         """All ranks learn whether any failed; if so every rank raises."""

@@ -17,7 +17,7 @@ from .comm import GroupComm, SoloComm, encode_error, raise_agreed
 from .errors import CheckpointError, MissingKeysError
 from .formats import read_manifest
 from .pipeline import Destinations, Executor
-from .plan import IdentityView, LoadPlan, PlanOptions, build_plan
+from .plan import IdentityView, LoadPlan, PlanOptions, build_plan, settle_rounds
 from .results import LoadResult
 from .storage import Storage
 from .targets import LocalTarget, TargetSpec, ValueSlot, collect
@@ -90,7 +90,7 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
     missing: list[str] = []
     try:
         view = _view(manifest, req.transforms)
-        plan = build_plan(manifest, all_specs, req.options, view)
+        plan = build_plan(manifest, all_specs, req.options, view, rank=comm.rank)
         missing = plan.missing[comm.rank] + [v.key for v in values if v.key not in manifest.values]
         any_missing = any(plan.missing) or bool(missing)
         if req.strict and any_missing:
@@ -106,6 +106,7 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
     comm.agree(own)
     if plan is None:  # pragma: no cover - agree() raised already
         raise CheckpointError("internal: no plan after agreement")
+    settle_rounds(plan, comm.max_ints)
     dest = Destinations({
         uid: t.tensor for uid, t in zip(plan.rank_targets[comm.rank], targets) if uid >= 0
     })

@@ -246,7 +246,7 @@ class Executor:
                 for c, o in zip(m.copies, offs):
                     payload[o: o + c.length].copy_(staged[c.offset: c.offset + c.length])
             self.stats.bytes_sent += payload.numel()
-            sends.append(P2P(m.peer, self._to_comm_device(payload), _tag(m.read_index)))
+            sends.append(P2P(m.peer, self._to_comm_device(payload), self.plan.reads[m.read_index].tag))
         recvs: list[P2P] = []
         landed: list[tuple[Message, torch.Tensor]] = []
         for m in rnd.recvs:
@@ -256,7 +256,7 @@ class Executor:
             if self.comm.device.type == "cuda":
                 buf = torch.empty(size, dtype=torch.uint8, device=self.comm.device)
             self.stats.bytes_received += size
-            recvs.append(P2P(m.peer, buf, _tag(m.read_index)))
+            recvs.append(P2P(m.peer, buf, self.plan.reads[m.read_index].tag))
             landed.append((m, buf))
         return self.comm.exchange(sends, recvs), landed
 
@@ -349,10 +349,6 @@ class Executor:
                 pending.result(timeout=60)
             except BaseException:  # noqa: BLE001 - already failing
                 pass
-
-
-def _tag(read_index: int) -> int:
-    return read_index % (1 << 30)
 
 
 def _result(fut: cf.Future) -> int:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import zlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 from . import dtypes
 from .errors import IncompatibleStateDictError, TransformError
@@ -165,8 +166,9 @@ class Read:
     zstd: bool
     staging: int  # bytes of the decoded staging buffer
     copies: list[Copy]
-    private: bool = False  # read_once=False: serves only its reader
+    private: bool = False  # serves only its reader (no messages)
     round: int = 0
+    tag: int = 0  # message tag, the same on every rank that plans this read
 
     @property
     def length(self) -> int:
@@ -206,6 +208,13 @@ class Read:
 
 @dataclass(slots=True)
 class LoadPlan:
+    """The reads a rank takes part in (every rank's with ``rank=None``) and their rounds.
+
+    A plan made for one rank is complete only after ``settle_rounds``: the
+    rounds of reads shared between ranks that planned them apart depend on two
+    maxima over all ranks (see ``settle_rounds``).
+    """
+
     world_size: int
     targets: list[Target]
     reads: list[Read]
@@ -214,9 +223,69 @@ class LoadPlan:
     missing: list[list[str]]  # per rank
     unexpected: list[str]
     options: PlanOptions = field(default_factory=PlanOptions)
+    rank: int | None = None  # None: planned for every rank
+    base_rounds: int = 0  # rounds before the edge rounds (this plan's own claim until settled)
+    edge_degree: int = 0  # distinct rank groups this plan's edge reads serve (the max over ranks once settled)
+    edge_reads: list[Read] = field(default_factory=list)
+    settled: bool = False
 
     def needers_of(self, copy: Copy) -> list[int]:
         return self.targets[copy.target].needers
+
+    def round_claim(self) -> list[int]:
+        """What this rank contributes to the two maxima that place edge reads."""
+        return [self.base_rounds, self.edge_degree]
+
+    def place_edges(self, base_rounds: int, degree: int) -> int:
+        """Give edge reads their rounds after ``base_rounds``; returns the edge rounds this plan uses.
+
+        Reads shared between private targets of different ranks (a checksum
+        chunk at the seam of two ZeRO slices) are planned by each rank that
+        needs them, each seeing the same reads in the same order. Every group
+        of ranks packs its edge reads greedily into ``round_cap / degree``
+        bytes per round, so that a rank in at most ``degree`` groups stays
+        within its budget in every edge round.
+        """
+        self.base_rounds = base_rounds
+        self.edge_degree = degree
+        share = max(1, self.options.round_cap // max(1, degree))
+        groups: dict[tuple[int, ...], list[Read]] = {}
+        for r in self.edge_reads:
+            groups.setdefault(_ranks_of(r, self.targets), []).append(r)
+        used_rounds = 0
+        for reads in groups.values():
+            j, used = 0, 0
+            for r in reads:
+                cost = max(_costs(r, self.targets).values())
+                if used > 0 and used + cost > share:
+                    j, used = j + 1, 0
+                used += cost
+                r.round = base_rounds + j
+            used_rounds = max(used_rounds, j + 1)
+        return used_rounds
+
+    def finish(self, edge_rounds: int) -> None:
+        self.num_rounds = self.base_rounds + edge_rounds
+        self.settled = True
+
+
+def settle_rounds(plan: LoadPlan, reduce_max: Callable[[list[int]], list[int]]) -> LoadPlan:
+    """Complete a one-rank plan: ``reduce_max`` is an element-wise max over all ranks' lists."""
+    if plan.settled:
+        return plan
+    base, degree = reduce_max(plan.round_claim())
+    (edge_rounds,) = reduce_max([plan.place_edges(base, degree)])
+    plan.finish(edge_rounds)
+    return plan
+
+
+def settle_all(plans: Sequence[LoadPlan]) -> None:
+    """``settle_rounds`` for one-rank plans held side by side (simulations, benchmarks)."""
+    claims = [p.round_claim() for p in plans]
+    base, degree = (max(c[i] for c in claims) for i in range(2))
+    edge_rounds = max(p.place_edges(base, degree) for p in plans)
+    for p in plans:
+        p.finish(edge_rounds)
 
 
 # ------------------------------------------------------------------ the index
@@ -316,65 +385,108 @@ def build_plan(
     targets_by_rank: Sequence[Sequence[TargetSpec]],
     options: PlanOptions = PlanOptions(),
     view: ViewLike | None = None,
+    rank: int | None = None,
 ) -> LoadPlan:
-    """Plan a load of every rank's targets from ``manifest``."""
+    """Plan a load of every rank's targets from ``manifest``.
+
+    With ``rank`` the plan holds only the reads that rank takes part in, and
+    targets held by a single rank (ZeRO slices, unreplicated TP shards) are
+    planned only by the ranks whose reads they can share a checksum chunk
+    with, so the cost grows with the targets near this rank, not with the
+    world. Such a plan needs ``settle_rounds`` before it runs.
+    """
     view = view or IdentityView(manifest)
     world = len(targets_by_rank)
     targets, rank_targets = _dedupe(targets_by_rank)
     missing: list[list[str]] = [[] for _ in range(world)]
     live: list[int] = []
+    checked: set[tuple[str, str, tuple[int, ...]]] = set()
+    transformed = getattr(view, "transformed", True)
     for uid, t in enumerate(targets):
-        vt = view.tensors.get(t.spec.key)
+        spec = t.spec
+        vt = view.tensors.get(spec.key)
         if vt is None:
             for r in t.needers:
-                missing[r].append(t.spec.key)
+                missing[r].append(spec.key)
             continue
-        _check_target(t.spec, vt, getattr(view, "transformed", True), t.needers)
+        if (spec.key, spec.dtype, spec.global_shape) not in checked:
+            _check_target(spec, vt, transformed, t.needers)
+            checked.add((spec.key, spec.dtype, spec.global_shape))
         live.append(uid)
-    for r in range(world):
-        rank_targets[r] = [
-            uid if view.tensors.get(targets[uid].spec.key) is not None else -1 for uid in rank_targets[r]
-        ]
+    if len(live) < len(targets):
+        alive = [False] * len(targets)
+        for u in live:
+            alive[u] = True
+        rank_targets = [[u if alive[u] else -1 for u in mine] for mine in rank_targets]
     wanted = {targets[u].spec.key for u in live}
     unexpected = sorted(k for k in view.tensors if k not in wanted)
 
-    indexes: dict[str, _TensorIndex] = {}
-    offsets = _FrameOffsets()
-    needs: list[_Need] = []
-    for uid in live:
-        owners = targets[uid].needers if not options.read_once else [-1]
-        for need in _needs_for_target(uid, targets[uid].spec, view, manifest, indexes, options, offsets):
-            if len(owners) == 1:
-                need.owner = owners[0]
-                needs.append(need)
-            else:
-                for o in owners:
-                    needs.append(_Need(need.file, need.fetch_start, need.fetch_stop, need.shard,
-                                       need.chunk_lo, need.chunk_hi, need.raw_start, _fresh(need.copy), o,
-                                       need.raw_total))
-    targets_needers = [tuple(t.needers) for t in targets]
-    reads = _coalesce(needs, options, offsets, targets_needers)
-    _assign_readers(reads, needs_world=world, targets=targets, read_once=options.read_once)
-    num_rounds = _pack_rounds(reads, targets, world, options)
-    return LoadPlan(world, targets, reads, num_rounds, rank_targets, missing, unexpected, options)
+    ctx = _Ctx(manifest, view, options, targets)
+    focus = set(range(world)) if rank is None else {rank}
+    if options.read_once:
+        private_keys = _private_keys(targets, live, view)
+        shared_uids = [u for u in live if targets[u].spec.key not in private_keys]
+        private_uids = [u for u in live if targets[u].spec.key in private_keys]
+        if rank is not None:
+            private_uids = _closure(rank, private_uids, rank_targets[rank], ctx)
+        own, edges = _plan_private(private_uids, focus, ctx)
+    else:
+        shared_uids = []
+        mine = live if rank is None else sorted({u for u in rank_targets[rank] if u >= 0})
+        own, edges = _plan_owned(mine, ctx, focus), []
+    shared = _plan_shared(shared_uids, ctx, world, private_keys if options.read_once else set())
+    rounds = _Rounds(world, options.round_cap)
+    for i, r in enumerate(shared):
+        r.tag = i
+        rounds.place(r, targets)
+    for r in own:
+        rounds.place(r, targets)
+    for r in edges:
+        r.tag = _edge_tag(r)
+    if rank is not None:
+        shared = [r for r in shared if _involves(r, rank, targets)]
+    plan = LoadPlan(world, targets, shared + own + edges, 0, rank_targets, missing, unexpected, options,
+                    rank=rank, base_rounds=rounds.count(focus), edge_reads=edges)
+    plan.edge_degree = _degree(edges, focus, targets)
+    if rank is None:
+        plan.finish(plan.place_edges(plan.base_rounds, plan.edge_degree))
+    return plan
+
+
+@dataclass(slots=True)
+class _Ctx:
+    """What every planning step reads, and the caches they share."""
+
+    manifest: Manifest
+    view: ViewLike
+    options: PlanOptions
+    targets: list[Target]
+    indexes: dict[str, "_TensorIndex"] = field(default_factory=dict)
+    offsets: "_FrameOffsets" = field(default_factory=lambda: _FrameOffsets())
+
+    def needs(self, uid: int) -> Iterable["_Need"]:
+        return _needs_for_target(uid, self.targets[uid].spec, self.view, self.manifest, self.indexes,
+                                 self.options, self.offsets)
+
+    def index(self, key: str) -> "_TensorIndex":
+        index = self.indexes.get(key)
+        if index is None:
+            index = self.indexes[key] = _TensorIndex(self.manifest.tensors[key].shards)
+        return index
 
 
 def _dedupe(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> tuple[list[Target], list[list[int]]]:
+    """Distinct target specs (ids in first-seen order) and the ranks holding each."""
     uid_of: dict[TargetSpec, int] = {}
-    targets: list[Target] = []
-    rank_targets: list[list[int]] = []
-    for r, specs in enumerate(targets_by_rank):
-        mine = []
-        for s in specs:
-            uid = uid_of.get(s)
-            if uid is None:
-                uid = uid_of[s] = len(targets)
-                targets.append(Target(s, []))
-            if not targets[uid].needers or targets[uid].needers[-1] != r:
-                targets[uid].needers.append(r)
-            mine.append(uid)
-        rank_targets.append(mine)
-    return targets, rank_targets
+    seen = uid_of.setdefault
+    rank_targets = [[seen(s, len(uid_of)) for s in specs] for specs in targets_by_rank]
+    needers: list[list[int]] = [[] for _ in range(len(uid_of))]
+    for r, mine in enumerate(rank_targets):
+        for u in mine:
+            held = needers[u]
+            if not held or held[-1] != r:
+                held.append(r)
+    return [Target(s, n) for s, n in zip(uid_of, needers)], rank_targets
 
 
 def _check_target(spec: TargetSpec, vt: Any, transformed: bool, needers: Sequence[int] = ()) -> None:
@@ -566,6 +678,7 @@ def _aligned_cuts(start: int, stop: int, step: int, align: int) -> list[tuple[in
 
 def _coalesce(
     needs: list[_Need], options: PlanOptions, offsets: "_FrameOffsets", targets_needers: list[tuple[int, ...]],
+    barriers: Mapping[str, list[tuple[int, int]]] | None = None,
 ) -> list[Read]:
     groups: dict[tuple[int, str], list[int]] = {}
     for i, n in enumerate(needs):
@@ -576,8 +689,15 @@ def _coalesce(
         ranges = [(needs[i].fetch_start, needs[i].fetch_stop) for i in idxs]
         # gaps are bridged only between ranges the same ranks need: a rank's private
         # rows are not read by a peer just because they sit next to shared ones
-        keys = [targets_needers[needs[i].copy.target] if owner < 0 else () for i in idxs]
+        keys: list[object] = [targets_needers[needs[i].copy.target] if owner < 0 else () for i in idxs]
+        # bytes planned elsewhere (private targets' shards) are never read through
+        fence = (barriers or {}).get(file, ())
+        for lo, hi in fence:
+            ranges.append((lo, hi))
+            keys.append(object())
         for start, stop, members in coalesce(ranges, opts, keys):
+            if members[0] >= len(idxs):
+                continue  # a barrier
             reads.append(_make_read(file, start, stop, [needs[idxs[m]] for m in members], owner, offsets))
     return reads
 
@@ -652,10 +772,8 @@ def _fresh(c: Copy) -> Copy:
                 c.dst_base, c.dst_frame, c.perm)
 
 
-def _assign_readers(reads: list[Read], needs_world: int, targets: list[Target], read_once: bool) -> None:
+def _assign_readers(reads: list[Read], needs_world: int, targets: list[Target]) -> None:
     """Each shared read goes to the least-loaded rank (by bytes) among those needing it."""
-    if not read_once:
-        return
     load = [0] * needs_world
     for r in reads:
         cands: set[int] = set()
@@ -694,41 +812,342 @@ def messages_of(r: Read, targets: list[Target]) -> dict[int, list[Copy]]:
     return out
 
 
-def _pack_rounds(reads: list[Read], targets: list[Target], world: int, options: PlanOptions) -> int:
-    """Greedy: a read goes to the earliest round where every rank it touches has room."""
-    cap = options.round_cap
-    cur = [0] * world
-    used = [0] * world
-    sole = [t.needers[0] if len(t.needers) == 1 else -1 for t in targets]  # the only rank needing it
-    last = -1
-    for r in reads:
-        cost = read_cost(r)
-        reader = r.reader
-        if r.private or all(sole[c.target] == reader for c in r.copies):
-            # only the reader is involved: its own staging decides
-            u = used[reader]
-            rnd = cur[reader] + 1 if u > 0 and u + cost > cap else cur[reader]
-            if rnd > cur[reader]:
-                cur[reader] = rnd
+def _costs(r: Read, targets: list[Target]) -> dict[int, int]:
+    """Staging bytes read ``r`` takes on each rank it involves in its round."""
+    reader = r.reader
+    costs = {reader: read_cost(r)}
+    if r.private:
+        return costs
+    needers = [targets[c.target].needers for c in r.copies]
+    first = needers[0]
+    if all(n is first for n in needers):  # one target set (a replicated box): one message shape
+        size = message_layout(r.copies)[1]
+        for rank in first:
+            if rank != reader:
+                costs[rank] = size
+                if len(r.copies) > 1:
+                    costs[reader] += size
+        return costs
+    for rank, copies in messages_of(r, targets).items():
+        size = message_layout(copies)[1]
+        costs[rank] = size
+        if len(copies) > 1:
+            costs[reader] += size
+    return costs
+
+
+class _Rounds:
+    """Greedy round packing: a read goes to the earliest round (at or after each
+    involved rank's current one) where every involved rank still has room."""
+
+    def __init__(self, world: int, cap: int) -> None:
+        self.cap = cap
+        self.cur = [0] * world
+        self.used = [0] * world
+        self.touched = [False] * world
+
+    def place(self, r: Read, targets: list[Target]) -> None:
+        cap, cur, used = self.cap, self.cur, self.used
+        if r.private:
+            reader = r.reader
+            cost = read_cost(r)
+            if used[reader] > 0 and used[reader] + cost > cap:
+                cur[reader] += 1
                 used[reader] = 0
             used[reader] += cost
-            r.round = rnd
-            last = rnd if rnd > last else last
-            continue
-        costs: dict[int, int] = {reader: cost}
-        for rank, copies in messages_of(r, targets).items():
-            size = message_layout(copies)[1]
-            costs[reader] += size if len(copies) > 1 else 0
-            costs[rank] = costs.get(rank, 0) + size
+            self.touched[reader] = True
+            r.round = cur[reader]
+            return
+        costs = _costs(r, targets)
         rnd = 0
         for rank, c in costs.items():
-            need_new = used[rank] > 0 and used[rank] + c > cap
-            rnd = max(rnd, cur[rank] + (1 if need_new else 0))
+            u = used[rank]
+            x = cur[rank] + 1 if u and u + c > cap else cur[rank]
+            if x > rnd:
+                rnd = x
+        touched = self.touched
         for rank, c in costs.items():
             if cur[rank] < rnd:
                 cur[rank] = rnd
-                used[rank] = 0
-            used[rank] += c
+                used[rank] = c
+            else:
+                used[rank] += c
+            touched[rank] = True
         r.round = rnd
-        last = max(last, rnd)
-    return last + 1
+
+    def count(self, ranks: Iterable[int]) -> int:
+        """Rounds used by the busiest of ``ranks`` so far."""
+        return max((self.cur[r] + 1 for r in ranks if self.touched[r]), default=0)
+
+
+def _involves(r: Read, rank: int, targets: list[Target]) -> bool:
+    return r.reader == rank or any(rank in targets[c.target].needers for c in r.copies)
+
+
+def _ranks_of(r: Read, targets: list[Target]) -> tuple[int, ...]:
+    return tuple(sorted({n for c in r.copies for n in targets[c.target].needers}))
+
+
+def _degree(edges: list[Read], focus: set[int], targets: list[Target]) -> int:
+    """The most distinct groups of ranks that edge reads make one rank of ``focus`` serve."""
+    groups: dict[int, set[tuple[int, ...]]] = {}
+    for g in {_ranks_of(r, targets) for r in edges}:
+        for rank in g:
+            if rank in focus:
+                groups.setdefault(rank, set()).add(g)
+    return max((len(v) for v in groups.values()), default=0)
+
+
+def _edge_tag(r: Read) -> int:
+    """A tag both ends of an edge read derive alike (they number their reads differently)."""
+    return (zlib.crc32(r.file.encode()) * 1_000_003 + r.start) % (1 << 30)
+
+
+# ------------------------------------------------------------------ private targets
+
+
+def _private_keys(targets: list[Target], live: Sequence[int], view: ViewLike) -> set[str]:
+    """Tensors every live target of which one rank alone holds: planned near their ranks.
+
+    Only with the identity view: under transforms one stored tensor can feed
+    several names, so its reads may be shared across keys.
+    """
+    if not isinstance(view, IdentityView):
+        return set()
+    shared: set[str] = set()
+    keys: set[str] = set()
+    for u in live:
+        t = targets[u]
+        keys.add(t.spec.key)
+        if len(t.needers) > 1:
+            shared.add(t.spec.key)
+    return keys - shared
+
+
+def _rows(box: Box, flat: tuple[int, int] | None) -> tuple[int, int]:
+    """Dim-0 rows ``[r0, r1)`` a box (or a flat range of it) covers."""
+    if box.ndim == 0:
+        return 0, 1
+    r0, n = box.offset[0], box.shape[0]
+    if flat is None:
+        return r0, r0 + n
+    inner = math.prod(box.shape[1:])
+    if inner == 0:
+        return r0, r0
+    return r0 + flat[0] // inner, r0 + -(-flat[1] // inner)
+
+
+def _meets(a: Box, ra: tuple[int, int], b: Box, rb: tuple[int, int]) -> bool:
+    """Whether two regions given by bounding box and row range may share elements."""
+    if a.ndim == 0 or b.ndim == 0:
+        return True
+    if ra[0] >= rb[1] or rb[0] >= ra[1]:
+        return False
+    for d in range(1, a.ndim):
+        if a.offset[d] >= b.offset[d] + b.shape[d] or b.offset[d] >= a.offset[d] + a.shape[d]:
+            return False
+    return True
+
+
+def _closure(rank: int, private_uids: Sequence[int], mine: Sequence[int], ctx: _Ctx) -> list[int]:
+    """Private targets whose needs can share a stored shard with ``rank``'s own.
+
+    Every target that meets a shard one of the rank's targets meets is in it,
+    so every chain of overlapping reads through such a shard is seen whole —
+    the same on each rank of the chain.
+    """
+    targets = ctx.targets
+    own = {u for u in mine if u >= 0}
+    by_key: dict[str, list[int]] = {}
+    for u in private_uids:
+        by_key.setdefault(targets[u].spec.key, []).append(u)
+    out: list[int] = []
+    for key, uids in by_key.items():
+        mine_here = [u for u in uids if u in own]
+        if not mine_here:
+            continue
+        regions = [(targets[u].spec.box, _rows(targets[u].spec.box, targets[u].spec.flat_range)) for u in uids]
+        shards = [(s.box, _rows(s.box, s.flat_range)) for s in ctx.manifest.tensors[key].shards]
+        touched = [
+            sb for sb in shards
+            if any(_meets(regions[i][0], regions[i][1], *sb) for i, u in enumerate(uids) if u in own)
+        ]
+        out.extend(u for i, u in enumerate(uids) if u in own or any(_meets(*regions[i], *sb) for sb in touched))
+    return out
+
+
+def _plan_owned(uids: Sequence[int], ctx: _Ctx, focus: set[int]) -> list[Read]:
+    """read_once=False: every needer (of those in ``focus``) reads its own needs."""
+    needs: list[_Need] = []
+    for uid in uids:
+        for need in ctx.needs(uid):
+            for o in ctx.targets[uid].needers:
+                if o not in focus:
+                    continue
+                needs.append(_Need(need.file, need.fetch_start, need.fetch_stop, need.shard, need.chunk_lo,
+                                   need.chunk_hi, need.raw_start, _fresh(need.copy), o, need.raw_total))
+    return _coalesce(needs, ctx.options, ctx.offsets, [])
+
+
+def _plan_shared(uids: Sequence[int], ctx: _Ctx, world: int, private_keys: set[str]) -> list[Read]:
+    """Targets more than one rank holds: planned alike on every rank."""
+    if not uids:
+        return []
+    needs = [n for uid in uids for n in ctx.needs(uid)]
+    fences: dict[str, list[tuple[int, int]]] = {}
+    for key in private_keys:
+        for sh in ctx.manifest.tensors[key].shards:
+            fences.setdefault(sh.file, []).append((sh.byte_offset, sh.byte_offset + sh.byte_length))
+    files = {n.file for n in needs}
+    barriers = {f: _merge_ranges(fences[f]) for f in files if f in fences}
+    reads = _coalesce(needs, ctx.options, ctx.offsets, [tuple(t.needers) for t in ctx.targets], barriers)
+    _assign_readers(reads, world, ctx.targets)
+    return reads
+
+
+def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _plan_private(uids: Sequence[int], focus: set[int], ctx: _Ctx) -> tuple[list[Read], list[Read]]:
+    """Reads of single-holder targets: each rank's own, and the shared "edge" reads.
+
+    Needs whose fetched bytes overlap form chains (ZeRO slices meeting inside a
+    checksum chunk). A contiguous need is cut at chunk boundaries so only the
+    chunks two ranks both touch are read once and shared; the rest stays
+    private. Returns reads for ranks in ``focus``: (private reads, edge reads).
+    """
+    by_file: dict[str, list[_Need]] = {}
+    for uid in uids:
+        owner = ctx.targets[uid].needers[0]
+        for need in ctx.needs(uid):
+            need.owner = owner
+            by_file.setdefault(need.file, []).append(need)
+    own: list[Read] = []
+    edges: list[Read] = []
+    for file in sorted(by_file):
+        ns = by_file[file]
+        ns.sort(key=lambda n: (n.fetch_start, n.fetch_stop))
+        units: list[list[_Need]] = []
+        for comp in _chains(ns):
+            owners = {n.owner for n in comp}
+            if len(owners) == 1:
+                units.append(comp)
+            elif owners & focus:
+                split = sorted(_split_contested(comp, ctx.offsets), key=lambda n: (n.fetch_start, n.fetch_stop))
+                units.extend(_chains(split))
+            else:
+                units.append(comp)  # not ours: it only fences our reads off its bytes
+        units.sort(key=lambda u: u[0].fetch_start)
+        _private_reads(file, units, focus, ctx, own, edges)
+    return own, edges
+
+
+def _chains(ns: Sequence[_Need]) -> list[list[_Need]]:
+    """Maximal runs of needs (sorted by start) whose fetched bytes overlap."""
+    out: list[list[_Need]] = []
+    stop = -1
+    for n in ns:
+        if out and n.fetch_start < stop:
+            out[-1].append(n)
+            stop = max(stop, n.fetch_stop)
+        else:
+            out.append([n])
+            stop = n.fetch_stop
+    return out
+
+
+def _private_reads(
+    file: str, units: list[list[_Need]], focus: set[int], ctx: _Ctx, own: list[Read], edges: list[Read],
+) -> None:
+    """Turn chains into reads: edge reads as they are, a rank's own chains merged
+    across small gaps inside one shard (or with no gap), never across another's bytes."""
+    opts = ctx.options
+    small = CoalesceOptions().small_gap_bytes
+    ratio = CoalesceOptions().max_gap_ratio
+    cur: list[_Need] | None = None
+    cur_owner, start, stop = -1, 0, 0
+    for unit in units:
+        owners = {n.owner for n in unit}
+        u_start = unit[0].fetch_start
+        u_stop = max(n.fetch_stop for n in unit)
+        if len(owners) > 1:
+            if cur is not None:
+                own.append(_make_read(file, start, stop, cur, cur_owner, ctx.offsets))
+                cur = None
+            if owners & focus:
+                edges.append(_edge_read(file, u_start, u_stop, unit, ctx))
+            continue
+        owner = unit[0].owner
+        if cur is not None:
+            gap = u_start - stop
+            merged = u_stop - start
+            close = (
+                owner == cur_owner
+                and (gap == 0 or unit[0].shard is cur[-1].shard)
+                and (gap <= small or (gap <= opts.max_gap_bytes and gap <= ratio * merged))
+                and merged <= max(opts.max_piece_bytes, 1)
+            )
+            if close:
+                cur.extend(unit)
+                stop = u_stop
+                continue
+            own.append(_make_read(file, start, stop, cur, cur_owner, ctx.offsets))
+            cur = None
+        if owner in focus:
+            cur, cur_owner, start, stop = list(unit), owner, u_start, u_stop
+        else:
+            cur = None
+    if cur is not None:
+        own.append(_make_read(file, start, stop, cur, cur_owner, ctx.offsets))
+
+
+def _edge_read(file: str, start: int, stop: int, members: list[_Need], ctx: _Ctx) -> Read:
+    """A read several ranks' private targets share; its reader is the rank needing most of it."""
+    read = _make_read(file, start, stop, members, -1, ctx.offsets)
+    want: dict[int, int] = {}
+    for n in members:
+        want[n.owner] = want.get(n.owner, 0) + n.copy.length
+    read.reader = min(want, key=lambda r: (-want[r], r))
+    return read
+
+
+def _split_contested(comp: list[_Need], offsets: "_FrameOffsets") -> list[_Need]:
+    """Cut contiguous needs so that the chunks another rank also touches stand apart."""
+    spans = [(n.chunk_lo, n.chunk_hi, n.owner) for n in comp]
+    out: list[_Need] = []
+    for n in comp:
+        c = n.copy
+        isz = dtypes.itemsize(c.src_dtype)
+        cs = n.shard.chunk_size
+        splittable = (
+            cs > 0 and cs % isz == 0 and n.chunk_hi - n.chunk_lo > 1 and len(c.src_shape) == 1
+            and c.src_strides == (1,) and c.perm is None and c.dst_box.ndim == 1
+        )
+        if not splittable:
+            out.append(n)
+            continue
+        cuts: set[int] = set()
+        if any(o != n.owner and lo <= n.chunk_lo < hi for lo, hi, o in spans):
+            cuts.add((n.chunk_lo + 1) * cs)
+        if any(o != n.owner and lo <= n.chunk_hi - 1 < hi for lo, hi, o in spans):
+            cuts.add((n.chunk_hi - 1) * cs)
+        raw_stop = n.raw_start + c.length
+        bounds = [n.raw_start] + sorted(x for x in cuts if n.raw_start < x < raw_stop) + [raw_stop]
+        if len(bounds) == 2:
+            out.append(n)
+            continue
+        for a, b in zip(bounds, bounds[1:]):
+            k, m = (a - n.raw_start) // isz, (b - a) // isz
+            part = Copy(c.target, -1, b - a, c.src_dtype, (m,), (1,), Box((c.dst_box.offset[0] + k,), (m,)),
+                        c.dst_base, c.dst_frame, None)
+            piece = _need_bytes(n.shard, a, b, part, isz, offsets)
+            piece.owner = n.owner
+            out.append(piece)
+    return out

@@ -12,7 +12,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
@@ -22,9 +22,12 @@ from .regions import Box
 from .sharded import ShardedTensor
 
 
-@dataclass(frozen=True, slots=True)
-class TargetSpec:
-    """What one rank holds of one tensor: a box (maybe a flat range of it)."""
+class TargetSpec(NamedTuple):
+    """What one rank holds of one tensor: a box (maybe a flat range of it).
+
+    A tuple, so that deduplicating hundreds of thousands of them across ranks
+    hashes at C speed.
+    """
 
     key: str
     dtype: str

@@ -714,6 +714,10 @@ def test_zero_flat_shards_by_4_loaded_as_other_flat_ranges_by_2(w4: ScenarioResu
     needed = math.prod(ZERO["p"][0]) * 4 + math.prod(ZERO["q"][0]) * 2
     assert sum(s["bytes_needed"] for s in stats) == needed
     assert sum(s["bytes_read"] for s in stats) <= needed * 1.05
+    # each rank reads its own slices; only the checksum chunk each seam cuts is read once and sent
+    sent = [s["bytes_sent"] for s in stats]
+    assert sum(sent) == sum(s["bytes_received"] for s in stats)
+    assert 0 < sum(sent) <= 2 * 4096, sent
 
 
 def test_zero_flat_shards_loaded_as_boxes_by_2(w4: ScenarioResults, w2: ScenarioResults) -> None:

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from streamckpt.manifest import Manifest, Shard, TensorMeta, validate
 from streamckpt.pipeline import Destinations, local_schedule
-from streamckpt.plan import PlanOptions, build_plan, message_layout, messages_of, read_cost
+from streamckpt.plan import (PlanOptions, _costs, _ranks_of, build_plan, message_layout, messages_of, read_cost,
+                             settle_all)
 from streamckpt.regions import Box
 from streamckpt.targets import TargetSpec
 
@@ -114,6 +115,71 @@ def simulate(plan, files, world, targets_by_rank, dtype):
     return dests, fetched
 
 
+def _signature(read):
+    return (read.file, read.start, read.stop, read.reader, read.round, read.tag,
+            tuple((c.target, c.offset, c.length, c.dst_box, c.dst_base) for c in read.copies))
+
+
+def local_plans(manifest, targets, opts):
+    """One plan per rank, each made as that rank makes it, rounds settled across them."""
+    plans = [build_plan(manifest, targets, opts, rank=r) for r in range(len(targets))]
+    settle_all(plans)
+    return plans
+
+
+def check_local_plans_match_full(plans, full):
+    """The ranks' own plans are the full plan cut to what each rank takes part in."""
+    union = {_signature(r) for p in plans for r in p.reads}
+    assert union == {_signature(r) for r in full.reads}
+    assert {p.num_rounds for p in plans} == {full.num_rounds}
+
+
+def simulate_local(plans, files, world, targets_by_rank, dtype):
+    """Run each rank's schedule from its own plan; sends and receives must pair up
+    exactly (round, peers, tag, size, order) as gloo would match them."""
+    dests = []
+    for r in range(world):
+        tensors = {}
+        for uid, spec in zip(plans[r].rank_targets[r], targets_by_rank[r]):
+            shape = spec.shape if spec.flat_range is None else (spec.numel,)
+            tensors[uid] = torch.full(shape, -7, dtype=dtype)
+        dests.append(Destinations(tensors))
+    sent = defaultdict(list)  # (round, src, dst) -> [(tag, size)]
+    posted = defaultdict(list)
+    fetched = []
+    for r in range(world):
+        for k, rnd in enumerate(local_schedule(plans[r], r)):
+            for m in rnd.recvs:
+                read = plans[r].reads[m.read_index]
+                size = message_layout(m.copies)[1] if len(m.copies) > 1 else m.copies[0].length
+                posted[(k, m.peer, r)].append((read.tag, size))
+            for i, read in rnd.reads:
+                data = files[read.file][read.start:read.stop]
+                fetched.append((read.file, read.start, read.stop))
+                staged = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                for c in read.copies:
+                    if c.target in dests[r].tensors:
+                        dests[r].apply(staged[c.offset:], c)
+                for m in rnd.sends:
+                    if m.read_index != i:
+                        continue
+                    offs, size = message_layout(m.copies)
+                    sent[(k, r, m.peer)].append((read.tag, size if len(m.copies) > 1 else m.copies[0].length))
+                    for c, o in zip(m.copies, offs):
+                        dests[m.peer].apply(staged[c.offset:c.offset + c.length], c)
+    assert dict(sent) == dict(posted)
+    return dests, fetched
+
+
+def check_read_once(fetched):
+    per_file = defaultdict(list)
+    for f, s, e in fetched:
+        per_file[f].append((s, e))
+    for spans in per_file.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "a byte was fetched twice"
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.integers(1, 4), st.booleans(),
        st.sampled_from([256, 2048, 1 << 20]))
@@ -131,12 +197,7 @@ def test_plan_writes_every_target_element_once_and_reads_once(seed, ndim, world,
         for uid, spec in zip(plan.rank_targets[r], targets[r]):
             assert torch.equal(dests[r].tensors[uid], _expected(original, spec)), (r, spec)
     if read_once:
-        per_file = defaultdict(list)
-        for f, s, e in fetched:
-            per_file[f].append((s, e))
-        for spans in per_file.values():
-            spans.sort()
-            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "a byte was fetched twice"
+        check_read_once(fetched)
     else:
         assert all(r.private and not messages_of(r, plan.targets) for r in plan.reads)
     # every round fits each rank's budget (a lone oversized read may sit alone)
@@ -153,6 +214,12 @@ def test_plan_writes_every_target_element_once_and_reads_once(seed, ndim, world,
                 usage[(read.round, read.reader)] += size
     for key, used in usage.items():
         assert used <= opts.round_cap or count[key] == 1, (key, used, opts.round_cap)
+    plans = local_plans(manifest, targets, opts)
+    check_local_plans_match_full(plans, plan)
+    dests, _ = simulate_local(plans, files, world, targets, dtype)
+    for r in range(world):
+        for uid, spec in zip(plan.rank_targets[r], targets[r]):
+            assert torch.equal(dests[r].tensors[uid], _expected(original, spec)), (r, spec)
 
 
 def test_row_slice_reads_only_its_rows():
@@ -192,3 +259,76 @@ def test_missing_keys_and_mismatches():
         build_plan(m, [[TargetSpec("w", "F32", (5,), (0,), (5,))]])
     with pytest.raises(IncompatibleStateDictError, match="dtype"):
         build_plan(m, [[TargetSpec("w", "F16", (4,), (0,), (4,))]])
+
+
+def _zero_targets(rng, shape, world, dtype_code):
+    """Every element held by exactly one rank: boxes of a grid, each whole or cut
+    into flat ranges (ZeRO slices) given to random ranks."""
+    specs = [[] for _ in range(world)]
+    for box in _grid(shape, rng):
+        n = box.numel
+        cuts = sorted(rng.sample(range(1, n), min(n - 1, rng.randint(0, 4)))) if n > 1 else []
+        if not cuts and rng.random() < 0.5:
+            specs[rng.randrange(world)].append(TargetSpec("w", dtype_code, tuple(shape), box.offset, box.shape))
+            continue
+        for a, b in zip([0] + cuts, cuts + [n]):
+            specs[rng.randrange(world)].append(TargetSpec("w", dtype_code, tuple(shape), box.offset, box.shape, (a, b)))
+    return specs
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.integers(2, 5), st.sampled_from([256, 1024, 1 << 20]))
+def test_private_targets_planned_per_rank_read_once_and_match(seed, ndim, world, budget):
+    """Single-holder targets (ZeRO slices) are planned by each rank near its own
+    slices: seams inside a checksum chunk are read once and sent, every value lands."""
+    rng = random.Random(seed)
+    shape = tuple(rng.randint(2, 12) for _ in range(ndim))
+    dtype = rng.choice([torch.float32, torch.int16])
+    manifest, files, original = _make_checkpoint(rng, shape, dtype)
+    code = manifest.tensors["w"].dtype
+    targets = _zero_targets(rng, shape, world, code)
+    opts = PlanOptions(memory_budget=budget, max_gap_bytes=rng.choice([0, 16, 1 << 20]))
+    full = build_plan(manifest, targets, opts)
+    plans = local_plans(manifest, targets, opts)
+    check_local_plans_match_full(plans, full)
+    dests, fetched = simulate_local(plans, files, world, targets, dtype)
+    for r in range(world):
+        for uid, spec in zip(full.rank_targets[r], targets[r]):
+            assert torch.equal(dests[r].tensors[uid], _expected(original, spec)), (r, spec)
+    check_read_once(fetched)
+    # an edge read carries at most the chunks its ranks share, never a whole slice
+    for read in full.edge_reads:
+        assert len({full.targets[c.target].needers[0] for c in read.copies}) > 1
+    # budget: every round fits each rank; an edge round may hold one oversized read per group of ranks
+    usage, count, edge_groups = defaultdict(int), defaultdict(int), defaultdict(lambda: defaultdict(int))
+    edges = {id(r) for r in full.edge_reads}
+    for read in full.reads:
+        for rank, cost in _costs(read, full.targets).items():
+            usage[(read.round, rank)] += cost
+            count[(read.round, rank)] += 1
+            if id(read) in edges:
+                edge_groups[(read.round, rank)][_ranks_of(read, full.targets)] += 1
+    for key, used in usage.items():
+        lone = count[key] == 1 or (key in edge_groups and all(v == 1 for v in edge_groups[key].values()))
+        assert used <= opts.round_cap or lone, (key, used, opts.round_cap)
+
+
+def test_zero_slices_share_only_seam_chunks():
+    """Four ranks hold quarter slices of a flattened 64 KiB tensor stored in 4 KiB
+    chunks: each reads its own chunks; only the 3 chunks the seams cut are shared."""
+    n = 16384  # fp32 elements, 64 KiB
+    chunk = 4096
+    shard = Shard((0,), (n,), "data/0.bin", 0, n * 4, chunk_size=chunk, crc32c=(0,) * (n * 4 // chunk))
+    m = Manifest(tensors={"w": TensorMeta("F32", (n,), (shard,))}, files={"data/0.bin": n * 4})
+    bounds = [0, 4000, 8100, 12300, n]  # not on chunk boundaries (1024 elements per chunk)
+    specs = [[TargetSpec("w", "F32", (n,), (0,), (n,), (a, b))] for a, b in zip(bounds, bounds[1:])]
+    plans = local_plans(m, specs, PlanOptions())
+    full = build_plan(m, specs, PlanOptions())
+    check_local_plans_match_full(plans, full)
+    assert len(full.edge_reads) == 3
+    assert all(r.length == chunk for r in full.edge_reads)
+    assert sum(r.length for r in full.reads) == n * 4  # every byte once
+    for r, p in enumerate(plans):
+        mine = [x for x in p.reads if x.reader == r]
+        assert sum(x.length for x in mine if x.private) >= (bounds[r + 1] - bounds[r]) * 4 - 2 * chunk
+        assert len(p.edge_reads) == (1 if r in (0, 3) else 2)
