@@ -1066,55 +1066,59 @@ def _chains(ns: Sequence[_Need]) -> list[list[_Need]]:
 def _private_reads(
     file: str, units: list[list[_Need]], focus: set[int], ctx: _Ctx, own: list[Read], edges: list[Read],
 ) -> None:
-    """Turn chains into reads: edge reads as they are, a rank's own chains merged
-    across small gaps inside one shard (or with no gap), never across another's bytes."""
+    """Turn chains into reads. Chains of the same ranks merge across small gaps
+    inside one shard, or with no gap at all, never across another's bytes: every
+    rank of an edge read sees the same chains between its ends, so all of them
+    merge alike."""
     opts = ctx.options
     small = CoalesceOptions().small_gap_bytes
     ratio = CoalesceOptions().max_gap_ratio
-    cur: list[_Need] | None = None
-    cur_owner, start, stop = -1, 0, 0
+    cur: list[_Need] = []
+    cur_owners: frozenset[int] = frozenset()
+    start = stop = 0
+
+    def flush() -> None:
+        if not cur:
+            return
+        if len(cur_owners) == 1:
+            own.append(_make_read(file, start, stop, list(cur), next(iter(cur_owners)), ctx.offsets))
+        else:
+            edges.append(_edge_read(file, start, stop, list(cur), ctx))
+        cur.clear()
+
     for unit in units:
-        owners = {n.owner for n in unit}
+        owners = frozenset(n.owner for n in unit)
         u_start = unit[0].fetch_start
         u_stop = max(n.fetch_stop for n in unit)
-        if len(owners) > 1:
-            if cur is not None:
-                own.append(_make_read(file, start, stop, cur, cur_owner, ctx.offsets))
-                cur = None
-            if owners & focus:
-                edges.append(_edge_read(file, u_start, u_stop, unit, ctx))
-            continue
-        owner = unit[0].owner
-        if cur is not None:
+        if cur:
             gap = u_start - stop
             merged = u_stop - start
-            close = (
-                owner == cur_owner
+            if (
+                owners == cur_owners
                 and (gap == 0 or unit[0].shard is cur[-1].shard)
                 and (gap <= small or (gap <= opts.max_gap_bytes and gap <= ratio * merged))
                 and merged <= max(opts.max_piece_bytes, 1)
-            )
-            if close:
+            ):
                 cur.extend(unit)
                 stop = u_stop
                 continue
-            own.append(_make_read(file, start, stop, cur, cur_owner, ctx.offsets))
-            cur = None
-        if owner in focus:
-            cur, cur_owner, start, stop = list(unit), owner, u_start, u_stop
-        else:
-            cur = None
-    if cur is not None:
-        own.append(_make_read(file, start, stop, cur, cur_owner, ctx.offsets))
+            flush()
+        if owners & focus:
+            cur.extend(unit)
+            cur_owners, start, stop = owners, u_start, u_stop
+    flush()
 
 
 def _edge_read(file: str, start: int, stop: int, members: list[_Need], ctx: _Ctx) -> Read:
-    """A read several ranks' private targets share; its reader is the rank needing most of it."""
+    """A read several ranks' private targets share. Its reader needs most of it;
+    among ranks needing comparable shares, a hash of the read spreads the load."""
     read = _make_read(file, start, stop, members, -1, ctx.offsets)
     want: dict[int, int] = {}
     for n in members:
         want[n.owner] = want.get(n.owner, 0) + n.copy.length
-    read.reader = min(want, key=lambda r: (-want[r], r))
+    top = max(want.values())
+    cands = sorted(r for r, w in want.items() if 2 * w >= top)
+    read.reader = cands[_edge_tag(read) % len(cands)]
     return read
 
 
