@@ -26,7 +26,7 @@ import zstandard
 from . import dtypes
 from .comm import P2P, GroupComm, SoloComm
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .plan import ALIGN, Copy, LoadPlan, Read, message_layout, messages_of
+from .plan import ALIGN, Copy, LoadPlan, Read, is_packed, message_layout, message_size, messages_of, packed_copy
 from .storage import RangeRead, Storage
 
 log = logging.getLogger(__name__)
@@ -92,14 +92,14 @@ def _layout(rnd: LocalRound) -> _Layout:
             lay.decode[i] = pos
             pos += r.staging
     for m in rnd.sends:
-        if len(m.copies) > 1:
+        if is_packed(m.copies):
             pos = _align(pos)
             lay.pack[(m.read_index, m.peer)] = pos
             pos += message_layout(m.copies)[1]
     for m in rnd.recvs:
         pos = _align(pos)
         lay.recv[(m.read_index, m.peer)] = pos
-        pos += message_layout(m.copies)[1] if len(m.copies) > 1 else m.copies[0].length
+        pos += message_size(m.copies)
     lay.size = _align(pos) + ALIGN
     return lay
 
@@ -126,14 +126,7 @@ class Destinations:
         dest = self.tensors.get(copy.target)
         if dest is None:
             return
-        dt = dtypes.to_torch(copy.src_dtype)
-        raw = staged[: copy.length]
-        if dt.itemsize > 1 and (raw.data_ptr() % dt.itemsize):
-            raw = raw.clone()
-        if copy.src_shape:
-            src = raw.view(dt).as_strided(copy.src_shape, copy.src_strides)
-        else:
-            src = raw.view(dt).reshape(())
+        src = source_view(staged, copy)
         if copy.perm is not None:
             src = src.permute(copy.perm)
         if copy.dst_base is None:
@@ -142,6 +135,37 @@ class Destinations:
             frame = copy.dst_frame or ()
             dst = dest.narrow(0, copy.dst_base, math.prod(frame)).view(frame)[copy.dst_box.slices()]
         dst.copy_(src, non_blocking=dst.device.type == "cuda")
+
+
+def source_view(staged: torch.Tensor, copy: Copy) -> torch.Tensor:
+    """The copy's source elements, viewed in a uint8 buffer that starts at the piece."""
+    dt = dtypes.to_torch(copy.src_dtype)
+    raw = staged[: copy.length]
+    if dt.itemsize > 1 and (raw.data_ptr() % dt.itemsize):
+        raw = raw.clone()
+    if copy.src_shape:
+        return raw.view(dt).as_strided(copy.src_shape, copy.src_strides)
+    return raw.view(dt).reshape(())
+
+
+def pack_message(staged: torch.Tensor, copies: Sequence[Copy], out: torch.Tensor) -> torch.Tensor:
+    """Copy each piece's elements (no bytes between strided rows) into ``out``; return the message."""
+    offs, size = message_layout(copies)
+    for c, o in zip(copies, offs):
+        src = source_view(staged[c.offset:], c)
+        dst = out[o: o + src.numel() * src.element_size()].view(src.dtype)
+        dst.view(src.shape).copy_(src)
+    return out[:size]
+
+
+def unpack_message(buf: torch.Tensor, copies: Sequence[Copy], dest: "Destinations") -> None:
+    """Apply a received message: a slice of the staged read as is, or a packed one."""
+    if not is_packed(copies):
+        dest.apply(buf, copies[0])
+        return
+    offs, _ = message_layout(copies)
+    for c, o in zip(copies, offs):
+        dest.apply(buf[o:], packed_copy(c))
 
 
 class Executor:
@@ -236,22 +260,19 @@ class Executor:
         sends: list[P2P] = []
         for m in rnd.sends:
             staged = self._staged(k, m.read_index, reads[m.read_index])
-            if len(m.copies) == 1:
+            if not is_packed(m.copies):
                 c = m.copies[0]
                 payload = staged[c.offset: c.offset + c.length]
             else:
-                offs, size = message_layout(m.copies)
                 base = lay.pack[(m.read_index, m.peer)]
-                payload = arena[base: base + size]
-                for c, o in zip(m.copies, offs):
-                    payload[o: o + c.length].copy_(staged[c.offset: c.offset + c.length])
+                payload = pack_message(staged, m.copies, arena[base:])
             self.stats.bytes_sent += payload.numel()
             sends.append(P2P(m.peer, self._to_comm_device(payload), self.plan.reads[m.read_index].tag))
         recvs: list[P2P] = []
         landed: list[tuple[Message, torch.Tensor]] = []
         for m in rnd.recvs:
             base = lay.recv[(m.read_index, m.peer)]
-            size = message_layout(m.copies)[1] if len(m.copies) > 1 else m.copies[0].length
+            size = message_size(m.copies)
             buf = arena[base: base + size]
             if self.comm.device.type == "cuda":
                 buf = torch.empty(size, dtype=torch.uint8, device=self.comm.device)
@@ -275,12 +296,7 @@ class Executor:
 
     def _scatter_received(self, landed: Sequence[tuple[Message, torch.Tensor]]) -> None:
         for m, buf in landed:
-            if len(m.copies) == 1:
-                self.dest.apply(buf, m.copies[0])
-            else:
-                offs, _ = message_layout(m.copies)
-                for c, o in zip(m.copies, offs):
-                    self.dest.apply(buf[o:], c)
+            unpack_message(buf, m.copies, self.dest)
             self.stats.copies += len(m.copies)
 
     # ------------------------------------------------------------------ driver

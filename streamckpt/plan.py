@@ -784,14 +784,36 @@ def _assign_readers(reads: list[Read], needs_world: int, targets: list[Target]) 
         load[best] += r.length
 
 
+def wire_length(c: Copy) -> int:
+    """Bytes of a copy's elements alone: what a message carries for it (a strided
+    copy is packed, not sent with the bytes between its rows)."""
+    return math.prod(c.src_shape) * dtypes.itemsize(c.src_dtype)
+
+
+def is_packed(copies: Sequence[Copy]) -> bool:
+    """Whether a message is built in a pack buffer (else it is a slice of the staged read)."""
+    return len(copies) > 1 or wire_length(copies[0]) != copies[0].length
+
+
 def message_layout(copies: Sequence[Copy]) -> tuple[list[int], int]:
-    """Offsets of copies packed back to back (aligned) in one message, and its size."""
+    """Offsets of copies' elements packed back to back (aligned) in one message, and its size."""
     offs = []
     pos = 0
     for c in copies:
         offs.append(pos)
-        pos += -(-c.length // ALIGN) * ALIGN
+        pos += -(-wire_length(c) // ALIGN) * ALIGN
     return offs, pos
+
+
+def message_size(copies: Sequence[Copy]) -> int:
+    """Bytes a message occupies on the wire and in its receive buffer."""
+    return message_layout(copies)[1] if is_packed(copies) else copies[0].length
+
+
+def packed_copy(c: Copy) -> Copy:
+    """The copy as its receiver applies it from a packed message: contiguous elements."""
+    return Copy(c.target, 0, wire_length(c), c.src_dtype, c.src_shape, row_major_strides(c.src_shape),
+                c.dst_box, c.dst_base, c.dst_frame, c.perm)
 
 
 def read_cost(r: Read) -> int:
@@ -822,16 +844,17 @@ def _costs(r: Read, targets: list[Target]) -> dict[int, int]:
     first = needers[0]
     if all(n is first for n in needers):  # one target set (a replicated box): one message shape
         size = message_layout(r.copies)[1]
+        packed = is_packed(r.copies)
         for rank in first:
             if rank != reader:
                 costs[rank] = size
-                if len(r.copies) > 1:
+                if packed:
                     costs[reader] += size
         return costs
     for rank, copies in messages_of(r, targets).items():
         size = message_layout(copies)[1]
         costs[rank] = size
-        if len(copies) > 1:
+        if is_packed(copies):
             costs[reader] += size
     return costs
 

@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamckpt.manifest import Manifest, Shard, TensorMeta, validate
-from streamckpt.pipeline import Destinations, local_schedule
-from streamckpt.plan import (PlanOptions, _costs, _ranks_of, build_plan, message_layout, messages_of, read_cost,
-                             settle_all)
+from streamckpt.pipeline import Destinations, local_schedule, pack_message, unpack_message
+from streamckpt.plan import (PlanOptions, _costs, _ranks_of, build_plan, is_packed, message_layout, message_size, messages_of,
+                             read_cost, settle_all)
 from streamckpt.regions import Box
 from streamckpt.targets import TargetSpec
 
@@ -83,6 +83,14 @@ def _expected(original, spec):
     return block.reshape(-1)[spec.flat_range[0]:spec.flat_range[1]]
 
 
+def _message(staged, copies):
+    """What the pipeline sends for ``copies`` of a staged read."""
+    if not is_packed(copies):
+        c = copies[0]
+        return staged[c.offset:c.offset + c.length].clone()
+    return pack_message(staged, copies, torch.zeros(message_layout(copies)[1], dtype=torch.uint8))
+
+
 def simulate(plan, files, world, targets_by_rank, dtype):
     """Run every rank's schedule with bytes from ``files``; return tensors and fetch log."""
     dests = []
@@ -106,12 +114,7 @@ def simulate(plan, files, world, targets_by_rank, dtype):
                 for m in rnd.sends:
                     if plan.reads[m.read_index] is not read:
                         continue
-                    offs, size = message_layout(m.copies)
-                    packed = torch.zeros(size, dtype=torch.uint8)
-                    for c, o in zip(m.copies, offs):
-                        packed[o:o + c.length] = staged[c.offset:c.offset + c.length]
-                    for c, o in zip(m.copies, offs):
-                        dests[m.peer].apply(packed[o:], c)
+                    unpack_message(_message(staged, m.copies), m.copies, dests[m.peer])
     return dests, fetched
 
 
@@ -151,8 +154,7 @@ def simulate_local(plans, files, world, targets_by_rank, dtype):
         for k, rnd in enumerate(local_schedule(plans[r], r)):
             for m in rnd.recvs:
                 read = plans[r].reads[m.read_index]
-                size = message_layout(m.copies)[1] if len(m.copies) > 1 else m.copies[0].length
-                posted[(k, m.peer, r)].append((read.tag, size))
+                posted[(k, m.peer, r)].append((read.tag, message_size(m.copies)))
             for i, read in rnd.reads:
                 data = files[read.file][read.start:read.stop]
                 fetched.append((read.file, read.start, read.stop))
@@ -163,10 +165,9 @@ def simulate_local(plans, files, world, targets_by_rank, dtype):
                 for m in rnd.sends:
                     if m.read_index != i:
                         continue
-                    offs, size = message_layout(m.copies)
-                    sent[(k, r, m.peer)].append((read.tag, size if len(m.copies) > 1 else m.copies[0].length))
-                    for c, o in zip(m.copies, offs):
-                        dests[m.peer].apply(staged[c.offset:c.offset + c.length], c)
+                    msg = _message(staged, m.copies)
+                    sent[(k, r, m.peer)].append((read.tag, msg.numel()))
+                    unpack_message(msg, m.copies, dests[m.peer])
     assert dict(sent) == dict(posted)
     return dests, fetched
 
@@ -210,7 +211,7 @@ def test_plan_writes_every_target_element_once_and_reads_once(seed, ndim, world,
             size = message_layout(copies)[1]
             usage[(read.round, peer)] += size
             count[(read.round, peer)] += 1
-            if len(copies) > 1:
+            if is_packed(copies):
                 usage[(read.round, read.reader)] += size
     for key, used in usage.items():
         assert used <= opts.round_cap or count[key] == 1, (key, used, opts.round_cap)
