@@ -61,7 +61,7 @@ def test_both_backends_read_the_same_bytes(
     got_slow, n_slow = _read(slow, reads)
     for r, a, b in zip(reads, got_fast, got_slow):
         assert a == b == data[r.start:r.stop], (r.start, r.stop)
-    assert n_fast == n_slow == len(reads) - 1  # one GET per non-empty read (pieces are 8 MiB)
+    assert n_fast == n_slow == len(reads) - 1  # one GET per non-empty read (pieces are 4 MiB)
     assert fast.read_bytes(NAME, 10, 20) == data[10:20]
     assert fast.read_bytes(NAME) == data
 
@@ -168,6 +168,18 @@ def test_metadata_calls_match_s3fs_and_never_create_it(
     assert fast._fs is None and slow._fs is not None
     fast.write_bytes("late.bin", b"x")  # writes still go through s3fs, created on demand
     assert fast._fs is not None and fast.read_bytes("late.bin") == b"x"
+
+
+def test_bodies_in_flight_are_reserved_from_the_memory_budget(
+    monkeypatch: pytest.MonkeyPatch, s3_uri: str, s3_opts: dict[str, Any]
+) -> None:
+    fast = _storage(monkeypatch, "obstore", s3_uri, s3_opts)
+    assert (fast.piece_size, fast.inflight_bytes) == (4 * MiB, 16 * MiB)  # no budget told
+    assert fast.reserve_inflight(256 * MiB) == 192 * MiB and fast.inflight_bytes == 64 * MiB
+    assert fast.reserve_inflight(1024 * MiB) == 960 * MiB and fast.inflight_bytes == 64 * MiB
+    assert fast.reserve_inflight(8 * MiB) == 4 * MiB and fast.inflight_bytes == 4 * MiB  # one piece at a time
+    slow = _storage(monkeypatch, "s3fs", s3_uri, s3_opts)  # bodies land in the buffers: nothing to reserve
+    assert slow.reserve_inflight(256 * MiB) == 256 * MiB
 
 
 def test_selection(monkeypatch: pytest.MonkeyPatch, s3_uri: str, s3_opts: dict[str, Any]) -> None:
