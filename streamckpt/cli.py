@@ -123,6 +123,22 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_load_bench(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from . import loadbench
+
+    reps = loadbench.run(args.uri, args.storage_options, args.processes, args.layout, args.memory_budget,
+                         read_once=not args.no_read_once, repeat=args.repeat)
+    if args.json:
+        print(json.dumps([[asdict(r) for r in runs] for runs in reps], indent=2))
+    else:
+        print(f"{args.uri}: layout {args.layout!r} on {args.processes} rank(s), memory_budget "
+              f"{human(args.memory_budget)}, read_once={not args.no_read_once}")
+        print(loadbench.format_runs(reps))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(size_mb=args.size_mb, quiet=args.quiet, serve=args.serve, multirank=not args.single_process)
 
@@ -313,6 +329,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out-storage-option", action="append", default=None, metavar="KEY=VALUE",
                    help="storage options for OUT (default: the same as for URI)")
     s.set_defaults(func=cmd_merge)
+
+    s = sub.add_parser("load-bench", parents=[common],
+                       help="time loads into a synthetic layout (rows, cols, zero, full) on N local gloo ranks")
+    s.add_argument("uri")
+    s.add_argument("--processes", "-n", type=int, default=1, help="local ranks, spawned with gloo (default 1)")
+    s.add_argument("--layout", choices=("full", "rows", "cols", "zero"), default="full",
+                   help="each rank's targets: whole tensors, row blocks, column blocks or flat ZeRO ranges")
+    s.add_argument("--memory-budget", type=parse_size, default=256 * 2**20, help="staging bytes (default 256MiB)")
+    s.add_argument("--repeat", type=int, default=3, help="timed loads (default 3; the median is reported)")
+    s.add_argument("--no-read-once", action="store_true", help="every rank reads its own bytes (no exchange)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_load_bench)
 
     s = sub.add_parser("demo", parents=[common],
                        help="save a checkpoint to an embedded S3 server and stream back other layouts")

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import logging
 import math
-import multiprocessing as mp
-import os
-import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
+
+from .loadbench import block
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +34,7 @@ def _norm() -> torch.Tensor:
 
 def _rows(n: int, world: int, rank: int) -> tuple[int, int]:
     """Uneven row blocks: the first ``n % world`` ranks get one more row."""
-    base, extra = divmod(n, world)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
+    return block(n, world, rank)
 
 
 def _state(world: int, rank: int, layout: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -95,54 +91,26 @@ class RankReport:
     error: str = ""
 
 
-def _worker(rank: int, world: int, port: int, phase: str, uri: str, opts: dict[str, Any], q: Any) -> None:
-    import torch.distributed as dist
-
+def _phase(rank: int, world: int, phase: str, uri: str, opts: dict[str, Any]) -> RankReport:
     import streamckpt as sc
 
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
-        if phase == "save":
-            sd, _ = _state(world, rank, "save")
-            res = sc.save(sd, uri, storage_options=opts, metadata={"demo": "multirank"}, overwrite=True)
-            q.put(RankReport(phase, rank, world, True, seconds=res.seconds))
-        else:
-            sd, expected = _state(world, rank, phase)
-            r = sc.load(sd, uri, storage_options=opts)
-            ok = sd["step"] == 1000 and all(torch.equal(_lookup(sd, k), v) for k, v in expected.items())
-            q.put(RankReport(phase, rank, world, ok, r.bytes_needed, r.bytes_read, r.bytes_sent,
-                             r.bytes_received, r.requests, r.seconds))
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        q.put(RankReport(phase, rank, world, False, error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    if phase == "save":
+        sd, _ = _state(world, rank, "save")
+        res = sc.save(sd, uri, storage_options=opts, metadata={"demo": "multirank"}, overwrite=True)
+        return RankReport(phase, rank, world, True, seconds=res.seconds)
+    sd, expected = _state(world, rank, phase)
+    r = sc.load(sd, uri, storage_options=opts)
+    ok = sd["step"] == 1000 and all(torch.equal(_lookup(sd, k), v) for k, v in expected.items())
+    return RankReport(phase, rank, world, ok, r.bytes_needed, r.bytes_read, r.bytes_sent, r.bytes_received,
+                      r.requests, r.seconds)
 
 
 def run_phase(phase: str, world: int, uri: str, opts: dict[str, Any], timeout: float = 300) -> list[RankReport]:
     """Run one phase in ``world`` fresh gloo processes; reports sorted by rank."""
-    from .testing.s3server import free_port
+    from .spawn import run_ranks
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, phase, uri, opts, q), daemon=True)
-             for r in range(world)]
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        for p in procs:
-            p.start()
-        reports = [q.get(timeout=timeout) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
-    return sorted(reports, key=lambda r: r.rank)
+    return [o.value if o.ok else RankReport(phase, o.rank, world, False, error=o.error)
+            for o in run_ranks(_phase, world, (phase, uri, opts), timeout)]
 
 
 def multirank_demo(uri: str, opts: dict[str, Any]) -> list[RankReport]:

@@ -140,6 +140,34 @@ def test_merge_command(native: tuple[str, dict[str, torch.Tensor]], s3_uri: str,
     assert "wrote 2 files" in r.stdout
 
 
+def test_load_bench_zero_layout_on_2_ranks(native: tuple[str, dict[str, torch.Tensor]],
+                                           s3_opts: dict[str, Any]) -> None:
+    """Two spawned gloo ranks load flat ZeRO ranges of every tensor: together they need
+    and read each stored byte once (the seam chunk is read once and sent)."""
+    uri, tensors = native
+    r = cli("load-bench", uri, "-n", "2", "--layout", "zero", "--repeat", "2", "--json", *s3_flags(s3_opts),
+            timeout=240)
+    assert r.returncode == 0, r.stderr
+    reps = json.loads(r.stdout)
+    assert len(reps) == 2 and all(len(runs) == 2 for runs in reps)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    for runs in reps:
+        assert [x["rank"] for x in runs] == [0, 1]
+        assert sum(x["bytes_needed"] for x in runs) == total
+        assert sum(x["bytes_read"] for x in runs) == total  # every stored byte once over both ranks
+        assert sum(x["bytes_sent"] for x in runs) == sum(x["bytes_received"] for x in runs) > 0
+        assert all(x["seconds"] > 0 and x["requests"] > 0 for x in runs)
+
+
+def test_load_bench_text_single_process(native: tuple[str, dict[str, torch.Tensor]],
+                                        s3_opts: dict[str, Any]) -> None:
+    uri, tensors = native
+    r = cli("load-bench", uri, "--layout", "cols", "--repeat", "1", *s3_flags(s3_opts))
+    assert r.returncode == 0, r.stderr
+    mib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+    assert f"read {mib:.2f} MiB for {mib:.2f} MiB needed (1.000×)" in r.stdout, r.stdout
+
+
 def test_missing_checkpoint_exit_2(s3_uri: str, s3_opts: dict[str, Any]) -> None:
     r = cli("inspect", s3_uri, *s3_flags(s3_opts))
     assert r.returncode == 2 and "no checkpoint at" in r.stderr and s3_uri in r.stderr
