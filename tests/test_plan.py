@@ -36,34 +36,48 @@ def _grid(shape, rng, max_cuts=3):
     return boxes
 
 
-def _make_checkpoint(rng, shape, dtype=torch.float32):
-    original = (torch.arange(math.prod(shape), dtype=torch.float64) * 1.5 + 3).to(dtype).reshape(shape)
+def _make_checkpoint(rng, shape, dtype=torch.float32, keys=("w",)):
+    """Tensors ``keys`` of ``shape`` (each its own values), shards interleaved in the same files."""
     files: dict[str, bytearray] = defaultdict(bytearray)
-    shards = []
     chunk = rng.choice([0, 8, 24, 64])
-    for i, box in enumerate(_grid(shape, rng)):
-        block = original[box.slices()].contiguous().reshape(-1)
-        pieces = [(None, block)]
-        if rng.random() < 0.4 and box.numel > 2:
-            cut = rng.randint(1, box.numel - 1)
-            pieces = [((0, cut), block[:cut]), ((cut, box.numel), block[cut:])]
-        for fr, data in pieces:
-            fname = f"data/{rng.randint(0, 2)}.bin"
-            f = files[fname]
-            f.extend(b"\0" * rng.randint(0, 9))  # unaligned padding between shards
-            raw = data.view(torch.uint8).numpy().tobytes()
-            n_chunks = -(-len(raw) // chunk) if chunk else 0
-            shards.append(Shard(box.offset, box.shape, fname, len(f), len(raw), flat_range=fr,
-                                chunk_size=chunk, crc32c=tuple([0] * n_chunks) if chunk else None))
-            f.extend(raw)
+    originals, shards = {}, {}
+    jobs = []
+    for j, key in enumerate(keys):
+        originals[key] = (torch.arange(math.prod(shape), dtype=torch.float64) * 1.5 + 3 + 1000 * j).to(dtype).reshape(shape)
+        shards[key] = []
+        jobs += [(key, box) for box in _grid(shape, rng)]
+    rng.shuffle(jobs)
+    for key, box in jobs:
+        _store_box(rng, files, shards[key], originals[key], box, chunk)
     code = {torch.float32: "F32", torch.int16: "I16"}[dtype]
-    m = Manifest(tensors={"w": TensorMeta(code, tuple(shape), tuple(shards))},
+    m = Manifest(tensors={k: TensorMeta(code, tuple(shape), tuple(shards[k])) for k in keys},
                  files={k: len(v) for k, v in files.items()})
     validate(m)
-    return m, {k: bytes(v) for k, v in files.items()}, original
+    files = {k: bytes(v) for k, v in files.items()}
+    if keys == ("w",):
+        return m, files, originals["w"]
+    return m, files, originals
 
 
-def _make_targets(rng, shape, world, dtype_code):
+def _store_box(rng, files, shards, original, box, chunk):
+    """Append one box (maybe as two flat-range shards) to a random file."""
+    block = original[box.slices()].contiguous().reshape(-1)
+    pieces = [(None, block)]
+    if rng.random() < 0.4 and box.numel > 2:
+        cut = rng.randint(1, box.numel - 1)
+        pieces = [((0, cut), block[:cut]), ((cut, box.numel), block[cut:])]
+    for fr, data in pieces:
+        fname = f"data/{rng.randint(0, 2)}.bin"
+        f = files[fname]
+        f.extend(b"\0" * rng.randint(0, 9))  # unaligned padding between shards
+        raw = data.view(torch.uint8).numpy().tobytes()
+        n_chunks = -(-len(raw) // chunk) if chunk else 0
+        shards.append(Shard(box.offset, box.shape, fname, len(f), len(raw), flat_range=fr,
+                            chunk_size=chunk, crc32c=tuple([0] * n_chunks) if chunk else None))
+        f.extend(raw)
+
+
+def _make_targets(rng, shape, world, dtype_code, key="w"):
     specs = [[] for _ in range(world)]
     for box in _grid(shape, rng):
         holders = rng.sample(range(world), rng.randint(1, world))
@@ -72,7 +86,7 @@ def _make_targets(rng, shape, world, dtype_code):
             a = rng.randint(0, box.numel - 1)
             flat = (a, rng.randint(a + 1, box.numel))
         for r in holders:
-            specs[r].append(TargetSpec("w", dtype_code, tuple(shape), box.offset, box.shape, flat))
+            specs[r].append(TargetSpec(key, dtype_code, tuple(shape), box.offset, box.shape, flat))
     return specs
 
 
@@ -262,7 +276,7 @@ def test_missing_keys_and_mismatches():
         build_plan(m, [[TargetSpec("w", "F16", (4,), (0,), (4,))]])
 
 
-def _zero_targets(rng, shape, world, dtype_code):
+def _zero_targets(rng, shape, world, dtype_code, key="w"):
     """Every element held by exactly one rank: boxes of a grid, each whole or cut
     into flat ranges (ZeRO slices) given to random ranks."""
     specs = [[] for _ in range(world)]
@@ -270,10 +284,10 @@ def _zero_targets(rng, shape, world, dtype_code):
         n = box.numel
         cuts = sorted(rng.sample(range(1, n), min(n - 1, rng.randint(0, 4)))) if n > 1 else []
         if not cuts and rng.random() < 0.5:
-            specs[rng.randrange(world)].append(TargetSpec("w", dtype_code, tuple(shape), box.offset, box.shape))
+            specs[rng.randrange(world)].append(TargetSpec(key, dtype_code, tuple(shape), box.offset, box.shape))
             continue
         for a, b in zip([0] + cuts, cuts + [n]):
-            specs[rng.randrange(world)].append(TargetSpec("w", dtype_code, tuple(shape), box.offset, box.shape, (a, b)))
+            specs[rng.randrange(world)].append(TargetSpec(key, dtype_code, tuple(shape), box.offset, box.shape, (a, b)))
     return specs
 
 
@@ -333,3 +347,25 @@ def test_zero_slices_share_only_seam_chunks():
         mine = [x for x in p.reads if x.reader == r]
         assert sum(x.length for x in mine if x.private) >= (bounds[r + 1] - bounds[r]) * 4 - 2 * chunk
         assert len(p.edge_reads) == (1 if r in (0, 3) else 2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.integers(2, 4), st.sampled_from([512, 1 << 20]))
+def test_shared_and_private_tensors_in_the_same_files(seed, ndim, world, budget):
+    """A replicated tensor and a ZeRO-sliced one interleaved in the same files: the
+    shared plan never reads through the private tensor's bytes (and vice versa)."""
+    rng = random.Random(seed)
+    shape = tuple(rng.randint(2, 10) for _ in range(ndim))
+    manifest, files, originals = _make_checkpoint(rng, shape, torch.float32, keys=("w", "m"))
+    shared = _make_targets(rng, shape, world, "F32", key="w")
+    private = _zero_targets(rng, shape, world, "F32", key="m")
+    targets = [a + b for a, b in zip(shared, private)]
+    opts = PlanOptions(memory_budget=budget, max_gap_bytes=rng.choice([16, 1 << 20]))
+    full = build_plan(manifest, targets, opts)
+    plans = local_plans(manifest, targets, opts)
+    check_local_plans_match_full(plans, full)
+    dests, fetched = simulate_local(plans, files, world, targets, torch.float32)
+    for r in range(world):
+        for uid, spec in zip(full.rank_targets[r], targets[r]):
+            assert torch.equal(dests[r].tensors[uid], _expected(originals[spec.key], spec)), (r, spec)
+    check_read_once(fetched)
