@@ -21,13 +21,16 @@ tests/test_memory.py, which then sits at its 32 MiB bound; +66 MiB peak in the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BACKEND_ENV = "STREAMCKPT_S3_BACKEND"
 BACKENDS = ("auto", "obstore", "s3fs")
@@ -96,7 +99,7 @@ def s3_config(options: dict[str, Any]) -> dict[str, Any]:
     """obstore ``S3Config`` equivalent to s3fs ``options``; ``NotConfigurable`` if some option has none."""
     config: dict[str, Any] = {}
     client_kwargs = dict(options.get("client_kwargs") or {})
-    endpoint = options.get("endpoint_url") or client_kwargs.pop("endpoint_url", None)
+    endpoint = options.get("endpoint_url") or client_kwargs.pop("endpoint_url", None) or _env_endpoint()
     region = client_kwargs.pop("region_name", None)
     if client_kwargs:
         raise NotConfigurable(f"client_kwargs {sorted(client_kwargs)}")
@@ -129,42 +132,91 @@ def s3_config(options: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def _env_endpoint() -> str | None:
+    """The endpoint botocore would take from the environment (so s3fs and obstore reach the same server)."""
+    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").strip().lower() == "true":
+        return None
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
 @dataclass
 class ObstoreReader:
-    """One obstore client (per bucket) making single-attempt ranged GETs into buffers."""
+    """One obstore client (per bucket) making single-attempt calls: ranged GETs into
+    buffers, HEAD, LIST, whole small objects.
+
+    Every call is a blocking obstore call made in a Python thread: by the caller for
+    metadata, by this reader's worker threads (``run``) for the event loop. obstore's
+    ``*_async`` functions were not used because their Rust threads call back into
+    Python to resolve the asyncio future; a short-lived process could reach interpreter
+    shutdown while one of them was still inside that callback, and the process then
+    died with SIGABRT (about 1 exit in 100 in a loop of ``streamckpt inspect``). The
+    blocking calls are also cheaper here: the body lands in the calling thread's
+    allocator arena, and the copy into the buffer runs there, off the event loop.
+    """
 
     config: dict[str, Any]
     request_timeout: float
     client_attempts: int
     max_concurrency: int
     _stores: dict[str, Any] = field(default_factory=dict)
+    _pool: cf.ThreadPoolExecutor | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def store(self, bucket: str) -> Any:
-        s = self._stores.get(bucket)
-        if s is None:
-            from obstore.store import S3Store
+        with self._lock:
+            s = self._stores.get(bucket)
+            if s is None:
+                s = self._stores[bucket] = self._make_store(bucket)
+            return s
 
-            timeout = timedelta(seconds=self.request_timeout)
-            client = {
-                "allow_http": str(self.config.get("endpoint", "")).startswith("http://"),
-                "connect_timeout": timeout,
-                # A stalled response (head or body) fails after this, as with s3fs's read_timeout.
-                "read_timeout": timeout,
-                # A backstop only: stalls are caught per chunk by the caller's own timeout.
-                "timeout": timedelta(seconds=max(60.0, 4 * self.request_timeout)),
-                "pool_max_idle_per_host": str(max(10, self.max_concurrency)),
-            }
-            retry = {
-                "max_retries": max(0, self.client_attempts - 1),
-                "retry_timeout": timeout,
-                "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=1),
-                            "base": 2},
-            }
-            s = S3Store(bucket, config=self.config, client_options=client, retry_config=retry)
-            self._stores[bucket] = s
-        return s
+    def _make_store(self, bucket: str) -> Any:
+        from obstore.store import S3Store
 
-    async def fetch(self, bucket: str, key: str, start: int, buf: memoryview, *, want_meta: bool = False) -> Fetched:
+        timeout = timedelta(seconds=self.request_timeout)
+        client = {
+            "allow_http": str(self.config.get("endpoint", "")).startswith("http://"),
+            "connect_timeout": timeout,
+            # A stalled response (head or between body chunks) fails after this, as with s3fs's read_timeout.
+            "read_timeout": timeout,
+            # A backstop for a body that trickles in: ~70 KB/s for a 4 MiB piece.
+            "timeout": timedelta(seconds=max(60.0, 4 * self.request_timeout)),
+            "pool_max_idle_per_host": str(max(10, self.max_concurrency)),
+        }
+        retry = {
+            "max_retries": max(0, self.client_attempts - 1),
+            "retry_timeout": timeout,
+            "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=1),
+                        "base": 2},
+        }
+        return S3Store(bucket, config=self.config, client_options=client, retry_config=retry)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread. A cancelled caller still waits for the call to
+        end: it may be writing into a buffer that the caller is about to give back."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(max(4, self.max_concurrency), thread_name_prefix="streamckpt-s3")
+            pool = self._pool
+        fut = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            while not fut.done():
+                try:
+                    await asyncio.wait([fut])
+                except asyncio.CancelledError:
+                    continue
+            raise
+
+    def close(self) -> None:
+        """Wait for the worker threads and drop the clients (their pooled connections end here)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._stores.clear()
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def fetch(self, bucket: str, key: str, start: int, buf: memoryview, want_meta: bool = False) -> Fetched:
         """One ranged GET of ``len(buf)`` bytes at ``start`` into ``buf``; no retries here.
 
         The body is collected in Rust (one allocation of the range's size) and copied
@@ -173,81 +225,65 @@ class ObstoreReader:
         """
         import obstore
 
-        stop = start + len(buf)
         with _translated():
             if want_meta:
-                return await self._fetch_streamed(bucket, key, start, buf)
-            # No per-chunk hook here: a stall is a deadline at a floor rate of 1 MiB/s.
-            data = await asyncio.wait_for(
-                obstore.get_range_async(self.store(bucket), key, start=start, end=stop),
-                self.request_timeout + len(buf) / (1 << 20),
-            )
+                return self._fetch_streamed(bucket, key, start, buf)
+            data = obstore.get_range(self.store(bucket), key, start=start, end=start + len(buf))
             n = len(data)
             if n > len(buf):
                 raise Transient(f"body of {n} bytes for a {len(buf)}-byte range")
             buf[:n] = memoryview(data)
             return Fetched(size=None, etag=None, got=n)
 
-    async def head(self, bucket: str, key: str) -> dict[str, Any]:
-        """The object's metadata (``size``, ``last_modified``, ``e_tag``); FileNotFoundError if absent."""
-        import obstore
-
-        with _translated():
-            return dict(await asyncio.wait_for(obstore.head_async(self.store(bucket), key), self.request_timeout))
-
-    async def listing(self, bucket: str, prefix: str, *, recursive: bool) -> list[str]:
-        """Keys under ``prefix`` (a path: ``a/b`` lists ``a/b/...``); one level deep adds sub-prefixes."""
-        import obstore
-
-        store = self.store(bucket)
-        with _translated():
-            if recursive:
-                stream = obstore.list(store, prefix or None, chunk_size=1000)
-                metas = await asyncio.wait_for(stream.collect_async(), 4 * self.request_timeout)
-                return [m["path"] for m in metas]
-            res = await asyncio.wait_for(
-                obstore.list_with_delimiter_async(store, prefix or None), 4 * self.request_timeout
-            )
-            return [*res["common_prefixes"], *(m["path"] for m in res["objects"])]
-
-    async def get_whole(self, bucket: str, key: str, max_bytes: int | None) -> tuple[bytes, str | None]:
-        """A whole (small) object and its ETag; ``TooLarge`` before its body is read if it exceeds ``max_bytes``."""
-        import obstore
-
-        with _translated():
-            result = await asyncio.wait_for(obstore.get_async(self.store(bucket), key), self.request_timeout)
-            size = int(result.meta["size"])
-            if max_bytes is not None and size > max_bytes:
-                raise TooLarge(size)
-            data = await asyncio.wait_for(result.bytes_async(), self.request_timeout + size / (1 << 20))
-            if len(data) != size:
-                raise Transient(f"short body: {len(data)} of {size} bytes")
-            return bytes(data), result.meta.get("e_tag")
-
-    async def _fetch_streamed(self, bucket: str, key: str, start: int, buf: memoryview) -> Fetched:
+    def _fetch_streamed(self, bucket: str, key: str, start: int, buf: memoryview) -> Fetched:
         import obstore
 
         stop = start + len(buf)
-        result = await asyncio.wait_for(
-            obstore.get_async(self.store(bucket), key, options={"range": (start, stop)}), self.request_timeout
-        )
+        result = obstore.get(self.store(bucket), key, options={"range": (start, stop)})
         meta = result.meta
         lo, hi = result.range
         if lo != start or hi > stop:
             raise Transient(f"server sent bytes [{lo}, {hi}) for [{start}, {stop})")
-        stream = result.stream(min_chunk_size=256 << 10).__aiter__()
         got = 0
-        while True:
-            try:
-                data = await asyncio.wait_for(stream.__anext__(), self.request_timeout)
-            except StopAsyncIteration:
-                break
+        for data in result.stream(min_chunk_size=256 << 10):
             n = len(data)
             if got + n > len(buf):
                 raise Transient(f"body longer than the {len(buf)}-byte range")
             buf[got:got + n] = memoryview(data)
             got += n
         return Fetched(size=int(meta["size"]), etag=meta.get("e_tag"), got=got)
+
+    def head(self, bucket: str, key: str) -> dict[str, Any]:
+        """The object's metadata (``size``, ``last_modified``, ``e_tag``); FileNotFoundError if absent."""
+        import obstore
+
+        with _translated():
+            return dict(obstore.head(self.store(bucket), key))
+
+    def listing(self, bucket: str, prefix: str, recursive: bool = False) -> list[str]:
+        """Keys under ``prefix`` (a path: ``a/b`` lists ``a/b/...``); one level deep adds sub-prefixes."""
+        import obstore
+
+        store = self.store(bucket)
+        with _translated():
+            if recursive:
+                return [m["path"] for m in obstore.list(store, prefix or None, chunk_size=1000).collect()]
+            res = obstore.list_with_delimiter(store, prefix or None)
+            return [*res["common_prefixes"], *(m["path"] for m in res["objects"])]
+
+    def get_whole(self, bucket: str, key: str, max_bytes: int | None) -> tuple[bytes, str | None]:
+        """A whole (small) object and its ETag; ``TooLarge`` before its body is read if it exceeds ``max_bytes``."""
+        import obstore
+
+        with _translated():
+            result = obstore.get(self.store(bucket), key)
+            size = int(result.meta["size"])
+            if max_bytes is not None and size > max_bytes:
+                raise TooLarge(size)
+            data = result.bytes()
+            if len(data) != size:
+                raise Transient(f"short body: {len(data)} of {size} bytes")
+            return bytes(data), result.meta.get("e_tag")
 
 
 def _first_line(exc: BaseException) -> str:

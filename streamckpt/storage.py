@@ -316,10 +316,6 @@ class Storage:
             raise RuntimeError("obstore reader used on a Storage without one")
         return self._obstore
 
-    def _ob_sync(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run one obstore coroutine on the I/O loop and wait for it."""
-        return fsspec.asyn.sync(self._loop, fn, *args, **kwargs)
-
     def reserve_inflight(self, memory_budget: int) -> int:
         """Take a share of a load's ``memory_budget`` for response bodies that the client
         holds before copying them into their buffers; returns what is left for staging.
@@ -353,7 +349,7 @@ class Storage:
         if not obstore_reader.available():
             if wanted == "obstore":
                 raise StorageError(
-                    f"{obstore_reader.BACKEND_ENV}=obstore but obstore is not installed (pip install 'streamckpt[fast]')"
+                    f"{obstore_reader.BACKEND_ENV}=obstore but obstore is not installed (pip install obstore)"
                 )
             return None
         try:
@@ -434,7 +430,7 @@ class Storage:
     def _head(self, name: str, what: str) -> dict[str, Any]:
         """obstore HEAD of an object with retries; an empty dict when it does not exist."""
         try:
-            return dict(self._retry_sync(what, lambda: self._ob_sync(self._ob().head, *self._split(name))))
+            return dict(self._retry_sync(what, lambda: self._ob().head(*self._split(name))))
         except FileNotFoundError:
             return {}
 
@@ -445,8 +441,7 @@ class Storage:
             if self._head(name, what):
                 return True
             bucket, key = self._split(name)
-            lister = self._ob().listing
-            return bool(self._retry_sync(what, lambda: self._ob_sync(lister, bucket, key, recursive=False)))
+            return bool(self._retry_sync(what, lambda: self._ob().listing(bucket, key)))
         return bool(self._retry_sync(what, lambda: self.fs.exists(self.path(name))))
 
     def size(self, name: str) -> int:
@@ -457,7 +452,7 @@ class Storage:
 
     def _size(self, name: str) -> int:
         if self._obstore is not None:
-            return int(self._ob_sync(self._ob().head, *self._split(name))["size"])
+            return int(self._ob().head(*self._split(name))["size"])
         self.fs.invalidate_cache(self.path(name))
         return int(self.fs.size(self.path(name)))
 
@@ -468,8 +463,7 @@ class Storage:
         try:
             if self._obstore is not None:
                 bucket, key = self._split(prefix.rstrip("/"))
-                lister = self._ob().listing
-                keys = self._retry_sync(what, lambda: self._ob_sync(lister, bucket, key, recursive=recursive))
+                keys = self._retry_sync(what, lambda: self._ob().listing(bucket, key, recursive))
                 found = [f"{bucket}/{k}" for k in keys]
             elif recursive:
                 self.fs.invalidate_cache(base)
@@ -569,7 +563,8 @@ class Storage:
 
     async def _get_whole_obstore(self, bucket: str, key: str, where: str, max_bytes: int | None) -> bytes:
         try:
-            data, etag = await self._ob().get_whole(bucket, key, max_bytes)
+            reader = self._ob()
+            data, etag = await reader.run(reader.get_whole, bucket, key, max_bytes)
         except obstore_reader.TooLarge as e:
             raise CorruptCheckpointError(f"{where} is {e.size} bytes, more than the {max_bytes}-byte limit") from None
         if not _etag_matches(etag, data):
@@ -779,8 +774,8 @@ class Storage:
         await sem.acquire(b - a)
         try:
             counter[0] += 1
-            got = await reader.fetch(
-                bucket, key, a, buf[a - r.start:b - r.start], want_meta=not r.checks and r.start == 0
+            got = await reader.run(
+                reader.fetch, bucket, key, a, buf[a - r.start:b - r.start], not r.checks and r.start == 0
             )
         finally:
             sem.release(b - a)
@@ -800,7 +795,7 @@ class Storage:
         """The object's size now (None if it cannot be found out)."""
         try:
             if self._obstore is not None:
-                return int((await self._obstore.head(*self._split(name)))["size"])
+                return int((await self._obstore.run(self._obstore.head, *self._split(name)))["size"])
             self.fs.invalidate_cache(self.path(name))
             return int(await asyncio.wait_for(self.fs._size(self.path(name)), self.policy.request_timeout))
         except Exception:  # noqa: BLE001 - only a hint for the message
@@ -930,6 +925,8 @@ class Storage:
         return Upload(self, name, block_size)
 
     def close(self) -> None:
+        if self._obstore is not None:
+            self._obstore.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None

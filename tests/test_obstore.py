@@ -11,7 +11,7 @@ import pytest
 
 from streamckpt.checksum import crc32c
 from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from streamckpt.obstore_reader import AUTO_PICKS_OBSTORE, BACKEND_ENV, NotConfigurable, s3_config
+from streamckpt.obstore_reader import AUTO_PICKS_OBSTORE, BACKEND_ENV, NotConfigurable, ObstoreReader, s3_config
 from streamckpt.storage import RangeRead, RetryPolicy, Storage
 from streamckpt.testing import FaultProxy, LocalS3
 
@@ -182,6 +182,36 @@ def test_bodies_in_flight_are_reserved_from_the_memory_budget(
     assert slow.reserve_inflight(256 * MiB) == 256 * MiB
 
 
+def test_a_cancelled_read_waits_for_its_worker(s3_opts: dict[str, Any]) -> None:
+    """A blocking call may be writing into a staging buffer: a caller cancelled meanwhile
+    (another read of its round failed) must not return before that call has ended."""
+    import asyncio
+    import threading
+
+    reader = ObstoreReader(s3_config(s3_opts), 5.0, 1, 4)
+    buf = bytearray(4)
+    started = threading.Event()
+
+    def slow_write() -> str:
+        started.set()
+        time.sleep(0.3)
+        buf[:] = b"late"
+        return "done"
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(reader.run(slow_write))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert bytes(buf) == b"late"  # the write happened before the cancellation came back
+        assert await reader.run(lambda: "again") == "again"
+
+    asyncio.run(scenario())
+    reader.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("streamckpt-s3")]  # close joined them
+
+
 def test_selection(monkeypatch: pytest.MonkeyPatch, s3_uri: str, s3_opts: dict[str, Any]) -> None:
     auto = "obstore" if AUTO_PICKS_OBSTORE else "s3fs"
     assert _storage(monkeypatch, "auto", s3_uri, s3_opts).read_backend == auto
@@ -197,7 +227,8 @@ def test_selection(monkeypatch: pytest.MonkeyPatch, s3_uri: str, s3_opts: dict[s
 
 
 def test_option_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-3")
     cfg = s3_config({"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "token": "t",
                      "skip_instance_cache": True, "config_kwargs": {"connect_timeout": 3}})
@@ -205,6 +236,14 @@ def test_option_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
                    "endpoint": "http://127.0.0.1:9", "virtual_hosted_style_request": False, "region": "eu-west-3"}
     cfg = s3_config({"anon": True, "client_kwargs": {"region_name": "ap-south-1"}})
     assert cfg == {"skip_signature": True, "region": "ap-south-1"}
+    # an endpoint from the environment, as botocore reads it, with http allowed when it says http
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:8")
+    assert s3_config({"key": "k", "secret": "s"})["endpoint"] == "http://127.0.0.1:8"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:7")
+    assert s3_config({"key": "k", "secret": "s"})["endpoint"] == "http://127.0.0.1:7"
+    assert s3_config({"key": "k", "secret": "s", "endpoint_url": "http://h:1"})["endpoint"] == "http://h:1"
+    monkeypatch.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")
+    assert "endpoint" not in s3_config({"key": "k", "secret": "s"})
     for bad in ({"key": "k", "profile": "p"}, {"key": "k", "client_kwargs": {"verify": False}}, {}):
         with pytest.raises(NotConfigurable):
             s3_config(bad)
