@@ -139,7 +139,14 @@ def load_streamckpt(spec: dict[str, Any], model: data.ModelSpec, rank: int, worl
         uri = _uri("hf")
     with clock:
         res = sc.load(sd, uri, storage_options=opts, **spec.get("load_kwargs", {}))
-    return {k: local_of(v) for k, v in sd.items()}, _sc_stats(res)
+    return {k: local_of(v) for k, v in sd.items()}, {**_sc_stats(res), "backend": _read_backend(uri, opts)}
+
+
+def _read_backend(uri: str, opts: dict[str, Any]) -> str:
+    """Which client did the range reads (obstore, or the s3fs fallback): no request is made."""
+    from streamckpt.storage import Storage
+
+    return Storage(uri, opts).read_backend
 
 
 def load_streamckpt_full(spec: dict[str, Any], model: data.ModelSpec, rank: int, world: int, clock: "Clock"):
@@ -307,11 +314,11 @@ def load_ceiling_obstore(spec: dict[str, Any], model: data.ModelSpec, rank: int,
     return None, {"bytes_read": n}
 
 
-def _with_obstore(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The same streamckpt loader with the obstore range-read path (STREAMCKPT_S3_BACKEND=obstore)."""
+def _with_s3fs(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The same streamckpt loader on its fallback read path, s3fs (STREAMCKPT_S3_BACKEND=s3fs)."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        os.environ["STREAMCKPT_S3_BACKEND"] = "obstore"
+        os.environ["STREAMCKPT_S3_BACKEND"] = "s3fs"
         return fn(*args, **kwargs)
 
     return run
@@ -319,7 +326,7 @@ def _with_obstore(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 LOADERS: dict[str, Callable[..., Any]] = {
     "streamckpt": load_streamckpt,
-    "streamckpt.obstore": _with_obstore(load_streamckpt),
+    "streamckpt.s3fs": _with_s3fs(load_streamckpt),
     "streamckpt.load_full": load_streamckpt_full,
     "naive": load_naive,
     "dcp-fsspec": load_dcp_fsspec,
