@@ -10,21 +10,26 @@ import pytest
 
 from streamckpt.checksum import crc32c
 from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from streamckpt.obstore_reader import BACKEND_ENV
 from streamckpt.storage import RangeRead, RetryPolicy, Storage
 
 MiB = 1 << 20
 
 
-@pytest.fixture(params=["s3", "local", "file"])
-def store(request: pytest.FixtureRequest, tmp_path: Any) -> Storage:
-    """The same tests over every kind of URI that shares the code path."""
-    if request.param == "s3":
+@pytest.fixture(params=["s3", "s3-s3fs", "local", "file"])
+def store(request: pytest.FixtureRequest, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Storage:
+    """The same tests over every kind of URI that shares the code path; on S3 through the
+    default read client (obstore) and the s3fs fallback."""
+    if request.param.startswith("s3"):
         uri, opts = request.getfixturevalue("s3_uri"), request.getfixturevalue("s3_opts")
+        monkeypatch.setenv(BACKEND_ENV, "s3fs" if request.param == "s3-s3fs" else "auto")
     elif request.param == "local":
         uri, opts = str(tmp_path / "ckpt"), None
     else:
         uri, opts = (tmp_path / "ckpt").as_uri(), None
     st = Storage(uri, opts, policy=RetryPolicy(total_timeout=20.0))
+    if request.param.startswith("s3"):
+        assert st.read_backend == ("s3fs" if request.param == "s3-s3fs" else "obstore")
     st.makedirs()
     return st
 
