@@ -67,12 +67,12 @@ def load(
     comm = make_comm(process_group)
     storage = Storage(uri, storage_options, max_concurrency=max_concurrency)
     # response bodies a native client holds before the copy count against the budget too
-    storage.inflight_bytes = min(storage.inflight_bytes, max(storage.piece_size, memory_budget // 4))
+    staging_budget = storage.reserve_inflight(memory_budget)
     try:
         req = LoadRequest(
             state_dict=state_dict,
             strict=strict,
-            options=PlanOptions(memory_budget=memory_budget, read_once=read_once),
+            options=PlanOptions(memory_budget=staging_budget, read_once=read_once),
             transforms=_transforms(transforms, storage_options),
             progress=progress,
         )
@@ -109,8 +109,8 @@ def load_full(
         out = {
             k: torch.empty(shapes[k][0], dtype=dtypes.to_torch(shapes[k][1]), device=device) for k in wanted
         }
-        req = LoadRequest(out, strict=True, options=PlanOptions(memory_budget=memory_budget), transforms=tf,
-                          manifest=manifest)
+        options = PlanOptions(memory_budget=storage.reserve_inflight(memory_budget))
+        req = LoadRequest(out, strict=True, options=options, transforms=tf, manifest=manifest)
         run_load(SoloComm(), storage, req)
         return out
     finally:

@@ -259,7 +259,7 @@ def merge(
             files = split_files(manifest, keys, max_shard_bytes)
             result.files = [f.name for f in files]
             result.total_size = sum(f.nbytes for f in files)
-            options = PlanOptions(memory_budget=memory_budget)
+            options = PlanOptions(memory_budget=storage.reserve_inflight(memory_budget))
             for i in assign_files(files, comm.world_size)[comm.rank]:
                 write_file(manifest, storage, out, files[i], options, result, progress)
         except Exception as e:  # noqa: BLE001 - every rank must learn of any failure

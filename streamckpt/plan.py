@@ -52,11 +52,14 @@ class PlanOptions:
     max_gap_bytes: int = 1 << 20
     max_request_bytes: int = 16 << 20
     read_once: bool = True
+    max_round_bytes: int = 32 << 20
 
     @property
     def round_cap(self) -> int:
-        """Bytes one round may stage per rank: two rounds are alive at once."""
-        return max(1, self.memory_budget // 2)
+        """Bytes one round may stage per rank: two rounds are alive at once, and a
+        round stays small (``max_round_bytes``) even under a large budget, so that
+        fetching, exchanging and scattering overlap and the arenas stay cheap to fault in."""
+        return max(1, min(self.memory_budget // 2, self.max_round_bytes))
 
     @property
     def max_piece_bytes(self) -> int:
