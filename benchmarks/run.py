@@ -439,8 +439,10 @@ class Harness:
         self.planner_rows = rows
         self.planner_note = (f"`{mod}`: a 70B-like model (80 layers × 9 tensors, bf16) + a ZeRO-1 fp32 `exp_avg` "
                              "(flat ranges), saved TP=8 × PP=8 (ZeRO over DP=8), planned onto TP=4 × PP=16 × "
-                             "DP=ranks/64; `plan CPU s` is the planner's own process CPU time (one core), the goal "
-                             "is < 2 s at 4096 ranks.")
+                             "DP=ranks/64. `one rank's plan` is `build_plan(rank=r)`, what each rank computes in a "
+                             "load (process CPU time, one core; the slower of rank 0 and a middle rank); the goal is "
+                             "< 2 s at 4096 ranks. `all ranks' plan` is `rank=None`, every rank's reads at once (what "
+                             "a simulation computes). See docs/PLANNER.md.")
 
 
 # ------------------------------------------------------------------ report
