@@ -63,7 +63,9 @@ class PlanOptions:
 
     @property
     def max_piece_bytes(self) -> int:
-        return max(4096, min(self.max_request_bytes, self.round_cap // 3))
+        """Largest span one piece of a need covers: half a round, so that a read and
+        what it sends (or a zstd read and its decoded bytes) fit in one."""
+        return max(4096, min(self.max_request_bytes, self.round_cap // 2))
 
 
 # ------------------------------------------------------------------ the view
@@ -778,11 +780,14 @@ def _fresh(c: Copy) -> Copy:
 def _assign_readers(reads: list[Read], needs_world: int, targets: list[Target]) -> None:
     """Each shared read goes to the least-loaded rank (by bytes) among those needing it."""
     load = [0] * needs_world
+    by_load = load.__getitem__
     for r in reads:
-        cands: set[int] = set()
-        for c in r.copies:
-            cands.update(targets[c.target].needers)
-        best = min(cands, key=lambda x: (load[x], x))
+        first = targets[r.copies[0].target].needers
+        if all(targets[c.target].needers is first for c in r.copies):
+            cands: Sequence[int] = first  # ascending: min() keeps the lowest rank among ties
+        else:
+            cands = sorted({n for c in r.copies for n in targets[c.target].needers})
+        best = min(cands, key=by_load)
         r.reader = best
         load[best] += r.length
 
