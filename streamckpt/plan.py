@@ -18,11 +18,13 @@ rank needing it; pack reads into rounds.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 from . import dtypes
 from .errors import IncompatibleStateDictError, TransformError
@@ -399,7 +401,33 @@ def build_plan(
     planned only by the ranks whose reads they can share a checksum chunk
     with, so the cost grows with the targets near this rank, not with the
     world. Such a plan needs ``settle_rounds`` before it runs.
+
+    The cyclic garbage collector is paused while planning: the plan is
+    hundreds of thousands of acyclic objects at scale, and collections
+    triggered by their allocation cost about a third of the time.
     """
+    with _gc_paused():
+        return _build_plan(manifest, targets_by_rank, options, view, rank)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _build_plan(
+    manifest: Manifest,
+    targets_by_rank: Sequence[Sequence[TargetSpec]],
+    options: PlanOptions,
+    view: ViewLike | None,
+    rank: int | None,
+) -> LoadPlan:
     view = view or IdentityView(manifest)
     world = len(targets_by_rank)
     targets, rank_targets = _dedupe(targets_by_rank)
