@@ -26,7 +26,7 @@ import zstandard
 from . import dtypes
 from .comm import P2P, GroupComm, SoloComm
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .plan import ALIGN, Copy, LoadPlan, Read, is_packed, message_layout, message_size, messages_of, packed_copy
+from .plandata import ALIGN, Copy, LoadPlan, Read, is_packed, message_layout, message_size, messages_of, packed_copy
 from .storage import RangeRead, Storage
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from streamckpt.manifest import Manifest, Shard, TensorMeta, validate
 from streamckpt.pipeline import Destinations, local_schedule, pack_message, unpack_message
-from streamckpt.plan import (PlanOptions, _costs, _ranks_of, build_plan, is_packed, message_layout, message_size, messages_of,
+from streamckpt.plan import (PlanOptions, build_plan, costs_of, ranks_of, is_packed, message_layout, message_size, messages_of,
                              read_cost, settle_all)
 from streamckpt.regions import Box
 from streamckpt.targets import TargetSpec
@@ -320,8 +320,8 @@ def test_private_targets_planned_per_rank_read_once_and_match(seed, ndim, world,
     edges = {id(r) for r in full.edge_reads}
     share = max(1, opts.round_cap // max(1, full.edge_degree))
     for read in full.reads:
-        for rank, cost in _costs(read, full.targets).items():
-            key = (read.round, rank, _ranks_of(read, full.targets) if id(read) in edges else None)
+        for rank, cost in costs_of(read, full.targets).items():
+            key = (read.round, rank, ranks_of(read, full.targets) if id(read) in edges else None)
             usage[key] += cost
             count[key] += 1
     for key, used in usage.items():

@@ -1,0 +1,396 @@
+"""What each target needs from storage: source pieces, byte spans, reads.
+
+A per-tensor index finds the stored shards a target box meets; each
+intersection becomes pieces whose byte span is bounded (cut on checksum chunk
+boundaries), widened to whole chunks or zstd frames (``Need``); needs are then
+coalesced per file into ``Read``s whose copies know where their bytes sit in
+the read. Pure: no I/O, no ranks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from . import dtypes
+from .errors import TransformError
+from .manifest import Manifest, Shard
+from .plandata import ChunkRun, Copy, IdentityView, PlanOptions, Read, Segment, ViewLike
+from .regions import (
+    Box,
+    CoalesceOptions,
+    coalesce,
+    cut_pieces,
+    flat_range_boxes,
+    intersect,
+    max_gap,
+    row_major_strides,
+    span,
+    split_aligned,
+)
+from .targets import TargetSpec
+
+
+# ------------------------------------------------------------------ the index
+
+
+@dataclass(frozen=True, slots=True)
+class SourcePart:
+    """A box of a stored shard, contiguous in a frame of the shard's raw bytes."""
+
+    box: Box
+    frame: Box
+    base: int  # element offset of the frame's first element in the shard's raw bytes
+    shard: Shard
+
+
+class TensorIndex:
+    """Source parts of one tensor sorted by dim-0 start for range queries."""
+
+    def __init__(self, shards: Sequence[Shard]) -> None:
+        parts: list[SourcePart] = []
+        for s in shards:
+            if s.flat_range is None:
+                if not s.box.is_empty():
+                    parts.append(SourcePart(s.box, s.box, 0, s))
+            else:
+                for flat_start, b in flat_range_boxes(s.box, *s.flat_range):
+                    parts.append(SourcePart(b, b, flat_start - s.flat_range[0], s))
+        self.scalar = bool(parts) and parts[0].box.ndim == 0
+        parts.sort(key=lambda p: p.box.offset[0] if p.box.ndim else 0)
+        self.parts = parts
+        self.starts = [p.box.offset[0] if p.box.ndim else 0 for p in parts]
+        self.max_extent = max((p.box.shape[0] if p.box.ndim else 1 for p in parts), default=0)
+        # shards grouped by box, flat ranges sorted: the flat fast path's 1-D lookups
+        groups: dict[Box, list[Shard]] = {}
+        for s in shards:
+            groups.setdefault(s.box, []).append(s)
+        self.boxes: list[tuple[Box, list[int], list[Shard]]] = []
+        for b, group in groups.items():
+            group.sort(key=lambda sh: sh.flat_range[0] if sh.flat_range else 0)
+            self.boxes.append((b, [sh.flat_range[1] if sh.flat_range else math.prod(b.shape) for sh in group], group))
+        self.boxes.sort(key=lambda x: x[0].offset[0] if x[0].ndim else 0)
+
+    def shards_in_rows(self, band: Box, r0: int, r1: int, lo: int, hi: int) -> Iterable[Shard]:
+        """Shards whose box meets rows ``[r0, r1)`` of the row band ``band`` and whose
+        elements, in the band's flattening, meet ``[lo, hi)``. A shard whose box is not
+        a row band like ``band`` is yielded as is (the caller falls back)."""
+        inner = math.prod(band.shape[1:])
+        for b, stops, group in self.boxes:
+            if not b.ndim or b.offset[0] >= r1 or b.offset[0] + b.shape[0] <= r0:
+                continue
+            if b.offset[1:] != band.offset[1:] or b.shape[1:] != band.shape[1:]:
+                yield group[0]
+                continue
+            d = (b.offset[0] - band.offset[0]) * inner
+            i = bisect.bisect_right(stops, lo - d)  # first shard ending after lo
+            for sh in group[i:]:
+                start = sh.flat_range[0] if sh.flat_range else 0
+                if start + d >= hi:
+                    break
+                yield sh
+
+    def query(self, box: Box) -> Iterable[SourcePart]:
+        if self.scalar or not box[1]:
+            yield from self.parts
+            return
+        q0 = box[0][0]
+        q1 = q0 + box[1][0]
+        lo = bisect.bisect_left(self.starts, q0 - self.max_extent + 1)
+        hi = bisect.bisect_left(self.starts, q1)
+        for p in self.parts[lo:hi]:
+            pb = p.box
+            if pb[0][0] + pb[1][0] > q0 and intersect(pb, box) is not None:
+                yield p
+
+
+# ------------------------------------------------------------------ needs and reads
+
+
+@dataclass(slots=True)
+class Need:
+    """A byte span of a shard that one copy needs, before coalescing."""
+
+    file: str
+    fetch_start: int
+    fetch_stop: int
+    shard: Shard
+    chunk_lo: int  # first chunk/frame index (or -1 without chunks)
+    chunk_hi: int
+    raw_start: int  # byte offset of the span in the shard's raw bytes
+    copy: Copy  # offset field is relative to the span start until placed
+    owner: int  # rank for read_once=False; -1 otherwise
+    raw_total: int = 0  # raw (decoded) bytes of the whole shard
+
+
+
+def _target_parts(spec: TargetSpec) -> list[tuple[Box, int | None, tuple[int, ...] | None]]:
+    """(global box, dst_base, dst_frame) of each contiguous part of a target."""
+    if spec.flat_range is None:
+        return [] if spec.box.is_empty() else [(spec.box, None, None)]
+    return [
+        (b, flat_start - spec.flat_range[0], b.shape)
+        for flat_start, b in flat_range_boxes(spec.box, *spec.flat_range)
+    ]
+
+
+def needs_for_target(
+    uid: int, spec: TargetSpec, view: ViewLike, manifest: Manifest,
+    indexes: dict[str, TensorIndex], options: PlanOptions, offsets: "FrameOffsets",
+) -> Iterable[Need]:
+    if spec.flat_range is not None and _is_identity(view, spec.key):
+        meta = manifest.tensors[spec.key]
+        index = indexes.get(spec.key)
+        if index is None:
+            index = indexes[spec.key] = TensorIndex(meta.shards)
+        fast = _flat_fast_path(uid, spec, meta.dtype, index, options, offsets)
+        if fast is not None:
+            yield from fast
+            return
+    for part_box, dst_base, dst_frame in _target_parts(spec):
+        frame_origin = part_box.offset if dst_base is not None else spec.offset
+        for seg in view.map_box(spec.key, part_box):
+            meta = manifest.tensors.get(seg.source_key)
+            if meta is None:
+                raise TransformError(f"{spec.key}: source tensor {seg.source_key!r} is not in the checkpoint")
+            index = indexes.get(seg.source_key)
+            if index is None:
+                index = indexes[seg.source_key] = TensorIndex(meta.shards)
+            isz = dtypes.itemsize(meta.dtype)
+            max_elems = max(1, options.max_piece_bytes // isz)
+            for sp in index.query(seg.source_box):
+                inter = intersect(sp.box, seg.source_box) if sp.box.ndim else sp.box
+                if inter is None:
+                    continue
+                align = sp.shard.chunk_size // isz if sp.shard.chunk_size % isz == 0 else 0
+                max_e = max(max_elems, align)
+                for piece in _pieces(sp.frame, inter, options.max_gap_bytes // isz, max_e, sp.base, align):
+                    yield _need(uid, piece, sp, seg, meta.dtype, isz, frame_origin, dst_base, dst_frame, offsets)
+
+
+def _is_identity(view: ViewLike, name: str) -> bool:
+    if isinstance(view, IdentityView):
+        return True
+    check = getattr(view, "is_identity", None)
+    return bool(check(name)) if check is not None else False
+
+
+def _pieces(frame: Box, inter: Box, gap_elems: int, max_elems: int, base: int, align: int) -> Iterable[Box]:
+    """Cut an intersection where gaps are too wide, then bound each span (on chunk boundaries)."""
+    cut = 0
+    while cut < inter.ndim - 1 and max_gap(frame, inter, cut) > gap_elems:
+        cut += 1
+    for p in cut_pieces(frame, inter, cut):
+        yield from split_aligned(frame, p, max_elems, base, align)
+
+
+def _map_to_target(seg: Segment, box: Box) -> Box:
+    if seg.perm is None:
+        delta = [t - s for t, s in zip(seg.target_box.offset, seg.source_box.offset)]
+        return box.shifted(delta)
+    offset = tuple(
+        seg.target_box.offset[d] + box.offset[p] - seg.source_box.offset[p] for d, p in enumerate(seg.perm)
+    )
+    return Box(offset, tuple(box.shape[p] for p in seg.perm))
+
+
+def _need(
+    uid: int, piece: Box, sp: SourcePart, seg: Segment, src_dtype: str, isz: int,
+    frame_origin: tuple[int, ...], dst_base: int | None, dst_frame: tuple[int, ...] | None,
+    offsets: "FrameOffsets",
+) -> Need:
+    first, stop = span(sp.frame, piece) if piece.ndim else (0, 1)
+    raw_start = (sp.base + first) * isz
+    raw_stop = (sp.base + stop) * isz
+    tbox = _map_to_target(seg, piece)
+    copy = Copy(
+        target=uid,
+        offset=-1,
+        length=raw_stop - raw_start,
+        src_dtype=src_dtype,
+        src_shape=piece.shape,
+        src_strides=row_major_strides(sp.frame.shape),
+        dst_box=tbox.relative_to(Box(frame_origin, tbox.shape)),
+        dst_base=dst_base,
+        dst_frame=dst_frame,
+        perm=seg.perm,
+    )
+    return need_bytes(sp.shard, raw_start, raw_stop, copy, isz, offsets)
+
+
+def need_bytes(s: Shard, raw_start: int, raw_stop: int, copy: Copy, isz: int, offsets: "FrameOffsets") -> Need:
+    """The stored byte range (widened to whole chunks/frames) that raw bytes need."""
+    raw_len = s.numel * isz
+    if s.chunk_size:
+        lo = raw_start // s.chunk_size
+        hi = -(-raw_stop // s.chunk_size)
+        if s.frame_lengths is None:
+            f_start = s.byte_offset + lo * s.chunk_size
+            f_stop = s.byte_offset + min(hi * s.chunk_size, raw_len)
+        else:
+            f_start = offsets.of(s, lo)
+            f_stop = offsets.of(s, hi - 1) + s.frame_lengths[hi - 1]
+        return Need(s.file, f_start, f_stop, s, lo, hi, raw_start, copy, -1, raw_len)
+    return Need(s.file, s.byte_offset + raw_start, s.byte_offset + raw_stop, s, 0, 0, raw_start, copy, -1,
+                 raw_len)
+
+
+def _flat_fast_path(
+    uid: int, spec: TargetSpec, dtype: str, index: TensorIndex, options: PlanOptions, offsets: "FrameOffsets",
+) -> list[Need] | None:
+    """A flat-range target over row bands: 1-D interval overlap, no box decomposition.
+
+    Applies when every source part meeting the target spans the target box's full
+    inner dims (row bands: ZeRO shards of row-parallel weights, whole tensors): such
+    a part is contiguous both in its shard and in the target's flattening. Returns
+    None when it does not apply.
+    """
+    box = spec.box
+    if box.ndim == 0 or spec.flat_range is None:
+        return None
+    a, b = spec.flat_range
+    if a == b:
+        return []
+    inner = math.prod(box.shape[1:])
+    if inner == 0:
+        return []
+    r0 = box.offset[0] + a // inner
+    r1 = box.offset[0] + -(-b // inner)
+    isz = dtypes.itemsize(dtype)
+    max_elems = max(1, options.max_piece_bytes // isz)
+    out: list[Need] = []
+    for sh in index.shards_in_rows(box, r0, r1, a, b):
+        if sh.shape[1:] != box.shape[1:] or sh.offset[1:] != box.offset[1:]:
+            return None  # not a row band of the target box: use the general path
+        # a row band's flattening is the target's flattening shifted by d elements
+        d = (sh.offset[0] - box.offset[0]) * inner
+        s0, s1 = sh.flat_range if sh.flat_range is not None else (0, math.prod(sh.shape))
+        lo = max(a, s0 + d)
+        hi = min(b, s1 + d)
+        if hi <= lo:
+            continue
+        src0 = lo - d - s0  # element offset in the shard's raw bytes
+        align = sh.chunk_size // isz if sh.chunk_size and sh.chunk_size % isz == 0 else 0
+        for x, y in _aligned_cuts(src0, src0 + hi - lo, max(max_elems, align), align):
+            n = y - x
+            copy = Copy(uid, -1, n * isz, dtype, (n,), (1,), Box((0,), (n,)), lo - a + (x - src0), (n,), None)
+            out.append(need_bytes(sh, x * isz, y * isz, copy, isz, offsets))
+    return out
+
+
+def _aligned_cuts(start: int, stop: int, step: int, align: int) -> list[tuple[int, int]]:
+    """Cut ``[start, stop)`` into pieces of at most ``step`` whose inner cuts fall on ``align``."""
+    if stop - start <= step:
+        return [(start, stop)]
+    if align > 1:
+        step = max(align, step // align * align)
+    cuts = [start]
+    pos = start
+    while stop - pos > step:
+        nxt = (pos + step) // align * align if align > 1 else pos + step
+        if nxt <= pos:
+            nxt = (pos // align + 1) * align
+        cuts.append(nxt)
+        pos = nxt
+    cuts.append(stop)
+    return list(zip(cuts, cuts[1:]))
+
+
+def coalesce_needs(
+    needs: list[Need], options: PlanOptions, offsets: "FrameOffsets", targets_needers: list[tuple[int, ...]],
+    barriers: Mapping[str, list[tuple[int, int]]] | None = None,
+) -> list[Read]:
+    groups: dict[tuple[int, str], list[int]] = {}
+    for i, n in enumerate(needs):
+        groups.setdefault((n.owner, n.file), []).append(i)
+    opts = CoalesceOptions(options.max_gap_bytes, max(options.max_piece_bytes, 1))
+    reads: list[Read] = []
+    for (owner, file), idxs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        ranges = [(needs[i].fetch_start, needs[i].fetch_stop) for i in idxs]
+        # gaps are bridged only between ranges the same ranks need: a rank's private
+        # rows are not read by a peer just because they sit next to shared ones
+        keys: list[object] = [targets_needers[needs[i].copy.target] if owner < 0 else () for i in idxs]
+        # bytes planned elsewhere (private targets' shards) are never read through
+        fence = (barriers or {}).get(file, ())
+        for lo, hi in fence:
+            ranges.append((lo, hi))
+            keys.append(object())
+        for start, stop, members in coalesce(ranges, opts, keys):
+            if members[0] >= len(idxs):
+                continue  # a barrier
+            reads.append(make_read(file, start, stop, [needs[idxs[m]] for m in members], owner, offsets))
+    return reads
+
+
+def make_read(
+    file: str, start: int, stop: int, members: list[Need], owner: int, offsets: "FrameOffsets",
+) -> Read:
+    """Lay out one read: merged chunk runs per shard, decoded layout, copy offsets."""
+    per_shard: dict[int, tuple[Need, list[tuple[int, int]]]] = {}
+    for n in members:
+        if n.chunk_hi > n.chunk_lo:
+            per_shard.setdefault(id(n.shard), (n, []))[1].append((n.chunk_lo, n.chunk_hi))
+    zstd = any(n.shard.codec == "zstd" for n in members)
+    spans: list[tuple[int, Need, int, int]] = []
+    for n, intervals in per_shard.values():
+        intervals.sort()
+        lo, hi = intervals[0]
+        for a, b in intervals[1:]:
+            if a <= hi:
+                hi = max(hi, b)
+            else:
+                spans.append((offsets.of(n.shard, lo), n, lo, hi))
+                lo, hi = a, b
+        spans.append((offsets.of(n.shard, lo), n, lo, hi))
+    spans.sort(key=lambda x: x[0])
+    runs: list[ChunkRun] = []
+    run_of: dict[int, list[ChunkRun]] = {}
+    out = 0
+    for file_start, n, lo, hi in spans:
+        run = ChunkRun(n.shard, n.raw_total, lo, hi, file_start, out)
+        if zstd:
+            out += min(hi * n.shard.chunk_size, n.raw_total) - lo * n.shard.chunk_size
+        runs.append(run)
+        run_of.setdefault(id(n.shard), []).append(run)
+    copies = []
+    for n in members:
+        if zstd:
+            run = next(r for r in run_of[id(n.shard)] if r.lo <= n.chunk_lo < r.hi)
+            base = run.out_start + n.raw_start - run.lo * n.shard.chunk_size
+        else:
+            base = n.shard.byte_offset + n.raw_start - start
+        copies.append(_with_offset(n.copy, base))
+    return Read(
+        file=file, start=start, stop=stop, reader=owner, runs=tuple(runs), zstd=zstd,
+        staging=out if zstd else stop - start, copies=copies, private=owner >= 0,
+    )
+
+
+class FrameOffsets:
+    """File offsets of chunks/frames, computed once per zstd shard during a plan."""
+
+    def __init__(self) -> None:
+        self._cache: dict[int, list[int]] = {}
+
+    def of(self, s: Shard, c: int) -> int:
+        if s.frame_lengths is None:
+            return s.byte_offset + c * s.chunk_size
+        offs = self._cache.get(id(s))
+        if offs is None:
+            offs = self._cache[id(s)] = s.frame_offsets()
+        return offs[c]
+
+
+def _with_offset(c: Copy, offset: int) -> Copy:
+    """Place a copy in its read (each copy belongs to exactly one read)."""
+    c.offset = offset
+    return c
+
+
+def fresh_copy(c: Copy) -> Copy:
+    return Copy(c.target, -1, c.length, c.src_dtype, c.src_shape, c.src_strides, c.dst_box,
+                c.dst_base, c.dst_frame, c.perm)
+
+
