@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import random
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -815,7 +814,9 @@ def test_invert_carries_optimizer_states_back_and_skips_drops() -> None:
 # --------------------------------------------------------------------------- speed
 
 
-def test_mapping_80_layers_10_rules_tp8_is_fast() -> None:
+def test_mapping_80_layers_10_rules_tp8_segments() -> None:
+    """A 70B-like model under 10 rules, mapped for TP=8: the exact number of source
+    segments (speed belongs in benchmarks/, never in a wall-time assert)."""
     layers, tp = 80, 8
     h, g, hd, hidden, ffn = 64, 8, 128, 8192, 28672
     source: dict[str, tuple[tuple[int, ...], str]] = {
@@ -839,9 +840,7 @@ def test_mapping_80_layers_10_rules_tp8_is_fast() -> None:
     rules = _config_rules("hf_llama_to_megatron_gqa.yaml")
     rules[0]["fuse_qkv"] = {**rules[0]["fuse_qkv"], "num_heads": h, "num_kv_heads": g}
     rules.append({"cast": {"key": "layers.{i}.*.weight", "dtype": "float32"}})
-    t0 = time.perf_counter()
     view = Transforms.from_rules(rules).apply(source)
-    t1 = time.perf_counter()
     segments = 0
     for name, vt in view.tensors.items():
         shape = vt.shape
@@ -856,7 +855,5 @@ def test_mapping_80_layers_10_rules_tp8_is_fast() -> None:
                 segments += len(view.map_box(name, Box(tuple(off), tuple(shp))))
         else:
             segments += len(view.map_box(name, Box((0,), shape)))
-    t2 = time.perf_counter()
     # wqkv: 3 per box (one KV group each); w13, wo, w2: 1 per box; 2 norms; embeddings 8+8, norm 1
     assert segments == 80 * (8 * 3 + 8 + 8 + 8 + 2) + 8 * 2 + 1
-    assert t2 - t0 < 1.0, f"apply {t1 - t0:.3f}s + map {t2 - t1:.3f}s"
