@@ -244,6 +244,19 @@ def _secrets_of(options: dict[str, Any]) -> tuple[str, ...]:
 # ------------------------------------------------------------------ storage
 
 
+
+async def _all_or_cancel(tasks: list["asyncio.Future[Any]"]) -> None:
+    """Await every task; on the first failure cancel the rest and wait for them to end
+    (a read may be writing into a staging buffer) before raising."""
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 class Storage:
     """One checkpoint prefix on one filesystem; names are relative to the prefix."""
 
@@ -623,14 +636,7 @@ class Storage:
             async with sem:
                 await self._read_one_async(r, b, counter)
 
-        tasks = [asyncio.ensure_future(one(r, b)) for r, b in zip(reads, buffers) if r.length > 0]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        await _all_or_cancel([asyncio.ensure_future(one(r, b)) for r, b in zip(reads, buffers) if r.length > 0])
         return counter[0]
 
     async def _read_one_async(self, r: RangeRead, buf: memoryview, counter: list[int]) -> None:
@@ -679,18 +685,11 @@ class Storage:
         """Like ``_read_all_async``, but the gate bounds GETs (and their bytes), and reads split into pieces."""
         sem = _Gate(self.max_concurrency, self.inflight_bytes)
         counter = [0]
-        tasks = [
+        await _all_or_cancel([
             asyncio.ensure_future(self._read_one_obstore(r, b, sem, counter))
             for r, b in zip(reads, buffers)
             if r.length > 0
-        ]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        ])
         return counter[0]
 
     async def _read_one_obstore(

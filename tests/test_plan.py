@@ -106,30 +106,8 @@ def _message(staged, copies):
 
 
 def simulate(plan, files, world, targets_by_rank, dtype):
-    """Run every rank's schedule with bytes from ``files``; return tensors and fetch log."""
-    dests = []
-    for r in range(world):
-        tensors = {}
-        for uid, spec in zip(plan.rank_targets[r], targets_by_rank[r]):
-            shape = spec.shape if spec.flat_range is None else (spec.numel,)
-            tensors[uid] = torch.full(shape, -7, dtype=dtype)
-        dests.append(Destinations(tensors))
-    fetched = []
-    for r in range(world):
-        for rnd in local_schedule(plan, r):
-            for _, read in rnd.reads:
-                data = files[read.file][read.start:read.stop]
-                assert len(data) == read.length
-                fetched.append((read.file, read.start, read.stop))
-                staged = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                for c in read.copies:
-                    if c.target in dests[r].tensors:
-                        dests[r].apply(staged[c.offset:], c)
-                for m in rnd.sends:
-                    if plan.reads[m.read_index] is not read:
-                        continue
-                    unpack_message(_message(staged, m.copies), m.copies, dests[m.peer])
-    return dests, fetched
+    """Run every rank's schedule from the all-ranks plan; return tensors and fetch log."""
+    return simulate_local([plan] * world, files, world, targets_by_rank, dtype)
 
 
 def _signature(read):
