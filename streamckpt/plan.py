@@ -179,18 +179,12 @@ class _Ctx:
     view: ViewLike
     options: PlanOptions
     targets: list[Target]
-    indexes: dict[str, "TensorIndex"] = field(default_factory=dict)
-    offsets: "FrameOffsets" = field(default_factory=lambda: FrameOffsets())
+    indexes: dict[str, TensorIndex] = field(default_factory=dict)  # per source tensor, built on first use
+    offsets: FrameOffsets = field(default_factory=FrameOffsets)
 
-    def needs(self, uid: int) -> Iterable["Need"]:
+    def needs(self, uid: int) -> Iterable[Need]:
         return needs_for_target(uid, self.targets[uid].spec, self.view, self.manifest, self.indexes,
                                  self.options, self.offsets)
-
-    def index(self, key: str) -> "TensorIndex":
-        index = self.indexes.get(key)
-        if index is None:
-            index = self.indexes[key] = TensorIndex(self.manifest.tensors[key].shards)
-        return index
 
 
 def _dedupe(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> tuple[list[Target], list[list[int]]]:

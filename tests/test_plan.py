@@ -164,6 +164,19 @@ def simulate_local(plans, files, world, targets_by_rank, dtype):
     return dests, fetched
 
 
+def check_per_rank_plans(manifest, files, targets, opts, full, dtype, expected):
+    """Plan per rank, check the plans against the all-ranks one, run them, and check
+    every target equals ``expected(spec)``; returns the fetch log."""
+    world = len(targets)
+    plans = local_plans(manifest, targets, opts)
+    check_local_plans_match_full(plans, full)
+    dests, fetched = simulate_local(plans, files, world, targets, dtype)
+    for r in range(world):
+        for uid, spec in zip(full.rank_targets[r], targets[r]):
+            assert torch.equal(dests[r].tensors[uid], expected(spec)), (r, spec)
+    return fetched
+
+
 def check_read_once(fetched):
     per_file = defaultdict(list)
     for f, s, e in fetched:
@@ -196,7 +209,7 @@ def test_plan_writes_every_target_element_once_and_reads_once(seed, ndim, world,
     # every round fits each rank's budget (a lone oversized read may sit alone)
     usage = defaultdict(int)
     count = defaultdict(int)
-    for read in plan.reads:
+    for read in plan.reads:  # costs recomputed here, independently of the planner's costs_of
         usage[(read.round, read.reader)] += read_cost(read)
         count[(read.round, read.reader)] += 1
         for peer, copies in messages_of(read, plan.targets).items():
@@ -207,12 +220,7 @@ def test_plan_writes_every_target_element_once_and_reads_once(seed, ndim, world,
                 usage[(read.round, read.reader)] += size
     for key, used in usage.items():
         assert used <= opts.round_cap or count[key] == 1, (key, used, opts.round_cap)
-    plans = local_plans(manifest, targets, opts)
-    check_local_plans_match_full(plans, plan)
-    dests, _ = simulate_local(plans, files, world, targets, dtype)
-    for r in range(world):
-        for uid, spec in zip(plan.rank_targets[r], targets[r]):
-            assert torch.equal(dests[r].tensors[uid], _expected(original, spec)), (r, spec)
+    check_per_rank_plans(manifest, files, targets, opts, plan, dtype, lambda spec: _expected(original, spec))
 
 
 def test_row_slice_reads_only_its_rows():
@@ -282,12 +290,7 @@ def test_private_targets_planned_per_rank_read_once_and_match(seed, ndim, world,
     targets = _zero_targets(rng, shape, world, code)
     opts = PlanOptions(memory_budget=budget, max_gap_bytes=rng.choice([0, 16, 1 << 20]))
     full = build_plan(manifest, targets, opts)
-    plans = local_plans(manifest, targets, opts)
-    check_local_plans_match_full(plans, full)
-    dests, fetched = simulate_local(plans, files, world, targets, dtype)
-    for r in range(world):
-        for uid, spec in zip(full.rank_targets[r], targets[r]):
-            assert torch.equal(dests[r].tensors[uid], _expected(original, spec)), (r, spec)
+    fetched = check_per_rank_plans(manifest, files, targets, opts, full, dtype, lambda spec: _expected(original, spec))
     check_read_once(fetched)
     # an edge read carries at most the chunks its ranks share, never a whole slice
     for read in full.edge_reads:
@@ -342,10 +345,6 @@ def test_shared_and_private_tensors_in_the_same_files(seed, ndim, world, budget)
     targets = [a + b for a, b in zip(shared, private)]
     opts = PlanOptions(memory_budget=budget, max_gap_bytes=rng.choice([16, 1 << 20]))
     full = build_plan(manifest, targets, opts)
-    plans = local_plans(manifest, targets, opts)
-    check_local_plans_match_full(plans, full)
-    dests, fetched = simulate_local(plans, files, world, targets, torch.float32)
-    for r in range(world):
-        for uid, spec in zip(full.rank_targets[r], targets[r]):
-            assert torch.equal(dests[r].tensors[uid], _expected(originals[spec.key], spec)), (r, spec)
+    fetched = check_per_rank_plans(manifest, files, targets, opts, full, torch.float32,
+                                   lambda spec: _expected(originals[spec.key], spec))
     check_read_once(fetched)
