@@ -8,7 +8,9 @@ server's: every request is forwarded, and a seeded fraction of the eligible ones
 ``reset``     the head and half of the body, then a TCP reset;
 ``short``     a consistent but short body (Content-Length and Content-Range agree);
 ``flip``      one bit of the body flipped in transit, length unchanged;
-``stall``     the reply held back for ``stall_seconds`` (then sent whole).
+``stall``     the reply held back for ``stall_seconds`` (then sent whole);
+``rot``       the same bit of the same object flipped on every read (rot at rest as
+              a reader sees it: the same wrong content every time, unlike ``flip``).
 
 ``methods`` and ``match(method, path)`` choose the eligible requests (object
 requests only: ``/bucket/key``). ``max_repeats`` bounds how many times in a row the same request (method, path,
@@ -37,7 +39,7 @@ from .s3server import options_for
 log = logging.getLogger(__name__)
 
 _HISTORY_LIMIT = 100_000
-FAULT_KINDS = ("slowdown", "reset", "short", "flip", "stall")
+FAULT_KINDS = ("slowdown", "reset", "short", "flip", "stall", "rot")
 _DEFAULT_KINDS = ("slowdown", "reset", "short", "flip")
 _HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
@@ -305,6 +307,9 @@ class _Handler(BaseHTTPRequestHandler):
             buf = bytearray(data)
             buf[rng.randrange(len(buf))] ^= 1 << rng.randrange(8)
             data, applied = bytes(buf), kind
+        elif kind == "rot" and has_body and data:
+            rotted = _rot(data, self.path.split("?", 1)[0], rheaders)
+            data, applied = rotted, (kind if rotted is not data else None)
         if kind != "stall":
             proxy._record(key, applied)  # before replying: a client that gave up must not hide it
         self._reply(status, reason, rheaders, data, head=method == "HEAD")
@@ -367,6 +372,23 @@ class _Handler(BaseHTTPRequestHandler):
             super().finish()
         except OSError:
             pass
+
+
+def _rot(data: bytes, path: str, headers: list[tuple[str, str]]) -> bytes:
+    """Flip the bit that one fixed position of the object holds (chosen from its path),
+    when the body covers it: every read of those bytes sees the same wrong content."""
+    start = 0
+    for k, v in headers:
+        if k.lower() == "content-range" and v.startswith("bytes "):
+            start = int(v[6:].split("-", 1)[0])
+    size = next((int(v.rsplit("/", 1)[1]) for k, v in headers
+                 if k.lower() == "content-range" and v.rsplit("/", 1)[1].isdigit()), start + len(data))
+    at = random.Random(path).randrange(max(1, size)) - start
+    if not 0 <= at < len(data):
+        return data
+    buf = bytearray(data)
+    buf[at] ^= 0x10
+    return bytes(buf)
 
 
 def _shorten(data: bytes, headers: list[tuple[str, str]], n: int) -> tuple[bytes, list[tuple[str, str]]]:
