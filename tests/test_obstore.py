@@ -250,3 +250,18 @@ def test_option_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in ({"key": "k", "profile": "p"}, {"key": "k", "client_kwargs": {"verify": False}}, {}):
         with pytest.raises(NotConfigurable):
             s3_config(bad)
+
+
+def test_missing_bucket_is_not_found_at_once(monkeypatch: pytest.MonkeyPatch, local_s3: LocalS3) -> None:
+    """A typo in a bucket name: CheckpointNotFoundError naming the bucket, on both clients,
+    after a handful of requests (no retries of a 404 NoSuchBucket as if it were transient)."""
+    import streamckpt as sc
+
+    for backend in ("obstore", "s3fs"):
+        monkeypatch.setenv(BACKEND_ENV, backend)
+        with FaultProxy(local_s3.endpoint_url, rate=0.0) as proxy:
+            with pytest.raises(CheckpointNotFoundError, match="bucket 'no-such-bucket' does not exist"):
+                sc.load_full("s3://no-such-bucket/ckpt", storage_options=proxy.storage_options)
+            with pytest.raises(CheckpointNotFoundError, match="bucket 'no-such-bucket' does not exist"):
+                Storage("s3://no-such-bucket/ckpt", proxy.storage_options).read_bytes("manifest.json")
+            assert proxy.requests <= 6, (backend, proxy.history)

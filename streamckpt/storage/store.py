@@ -59,6 +59,8 @@ class Storage:
         reader, self.root = backend, self.uri.split("://", 1)[-1].rstrip("/")
         if reader is None:
             reader = self._open_reader(opts)
+        else:
+            self._writer = reader
         self._loop = getattr(getattr(reader, "fs", None), "loop", None) or fsspec.asyn.get_loop()
         self._reader = Reader(reader, self.policy, self._describe, self.root, self.max_concurrency,
                               INFLIGHT, reader.piece_size, random.Random())
