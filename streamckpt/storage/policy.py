@@ -10,6 +10,7 @@ declared corrupt only when the same wrong digest comes back again.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections import Counter
@@ -40,6 +41,23 @@ class RetryPolicy:
             raise ValueError(f"RetryPolicy needs at least one attempt: {self}")
         if min(self.base_delay, self.max_delay) < 0 or min(self.request_timeout, self.total_timeout) <= 0:
             raise ValueError(f"RetryPolicy delays must be >= 0 and timeouts > 0: {self}")
+
+    @staticmethod
+    def from_env() -> "RetryPolicy":
+        """The defaults, with ``STREAMCKPT_MAX_ATTEMPTS``, ``STREAMCKPT_REQUEST_TIMEOUT`` and
+        ``STREAMCKPT_TOTAL_TIMEOUT`` (seconds) overriding theirs: the knob for calls that take
+        no policy (``sc.load``, ``sc.save``, ...)."""
+        fields: dict[str, float | int] = {}
+        for name, var, kind in (("max_attempts", "STREAMCKPT_MAX_ATTEMPTS", int),
+                                ("request_timeout", "STREAMCKPT_REQUEST_TIMEOUT", float),
+                                ("total_timeout", "STREAMCKPT_TOTAL_TIMEOUT", float)):
+            raw = os.environ.get(var, "").strip()
+            if raw:
+                try:
+                    fields[name] = kind(raw)
+                except ValueError:
+                    raise ValueError(f"{var}={raw!r} is not a number") from None
+        return RetryPolicy(**fields)  # type: ignore[arg-type]
 
     def delay(self, attempt: int, rng: random.Random) -> float:
         """Full-jitter backoff before retry number ``attempt`` (1-based)."""

@@ -38,8 +38,9 @@ _S3_PROTOCOLS = ("s3", "s3a")
 _LOCAL_PROTOCOLS = ("file", "local")
 INFLIGHT = 16 << 20  # bodies held by the client when the caller sets no memory budget
 INFLIGHT_MAX = 64 << 20  # ... and at most this much of a budget (16 concurrent pieces, for high-latency stores)
-PART_SIZE = 16 << 20  # upload part size
-PARTS_IN_FLIGHT = 4  # upload parts in flight per object (part buffers held: this many x PART_SIZE)
+PART_SIZE = 8 << 20  # upload part size (larger when an object's size hint needs it: S3 allows 10,000 parts)
+PARTS_IN_FLIGHT = 4  # upload part buffers per object, the one being filled included (4 x 8 MiB = 32 MiB)
+MAX_PARTS = 9_000
 _SECRET_OPTION = re.compile(r"(secret|token|password|passwd|key|credential|sas|signature)", re.I)
 
 
@@ -49,7 +50,7 @@ class Storage:
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, *, policy: RetryPolicy | None = None,
                  max_concurrency: int = 32, backend: Backend | None = None) -> None:
         self.uri = str(uri)
-        self.policy = policy or RetryPolicy()
+        self.policy = policy or RetryPolicy.from_env()
         self.max_concurrency = max(1, int(max_concurrency))
         opts = dict(storage_options or {})
         self._describe = Describer(_public(self.uri), _secrets_of(opts), self.policy.request_timeout)
@@ -268,9 +269,13 @@ class Storage:
 
     # ---------------------------------------------------------------- writes
 
-    def open_write(self, name: str, *, block_size: int = PART_SIZE, parts_in_flight: int = PARTS_IN_FLIGHT) -> Upload:
+    def open_write(self, name: str, *, block_size: int = PART_SIZE, parts_in_flight: int = PARTS_IN_FLIGHT,
+                   size_hint: int | None = None) -> Upload:
         """A streaming upload that becomes visible only on ``commit``: parts of ``block_size``
-        bytes, up to ``parts_in_flight`` of them sent at once, each retried under the policy."""
+        bytes (more when ``size_hint``, the expected object size, needs more than ``MAX_PARTS``),
+        up to ``parts_in_flight`` part buffers at once, each part retried under the policy."""
+        if size_hint:
+            block_size = max(block_size, -(-size_hint // MAX_PARTS))
         return Upload(self._write_backend.sink(self.path(name)), name, self.describe(name), loop=self._loop,
                       call=self._reader.call, once=self._reader.once, part_size=block_size,
                       parts_in_flight=parts_in_flight)
