@@ -179,6 +179,33 @@ def test_float_step_counters(tmp_path: Path) -> None:
     assert differences(target, saved) == []
 
 
+def test_tensor_learning_rate_in_param_groups(tmp_path: Path) -> None:
+    """A tensor ``lr`` makes DCP split ``param_groups`` into a tensor item and value items;
+    the state_dict's list is split the same way (for streamckpt's own format too)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    def job(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 3)
+        return model, torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.1), foreach=False)
+
+    model, optim = job(0)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    optim.param_groups[0]["lr"].fill_(0.05)
+    msd, osd = get_state_dict(model, optim)
+    saved = {"model": msd, "optim": osd}
+    _dcp_save(saved, tmp_path / "dcp")
+    assert "optim.param_groups.0.lr" in sc.inspect(str(tmp_path / "dcp")).tensors
+    sc.save(saved, str(tmp_path / "native"))
+    for ck in ("dcp", "native"):
+        target = dict(zip(("model", "optim"), get_state_dict(*job(1))))
+        res = sc.load(target, str(tmp_path / ck))
+        assert (res.missing_keys, res.unexpected_keys) == ([], []), ck
+        assert differences(target, saved) == [], ck
+        assert target["optim"]["param_groups"][0]["lr"].item() == pytest.approx(0.05)
+
+
 class Opaque:
     """Not on any allow-list: a DCP item holding one cannot be restored."""
 
