@@ -31,6 +31,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,7 @@ class LocalGCS:
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._logdir: tempfile.TemporaryDirectory[str] | None = None
+        self._reaper: weakref.finalize | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -111,6 +113,8 @@ class LocalGCS:
             port = self._requested_port or free_port(self.host)
             if self._launch(binary, port, Path(self._logdir.name) / "server.log"):
                 self.port = port
+                # A server that is never stopped still ends with this object or this interpreter.
+                self._reaper = weakref.finalize(self, _end_process, self._proc)
                 log.debug("local GCS server at %s", self.endpoint_url)
                 return self
             log.debug("fake-gcs-server did not start on port %d (attempt %d)", port, attempt)
@@ -154,14 +158,11 @@ class LocalGCS:
 
     def _terminate(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        if self._reaper is not None:
+            self._reaper.detach()
+            self._reaper = None
+        if proc is not None:
+            _end_process(proc)
 
     def _log_tail(self) -> str:
         if self._logdir is None:
@@ -240,6 +241,18 @@ class LocalGCS:
     def _delete(url: str) -> None:
         with urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=30):
             pass
+
+
+def _end_process(proc: "subprocess.Popen[bytes]") -> None:
+    """Terminate a server process and wait for it (kill it if it lingers)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
 
 
 def options_for(endpoint_url: str) -> dict[str, Any]:
