@@ -211,7 +211,8 @@ class LocalGCS:
                 pass
         except urllib.error.HTTPError as e:
             if e.code != 409:  # 409: it exists already
-                raise RuntimeError(f"creating bucket {name!r} on {self.endpoint_url} failed: {e}") from None
+                detail = e.read().decode(errors="replace").strip()[:500]
+                raise RuntimeError(f"creating bucket {name!r} on {self.endpoint_url} failed: {e}: {detail}") from None
         return f"gs://{name}"
 
     def remove_bucket(self, name: str) -> None:
