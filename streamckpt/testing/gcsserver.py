@@ -140,7 +140,7 @@ class LocalGCS:
                 self._proc = None
                 return False
             try:
-                with urllib.request.urlopen(f"{url}/storage/v1/b?project={PROJECT}", timeout=2) as resp:
+                with _urlopen(f"{url}/storage/v1/b?project={PROJECT}", timeout=2) as resp:
                     if resp.status == 200:
                         return True
             except OSError:
@@ -207,7 +207,7 @@ class LocalGCS:
             headers={"Content-Type": "application/json"},
         )
         try:
-            with urllib.request.urlopen(req, timeout=30):
+            with _urlopen(req, timeout=30):
                 pass
         except urllib.error.HTTPError as e:
             if e.code != 409:  # 409: it exists already
@@ -231,7 +231,7 @@ class LocalGCS:
         token = ""
         while True:
             query = "?maxResults=1000" + (f"&pageToken={urllib.parse.quote(token)}" if token else "")
-            with urllib.request.urlopen(f"{base}/o{query}", timeout=30) as resp:
+            with _urlopen(f"{base}/o{query}", timeout=30) as resp:
                 page = json.load(resp)
             names += [item["name"] for item in page.get("items", [])]
             token = page.get("nextPageToken") or ""
@@ -240,8 +240,13 @@ class LocalGCS:
 
     @staticmethod
     def _delete(url: str) -> None:
-        with urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=30):
+        with _urlopen(urllib.request.Request(url, method="DELETE"), timeout=30):
             pass
+
+
+def _urlopen(req: "str | urllib.request.Request", timeout: float) -> Any:
+    """urlopen that never goes through an ``http_proxy`` from the environment (the server is local)."""
+    return urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=timeout)
 
 
 def _end_process(proc: "subprocess.Popen[bytes]") -> None:
