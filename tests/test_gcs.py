@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -102,6 +105,16 @@ def test_every_dtype_nested_keys_and_values_round_trip(gcs_uri: str, gcs_opts: d
     assert info.tensors["t.F32"].shape == (5, 7)
     full = sc.load_full(gcs_uri, storage_options=gcs_opts)
     assert all(_same_bits(full[f"t.{k}"], v) for k, v in tensors.items())
+
+
+def test_local_gcs_refuses_a_gcsfs_imported_with_bucket_probes(tmp_path: Path) -> None:
+    """gcsfs imported before GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false would stall 60 s per
+    bucket on the emulator: LocalGCS says so at start instead."""
+    env = {k: v for k, v in os.environ.items() if k != "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}
+    code = "import gcsfs\nfrom streamckpt.testing import LocalGCS\nLocalGCS().start()\n"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "RuntimeError: gcsfs was imported before GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false was set" in run.stderr
 
 
 # ------------------------------------------------------------------ slices and their bytes
