@@ -209,9 +209,6 @@ def test_missing_bucket_is_not_found_at_once(local_gcs: LocalGCS, gcs_opts: dict
         Storage(uri, gcs_opts).read_bytes("manifest.json")
 
 
-@pytest.mark.xfail(strict=True, reason="sc.latest on a missing gs:// bucket returns None (gcsfs lists a 404 "
-                   "bucket as empty), so a typo in the bucket name reads as 'no checkpoint yet' "
-                   "(issue 14 item 4: a missing bucket must be CheckpointNotFoundError)")
 def test_latest_in_a_missing_bucket_is_not_found(local_gcs: LocalGCS, gcs_opts: dict[str, Any]) -> None:
     with pytest.raises(CheckpointNotFoundError, match="no-such-bucket-3f1c"):
         sc.latest("gs://no-such-bucket-3f1c/runs", storage_options=gcs_opts)
@@ -414,8 +411,8 @@ def test_each_fault_alone_range_reads_bit_exact(kind: str, stored: tuple[str, by
 
 
 def test_load_through_mixed_faults_is_exact(gcs_uri: str, gcs_opts: dict[str, Any], gcs_proxy: Any) -> None:
-    """Faults on the data file's ranged GETs (the manifest's read is whole and not yet
-    verified on gs://: see the xfail below)."""
+    """Faults on the data file's ranged GETs (the manifest's whole-object read is checked
+    against its MD5 separately: test_whole_object_read_is_verified)."""
     t = original("faulty", (256, 128), torch.float32)
     sc.save({"w": t, "b": torch.arange(100)}, gcs_uri, storage_options=gcs_opts)
     proxy = gcs_proxy(faults=["slowdown", "reset", "short", "flip"], rate=0.35, seed=9,
@@ -452,9 +449,6 @@ def test_persistent_outage_is_a_storage_error(stored: tuple[str, bytes], gcs_pro
     assert 1 <= proxy.counts["slowdown"] <= policy.max_attempts
 
 
-@pytest.mark.xfail(strict=True, reason="whole-object reads on gs:// (manifest.json, safetensors headers, DCP "
-                   ".metadata) go through gcsfs cat_file unchecked: a body flipped or cut in transit comes back "
-                   "as is (x-goog-hash / Content-Length are not compared, unlike the S3 ETag check)")
 @pytest.mark.parametrize("kind", ["flip", "short"])
 def test_whole_object_read_is_verified(kind: str, stored: tuple[str, bytes], gcs_proxy: Any) -> None:
     uri, data = stored

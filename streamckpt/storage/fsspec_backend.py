@@ -8,6 +8,7 @@ This module only translates the client's errors into the policy's kinds.
 from __future__ import annotations
 
 import asyncio
+import base64
 import http.client
 from datetime import datetime
 from typing import Any
@@ -106,6 +107,28 @@ def classify(exc: BaseException, path: str) -> BackendError:
     return Permanent(text)
 
 
+_BUCKET_STORES = frozenset({"gs", "gcs", "az", "abfs", "abfss", "adl", "oss"})
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    p = fs.protocol
+    return tuple(p) if isinstance(p, (tuple, list)) else (p,)
+
+
+def _md5_etag(info: dict[str, Any]) -> str | None:
+    """The object's MD5 as hex when the listing gives it (S3-style ETag, GCS base64 md5Hash)."""
+    md5 = info.get("md5Hash")
+    if isinstance(md5, str):
+        try:
+            raw = base64.b64decode(md5, validate=True)
+        except ValueError:
+            raw = b""
+        if len(raw) == 16:
+            return raw.hex()
+    tag = info.get("ETag") or info.get("etag")
+    return tag if isinstance(tag, str) else None
+
+
 def mtime(info: dict[str, Any]) -> float | None:
     """The modification time in an fsspec ``info`` dict, whatever the backend calls it."""
     for key in ("LastModified", "mtime", "updated", "last_modified", "created"):
@@ -162,8 +185,7 @@ class FsspecBackend(Backend):
         info = await self._do(path, "info", path, timeout=self.request_timeout)
         if info.get("type") == "directory":
             raise NotFound(f"{path} is a directory")
-        etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
-        return ObjectInfo(size=int(info["size"]), etag=etag if isinstance(etag, str) else None, modified=mtime(info))
+        return ObjectInfo(size=int(info["size"]), etag=_md5_etag(info), modified=mtime(info))
 
     async def exists(self, path: str) -> bool:
         self.fs.invalidate_cache(path)
@@ -173,18 +195,26 @@ class FsspecBackend(Backend):
         self.fs.invalidate_cache(path)
         try:
             if recursive:
-                return list(await self._do(path, "find", path))
-            return list(await self._do(path, "ls", path, detail=False))
+                found = list(await self._do(path, "find", path))
+            else:
+                found = list(await self._do(path, "ls", path, detail=False))
         except NotFound as e:
             if e.bucket is not None:
                 raise
-            return []
+            found = []
+        if not found and set(_protocols(self.fs)) & _BUCKET_STORES:
+            bucket = path.split("/", 1)[0]  # gcsfs and adlfs list a missing bucket as empty: ask it
+            if not await self._do(bucket, "exists", bucket):
+                raise NotFound(f"bucket {bucket!r} does not exist", bucket=bucket)
+        return found
 
     async def get_whole(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
         info = await self.head(path)
         if max_bytes is not None and info.size > max_bytes:
             raise TooLarge(info.size)
         data = await self._do(path, "cat_file", path)
+        if len(data) != info.size:
+            raise Transient(f"short body: {len(data)} of {info.size} bytes")
         return bytes(data), info.etag
 
     async def delete(self, path: str, recursive: bool) -> None:
@@ -235,7 +265,14 @@ class StreamSink(PartSink):
         return number
 
     async def complete(self, tokens: list[Any]) -> None:
+        """Close the stream and check that the store holds every byte written (a writer that
+        re-sent a chunk after a lost reply can otherwise leave a longer object)."""
+        written = self._f.tell() if hasattr(self._f, "tell") else None
         await self._blocking(self._f.close)
+        if written is not None:
+            size = (await self._backend.head(self._path)).size
+            if size != written:
+                raise Permanent(f"{self._path} holds {size} bytes after writing {written}")
 
     async def abort(self) -> None:
         f, self._f = self._f, None
