@@ -32,8 +32,9 @@ class PlanOptions:
     def round_cap(self) -> int:
         """Bytes one round may stage per rank: two rounds are alive at once, and a
         round stays small (``max_round_bytes``) even under a large budget, so that
-        fetching, exchanging and scattering overlap and the arenas stay cheap to fault in."""
-        return max(1, min(self.memory_budget // 2, self.max_round_bytes))
+        fetching, exchanging and scattering overlap and the arenas stay cheap to fault in.
+        One ``ALIGN`` is kept back for the tail the executor's arena layout adds to a round."""
+        return max(1, min(self.memory_budget // 2, self.max_round_bytes) - ALIGN)
 
     @property
     def max_piece_bytes(self) -> int:

@@ -8,10 +8,17 @@ import uuid
 from typing import Any, Iterator
 
 import pytest
+from hypothesis import settings
 
 from streamckpt.testing import LocalGCS, LocalS3
 
 BUCKET = "streamckpt-test"
+
+# No hypothesis per-example deadline anywhere (its default is 200 ms): tests assert counts
+# and values, not speed; a hang is caught by pytest-timeout. Loaded before any test module
+# builds its own settings, which inherit it.
+settings.register_profile("streamckpt", deadline=None)
+settings.load_profile("streamckpt")
 
 
 @pytest.fixture(scope="session")

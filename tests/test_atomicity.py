@@ -158,7 +158,11 @@ def test_failed_upload_is_aborted_and_leaves_nothing(s3_uri: str, s3_opts: dict[
 
 # ------------------------------------------------------------- a rank killed mid-way
 
-PG_TIMEOUT = 30.0
+# Longer than run_ranks' deadline: a survivor that learned of the death only from a
+# collective's timeout would be killed by the harness (NoResult) and fail the test. The
+# bound is structural: the survivor raises PeerError at the first collective it enters
+# after the peer died, because the peer's closed connection fails it.
+PG_TIMEOUT = 600.0
 
 
 def _die_when_held(opts: dict[str, Any], methods: tuple[str, ...], match: Any = None) -> dict[str, Any]:
@@ -203,15 +207,14 @@ def test_rank_killed_during_save_fails_the_others_and_commits_nothing(
     from distributed import run_ranks
 
     sc.save(_state(1), f"{s3_uri}/step-1", storage_options=s3_opts)
-    t0 = time.monotonic()
     ranks = run_ranks(2, save_with_rank_killed, kwargs={"uri": f"{s3_uri}/step-2", "opts": s3_opts},
                       timeout=150, pg_timeout=PG_TIMEOUT)
     assert ranks[1].error is not None and ranks[1].error.cls == "NoResult"  # it really died
     assert ranks[0].error is not None, "the surviving rank must raise, not report success"
-    assert ranks[0].seconds < PG_TIMEOUT + 15 and time.monotonic() - t0 < 150
     assert not Storage(f"{s3_uri}/step-2", s3_opts).exists("manifest.json")
     assert sc.latest(s3_uri, storage_options=s3_opts) == f"{s3_uri}/step-1"
-    _expect_peer_error(ranks[0].error)
+    # its data file uploaded, the survivor's next collective is the gather of shard records
+    _expect_peer_error(ranks[0].error, "gathering metadata from all ranks")
 
 
 def test_rank_killed_during_load_fails_the_others_in_bounded_time(
@@ -225,10 +228,14 @@ def test_rank_killed_during_load_fails_the_others_in_bounded_time(
                       timeout=150, pg_timeout=PG_TIMEOUT)
     assert ranks[1].error is not None and ranks[1].error.cls == "NoResult"
     assert ranks[0].error is not None, "the surviving rank must raise, not hang or succeed"
-    assert ranks[0].seconds < PG_TIMEOUT + 15
-    _expect_peer_error(ranks[0].error)
+    # its own round-0 reads done, the survivor's next collective is the round's agreement
+    _expect_peer_error(ranks[0].error, "agreeing on success with all ranks")
 
 
-def _expect_peer_error(err: Any) -> None:
-    """The survivor's error is a CheckpointError (PeerError), not the backend's raw error."""
-    assert err.isa("CheckpointError"), f"{err.cls}: {err.msg[:300]}"
+def _expect_peer_error(err: Any, collective: str) -> None:
+    """The survivor raised PeerError (not the backend's raw error, nor another class) in
+    ``collective``, the first one after the death, failed by the peer's closed
+    connection: one collective after the death, no timeout waited out."""
+    assert err.cls == "PeerError", f"{err.cls}: {err.msg[:300]}"
+    assert err.msg.startswith(f"{collective} failed: a peer rank died"), err.msg[:300]
+    assert "closed by peer" in err.msg or "reset by peer" in err.msg, err.msg[:300]

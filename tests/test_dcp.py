@@ -397,11 +397,20 @@ def test_memo_index_bombs_refused_without_allocating(bomb: bytes) -> None:
 
 
 def test_memo_prescan_accepts_real_pickles(tmp_path: Path) -> None:
+    """Pickles as picklers write them (every protocol, shared references read back from
+    the memo) pass the pre-scan and unpickle to the value they were made from."""
     _dcp_save({"w": torch.ones(3), "cfg": {"a": [1, 2]}}, tmp_path / "ck")
-    for data in ((tmp_path / "ck" / ".metadata").read_bytes(),
-                 pickle.dumps({"x": [1, 2, {"y": "z"}]} , protocol=0),
-                 pickle.dumps([[1], [2]] * 3, protocol=2)):
-        dcpfmt.check_memo(data, where="t")
+    md = dcpfmt.parse_metadata((tmp_path / "ck" / ".metadata").read_bytes(), where=".metadata")
+    assert md.tensors["w"].shape == (3,) and set(md.values) == {"cfg.a"}  # DCP flattens nested dicts
+    shared = {"y": "z"}
+    for value in ({"x": [1, 2, shared, shared]}, [[1], [2]] * 3):
+        for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+            data = pickle.dumps(value, protocol=protocol)
+            dcpfmt.check_memo(data, where="t")
+            got = dcpfmt.safe_unpickle(data, allowed={}, where="t")
+            assert got == value, protocol
+            if isinstance(value, dict):
+                assert got["x"][2] is got["x"][3], protocol  # the memo kept the shared object
 
 
 def test_hostile_central_directory_size_is_refused(tmp_path: Path) -> None:

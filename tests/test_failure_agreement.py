@@ -1,10 +1,12 @@
-"""A failure on one rank becomes an error on every rank, within a bounded time.
+"""A failure on one rank becomes an error on every rank, through one agreement.
 
 One spawn of 3 gloo ranks runs every case in sequence against moto S3 over HTTP
 (the group is reused, which also checks that it stays usable after an agreed
-failure: the last case loads successfully). Each case's outcome and wall time is
-recorded per rank; a hang would show up as the process group's timeout error
-(30 s here) or the harness killing the ranks, never as a stuck test.
+failure: the last case loads successfully). Each case's outcome is recorded per
+rank. The bound is structural, not a clock: every rank's error must come from the
+agreement (its own, or ``rank N failed: ...``), never from a collective that failed or
+timed out (``PeerError``); a hang shows up as the process group's timeout (30 s) turning
+into such a PeerError, or the harness killing the ranks, never as a stuck test.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from distributed import ScenarioResults, check_equal, original, result_dict, run
 
 WORLD = 3
 PG_TIMEOUT = 30.0
-MAX_SECONDS = 15.0  # an agreed failure takes well under the group's timeout
+BACKEND_FAILURE = "a peer rank died, was killed or timed out"  # comm's PeerError for a failed collective
 
 W = ((64, 48), torch.float32)
 B = ((10, 3), torch.int32)
@@ -262,8 +264,8 @@ def assert_all_raise(runs: ScenarioResults, name: str, *, own: dict[int, str], o
             assert e.cls == own[rank], f"{name}: rank {rank} raised {e}, expected {own[rank]}"
         else:
             assert e.isa(others), f"{name}: rank {rank} raised {e}, expected a {others}"
-    secs = runs.seconds(name)
-    assert max(secs) < MAX_SECONDS, f"{name}: took {secs} s per rank"
+        # agreed, not learnt from a collective that broke or timed out
+        assert e.cls != "PeerError" and BACKEND_FAILURE not in e.msg, f"{name}: rank {rank} raised {e}"
     return errs  # type: ignore[return-value]
 
 
@@ -394,8 +396,9 @@ def test_storage_outage_on_one_rank_raises_everywhere(root: str, opts: dict[str,
     runs.values("save")
     errs = runs.errors("load")
     assert errs[1] is not None and errs[1].cls == "StorageError", errs
+    # rank 1 gave up within its retry budget and the group agreed: rank 0 did not time out
     assert errs[0] is not None and errs[0].isa("CheckpointError") and errs[0].msg.startswith("rank 1 failed"), errs
-    assert max(runs.seconds("load")) < PG_TIMEOUT, runs.seconds("load")
+    assert errs[0].cls != "PeerError" and BACKEND_FAILURE not in errs[0].msg, errs
 
 
 # ----------------------------------------------------------------------------- the harness itself
@@ -418,11 +421,7 @@ def hang_or_crash(rank: int, world: int, mode: str) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["hang", "crash"])
 def test_harness_never_hangs(mode: str) -> None:
-    import time
-
-    t0 = time.monotonic()
     ranks = run_ranks(2, hang_or_crash, kwargs={"mode": mode}, timeout=25, pg_timeout=10)
-    assert time.monotonic() - t0 < 60
     assert ranks[1].error is not None and ranks[1].error.cls == "NoResult"
     assert ("killed" in ranks[1].error.msg) == (mode == "hang")
     assert ranks[0].error is not None  # the barrier failed or timed out; it did not return

@@ -1,6 +1,8 @@
 """Hypothesis fuzzing of everything that parses untrusted metadata: format-v1 manifests,
 safetensors headers, DCP metadata pickles. Only CheckpointError subclasses may come
-out, nothing hangs (per-example deadline), and no allocation tracks a claimed size."""
+out and no allocation tracks a claimed size (traced peak proportional to the input). No
+per-example time limit: speed is not asserted here, and a hang is caught by the suite's
+per-test timeout (pytest-timeout, pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pickle
 import struct
 import tracemalloc
 import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -24,7 +27,7 @@ from streamckpt.manifest import FORMAT_VERSION, Manifest, from_json, to_json
 FUZZ = settings(
     derandomize=True,  # seeded: CI sees the same examples every run
     max_examples=150,
-    deadline=2000,  # ms per example: a hang is a failure, not a timeout of the suite
+    deadline=None,  # no wall-clock threshold: a loaded CI machine must not fail a correct parser
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     database=None,
 )
@@ -243,8 +246,8 @@ def test_safetensors_header_garbage(raw: bytes) -> None:
 
 
 @pytest.fixture(scope="module")
-def dcp_metadata(tmp_path_factory: Any) -> bytes:
-    """A real ``.metadata`` written by torch.distributed.checkpoint."""
+def dcp_dir(tmp_path_factory: Any) -> Path:
+    """A real checkpoint written by torch.distributed.checkpoint (one process)."""
     import torch
     import torch.distributed.checkpoint as dcp_api
 
@@ -253,12 +256,32 @@ def dcp_metadata(tmp_path_factory: Any) -> bytes:
         warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
         dcp_api.save({"w": torch.arange(12.0).reshape(3, 4), "step": 3},
                      storage_writer=dcp_api.FileSystemWriter(str(path)))
-    return (path / ".metadata").read_bytes()
+    return path
 
 
-def test_real_dcp_metadata_parses(dcp_metadata: bytes) -> None:
+@pytest.fixture(scope="module")
+def dcp_metadata(dcp_dir: Path) -> bytes:
+    """The real checkpoint's ``.metadata``."""
+    return (dcp_dir / ".metadata").read_bytes()
+
+
+def test_real_dcp_metadata_parses(dcp_dir: Path, dcp_metadata: bytes) -> None:
+    import io
+
+    import torch
+
     md = dcp.parse_metadata(dcp_metadata, where=".metadata")
-    assert md is not None
+    assert set(md.tensors) == {"w"} and set(md.values) == {"step"}
+    w = md.tensors["w"]
+    assert (w.dtype, w.shape) == ("F32", (3, 4))
+    assert [(off, size) for off, size, _ in w.chunks] == [((0, 0), (3, 4))]
+    # every item's (file, offset, length) addresses exactly its torch.save record
+    data = (dcp_dir / w.chunks[0][2].file).read_bytes()
+    items = [w.chunks[0][2], md.values["step"]]
+    assert all(i.file == items[0].file and 0 <= i.offset and i.offset + i.length <= len(data) for i in items)
+    tensor, step = (torch.load(io.BytesIO(data[i.offset:i.offset + i.length]), weights_only=True) for i in items)
+    assert torch.equal(tensor, torch.arange(12.0).reshape(3, 4))
+    assert step == 3
 
 
 @settings(FUZZ, max_examples=200)

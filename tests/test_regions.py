@@ -92,22 +92,49 @@ def test_cut_and_split_pieces_tile_the_sub_box(fs, cut, max_elems):
     assert torch.equal(seen, mask)
 
 
+def _joins(ranges, members):
+    """``(gap, end)`` of every place a request bridges a gap (its next range does not overlap).
+
+    Overlapping ranges always merge whatever their size; only these joins are bound by
+    the request cap and the gap limits.
+    """
+    ordered = sorted(ranges[i] for i in members)
+    out = []
+    ce = ordered[0][1]
+    for s, e in ordered[1:]:
+        if s >= ce:
+            out.append((s - ce, e))
+        ce = max(ce, e)
+    return out
+
+
 @given(st.lists(st.tuples(st.integers(0, 1000), st.integers(1, 200)), min_size=1, max_size=30),
-       st.integers(0, 100), st.integers(50, 500))
-def test_coalesce_covers_every_range_once_within_limits(raw, gap, max_req):
+       st.integers(0, 100), st.integers(50, 500), st.integers(0, 64))
+def test_coalesce_covers_every_range_once_within_limits(raw, gap, max_req, small_gap):
     ranges = [(s, s + n) for s, n in raw]
-    out = coalesce(ranges, CoalesceOptions(max_gap_bytes=gap, max_request_bytes=max_req))
+    opts = CoalesceOptions(max_gap_bytes=gap, max_request_bytes=max_req, small_gap_bytes=small_gap)
+    out = coalesce(ranges, opts)
     members = sorted(i for _, _, m in out for i in m)
     assert members == list(range(len(ranges)))
     for start, stop, m in out:
-        for i in m:
-            assert start <= ranges[i][0] and ranges[i][1] <= stop
-        if len(m) > 1:  # merged requests respect the size limit unless ranges overlap
-            overlapping = any(ranges[i][0] < max(ranges[j][1] for j in m if j != i) for i in m)
-            assert stop - start <= max_req or overlapping
+        assert start == min(ranges[i][0] for i in m) and stop == max(ranges[i][1] for i in m)
+        for bridged, end in _joins(ranges, m):
+            # the request as it stood when it bridged the gap stays within the cap
+            assert end - start <= max_req, (start, stop, [ranges[i] for i in m])
+            assert bridged <= max(gap, small_gap)
     # requests never overlap each other
     spans = sorted((s, e) for s, e, _ in out)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_coalesce_caps_requests_but_never_cuts_a_range():
+    opts = CoalesceOptions(max_gap_bytes=100, max_request_bytes=50)
+    # touching ranges merge only while the request stays within 50 bytes
+    assert coalesce([(0, 30), (30, 50), (50, 60)], opts) == [(0, 50, [0, 1]), (50, 60, [2])]
+    assert coalesce([(0, 30), (35, 60)], opts) == [(0, 30, [0]), (35, 60, [1])]
+    # one range longer than the cap is one request; overlapping ranges always merge
+    assert coalesce([(0, 410)], opts) == [(0, 410, [0])]
+    assert coalesce([(0, 40), (20, 90)], opts) == [(0, 90, [0, 1])]
 
 
 def test_intersect_basic():

@@ -329,17 +329,21 @@ def test_drop() -> None:
     assert set(view.tensors) == {"w"}
 
 
+#: Split ``w`` on dim 1 into ``a`` and ``b``, transpose both, cast both to fp32 (also used
+#: end to end by test_transforms_e2e.py).
+SPLIT_TRANSPOSE_CAST = [
+    {"split": {"from": "w", "to": ["a", "b"], "dim": 1}},
+    {"transpose": {"from": "a", "dims": [1, 0]}},
+    {"transpose": {"from": "b", "dims": [1, 0]}},
+    {"cast": {"key": "a", "dtype": "float32"}},
+    {"cast": {"key": "b", "dtype": "float32"}},
+]
+
+
 def test_issue_example_split_transpose_cast() -> None:
     """2x2 fp16 [[0,1],[2,3]] split on dim 1, transposed to 1x2, cast to fp32: [[0,2]], [[1,3]]."""
     tensors = {"w": torch.tensor([[0, 1], [2, 3]], dtype=torch.float16)}
-    rules = [
-        {"split": {"from": "w", "to": ["a", "b"], "dim": 1}},
-        {"transpose": {"from": "a", "dims": [1, 0]}},
-        {"transpose": {"from": "b", "dims": [1, 0]}},
-        {"cast": {"key": "a", "dtype": "float32"}},
-        {"cast": {"key": "b", "dtype": "float32"}},
-    ]
-    view = Transforms.from_rules(rules).apply(spec(tensors))
+    view = Transforms.from_rules(SPLIT_TRANSPOSE_CAST).apply(spec(tensors))
     a = assemble(view, "a", Box((0, 0), (1, 2)), tensors)
     b = assemble(view, "b", Box((0, 0), (1, 2)), tensors)
     assert a.dtype == torch.float32 and a.tolist() == [[0.0, 2.0]] and b.tolist() == [[1.0, 3.0]]

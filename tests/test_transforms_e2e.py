@@ -17,6 +17,8 @@ import streamckpt as sc
 from streamckpt import TransformError
 from streamckpt.transforms import Transforms
 
+from test_transforms import SPLIT_TRANSPOSE_CAST
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "transforms"
 MiB = 1 << 20
 
@@ -34,15 +36,8 @@ def qkv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, g: 
 def test_split_transpose_cast_round_trip(s3_uri: str, s3_opts: dict[str, Any]) -> None:
     """[[0,1],[2,3]] fp16 split on dim 1, transposed to 1x2, cast to fp32: [[0,2]] and [[1,3]]."""
     sc.save({"w": torch.tensor([[0, 1], [2, 3]], dtype=torch.float16)}, s3_uri, storage_options=s3_opts)
-    rules = [
-        {"split": {"from": "w", "to": ["a", "b"], "dim": 1}},
-        {"transpose": {"from": "a", "dims": [1, 0]}},
-        {"transpose": {"from": "b", "dims": [1, 0]}},
-        {"cast": {"key": "a", "dtype": "float32"}},
-        {"cast": {"key": "b", "dtype": "float32"}},
-    ]
     sd = {"a": torch.zeros(1, 2), "b": torch.zeros(1, 2)}
-    res = sc.load(sd, s3_uri, storage_options=s3_opts, transforms=rules)
+    res = sc.load(sd, s3_uri, storage_options=s3_opts, transforms=SPLIT_TRANSPOSE_CAST)
     assert sd["a"].tolist() == [[0.0, 2.0]] and sd["b"].tolist() == [[1.0, 3.0]]
     assert res.missing_keys == [] and res.bytes_read == 8  # the 4 fp16 stored elements
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import streamckpt as sc
-from streamckpt.errors import CheckpointError, CorruptCheckpointError, UnsupportedVersionError
+from streamckpt.errors import CorruptCheckpointError, UnsupportedVersionError
 from streamckpt.manifest import MAX_MANIFEST_BYTES, from_json
 from streamckpt.storage import Storage
 from streamckpt.testing import FaultProxy, LocalS3
@@ -321,6 +321,6 @@ def test_missing_data_object_is_a_checkpoint_error(
     st = Storage(s3_uri, s3_opts)
     name = _data_name(st)
     st.delete(name)
-    with pytest.raises(CheckpointError) as ei:
+    with pytest.raises(CorruptCheckpointError) as ei:
         sc.load(_targets(saved), s3_uri, storage_options=s3_opts)
-    assert name in str(ei.value)
+    assert name in str(ei.value) and "manifest" in str(ei.value)
