@@ -124,23 +124,25 @@ class ObstoreBackend(Backend):
     piece_size = PIECE
 
     def __init__(self, config: dict[str, Any], request_timeout: float, client_attempts: int,
-                 max_concurrency: int) -> None:
+                 max_concurrency: int, write_attempts: int = 24, write_timeout: float = 45.0) -> None:
         self.config = config
         self.request_timeout = request_timeout
         self.client_attempts = client_attempts
         self.max_concurrency = max_concurrency
+        self.write_attempts = write_attempts  # obstore's writer retries its parts itself: the policy's whole budget
+        self.write_timeout = write_timeout
         self.threads = WorkerThreads(max(4, max_concurrency), "streamckpt-s3")
-        self._stores: dict[str, Any] = {}
+        self._stores: dict[tuple[str, bool], Any] = {}
         self._lock = threading.Lock()
 
-    def store(self, bucket: str) -> Any:
+    def store(self, bucket: str, writes: bool = False) -> Any:
         with self._lock:
-            s = self._stores.get(bucket)
+            s = self._stores.get((bucket, writes))
             if s is None:
-                s = self._stores[bucket] = self._make_store(bucket)
+                s = self._stores[(bucket, writes)] = self._make_store(bucket, writes)
             return s
 
-    def _make_store(self, bucket: str) -> Any:
+    def _make_store(self, bucket: str, writes: bool = False) -> Any:
         from obstore.store import S3Store
 
         timeout = timedelta(seconds=self.request_timeout)
@@ -154,8 +156,8 @@ class ObstoreBackend(Backend):
             "pool_max_idle_per_host": str(max(10, self.max_concurrency)),
         }
         retry = {
-            "max_retries": max(0, self.client_attempts - 1),
-            "retry_timeout": timeout,
+            "max_retries": max(0, (self.write_attempts if writes else self.client_attempts) - 1),
+            "retry_timeout": timedelta(seconds=self.write_timeout) if writes else timeout,
             "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=1),
                         "base": 2},
         }
@@ -192,7 +194,7 @@ class ObstoreBackend(Backend):
         await self._run(path, _delete, recursive)
 
     def sink(self, path: str) -> PartSink:
-        raise Permanent("obstore uploads are not used: writes go through s3fs")
+        return ObstoreSink(self, path)
 
     def close(self) -> None:
         """Wait for the worker threads and drop the clients (their pooled connections end here)."""
@@ -297,6 +299,66 @@ def translate(e: BaseException, bucket: str) -> BackendError:
         "invalid" in low or "start" in low
     ):
         return RangeNotSatisfiable(text)
-    if "timed out" in full or "timeout" in full:
+    if "timed out" in full:
         return Stalled(f"{type(e).__name__}: {text}")
     return Transient(f"{type(e).__name__}: {text}")
+
+
+class ObstoreSink(PartSink):
+    """obstore's buffered multipart writer: our parts are fed to it in order and it keeps
+    ``WRITE_CONCURRENCY`` parts of ``PART`` bytes in flight, retrying each itself (its client
+    has the policy's whole attempt budget for writes). On abort the writer is dropped
+    without completing, and the multipart upload it began is aborted through s3fs
+    (obstore has no abort call), so nothing is left behind."""
+
+    concurrent = False  # one stream: obstore numbers and retries the parts itself
+    min_part = 5 << 20
+    PART = 8 << 20
+    WRITE_CONCURRENCY = 4
+
+    def __init__(self, backend: ObstoreBackend, path: str) -> None:
+        self._b = backend
+        self._path = path
+        self._bucket, _, self._key = path.partition("/")
+        self._writer: Any = None
+        self.on_abort: Any = None  # set by Storage: aborts leftover multipart uploads of this key
+
+    async def _call(self, fn: Any) -> Any:
+        def call() -> Any:
+            try:
+                return fn()
+            except BackendError:
+                raise
+            except Exception as e:  # noqa: BLE001 - classified
+                raise translate(e, self._bucket) from None
+
+        return await self._b.threads.run(call)
+
+    async def put_whole(self, data: memoryview) -> None:
+        import obstore
+
+        store = self._b.store(self._bucket, writes=True)
+        await self._call(lambda: obstore.put(store, self._key, bytes(data), use_multipart=False))
+
+    async def start(self) -> None:
+        import obstore
+
+        store = self._b.store(self._bucket, writes=True)
+        self._writer = await self._call(lambda: obstore.open_writer(
+            store, self._key, buffer_size=self.PART, max_concurrency=self.WRITE_CONCURRENCY))
+
+    async def put_part(self, number: int, offset: int, data: memoryview) -> Any:
+        w = self._writer
+        # obstore keeps a reference to what it is given until the part is sent: never the
+        # caller's part buffer, which is refilled as soon as this returns.
+        await self._call(lambda: w.write(bytes(data)))
+        return number
+
+    async def complete(self, tokens: list[Any]) -> None:
+        w, self._writer = self._writer, None
+        await self._call(w.close)
+
+    async def abort(self) -> None:
+        self._writer = None  # dropped unfinished: nothing becomes visible
+        if self.on_abort is not None:
+            await self.on_abort(self._path)

@@ -57,6 +57,7 @@ class Storage:
         self._protocol = fsspec.core.split_protocol(self.uri)[0] or "file"
         self._fs_options = opts
         self._writer: Backend | None = None
+        self._s3fs_backend: S3fsBackend | None = None
         reader, self.root = backend, self.uri.split("://", 1)[-1].rstrip("/")
         if reader is None:
             reader = self._open_reader(opts)
@@ -75,7 +76,7 @@ class Storage:
             self.root = self.uri.split("://", 1)[1].strip("/")
             ob = self._pick_obstore(opts)
             if ob is not None:
-                return ob  # s3fs (and its botocore client, ~0.2 s to start) only comes up to write
+                return ob  # s3fs and its botocore client (~0.2 s to start) are not needed
             self._writer = S3fsBackend(self._open_fs(), self.policy.request_timeout, self.max_concurrency)
             return self._writer
         if self._protocol in _LOCAL_PROTOCOLS and "::" not in self.uri:
@@ -115,18 +116,39 @@ class Storage:
             (log.warning if wanted == "obstore" else log.debug)(
                 "reads of %s go through s3fs: obstore cannot reproduce %s", self._describe.public_uri, e)
             return None
-        return ObstoreBackend(config, self.policy.request_timeout, self.policy.client_attempts, self.max_concurrency)
+        return ObstoreBackend(config, self.policy.request_timeout, self.policy.client_attempts, self.max_concurrency,
+                              write_attempts=self.policy.max_attempts * self.policy.client_attempts,
+                              write_timeout=self.policy.total_timeout)
 
     @property
     def _write_backend(self) -> Backend:
-        """Writes on S3 go through s3fs, created on first use when obstore reads."""
+        """Where uploads and deletes go: the reading backend (obstore writes too)."""
         if self._writer is None:
-            self._writer = S3fsBackend(self._open_fs(), self.policy.request_timeout, self.max_concurrency)
+            self._writer = self._reader.backend
         return self._writer
+
+    def _s3fs(self) -> S3fsBackend:
+        """s3fs beside obstore, created on first use: aborting multipart uploads, ``fs``."""
+        if not isinstance(self._writer, S3fsBackend):
+            if self._s3fs_backend is None:
+                self._s3fs_backend = S3fsBackend(self._open_fs(), self.policy.request_timeout, self.max_concurrency)
+            return self._s3fs_backend
+        return self._writer
+
+    async def _abort_uploads(self, path: str) -> None:
+        """Abort the unfinished multipart uploads of one key (obstore cannot)."""
+        fs = self._s3fs().fs
+        bucket, _, key = path.partition("/")
+        resp = await fs._call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
+        for up in resp.get("Uploads", []):
+            if up.get("Key") == key:
+                await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=up["UploadId"])
 
     @property
     def fs(self) -> Any:
-        """The fsspec filesystem behind writes (s3fs, gcsfs, local, ...), created on first use."""
+        """An fsspec filesystem for this store (s3fs, gcsfs, local, ...), created on first use."""
+        if self._protocol in _S3_PROTOCOLS:
+            return self._s3fs().fs
         return getattr(self._write_backend, "fs", None) or fsspec.filesystem("file")
 
     @property
@@ -139,8 +161,9 @@ class Storage:
     def clients_started(self) -> tuple[str, ...]:
         """The clients this Storage has created so far (a load on S3 never starts s3fs)."""
         names = [self._reader.backend.name]
-        if self._writer is not None and self._writer is not self._reader.backend:
-            names.append(self._writer.name)
+        for extra in (self._writer, self._s3fs_backend):
+            if extra is not None and extra is not self._reader.backend and extra.name not in names:
+                names.append(extra.name)
         return tuple(names)
 
     # ------------------------------------------------------- budgets and names
@@ -276,7 +299,10 @@ class Storage:
         up to ``parts_in_flight`` part buffers at once, each part retried under the policy."""
         if size_hint:
             block_size = max(block_size, -(-size_hint // MAX_PARTS))
-        return Upload(self._write_backend.sink(self.path(name)), name, self.describe(name), loop=self._loop,
+        sink = self._write_backend.sink(self.path(name))
+        if hasattr(sink, "on_abort"):
+            sink.on_abort = self._abort_uploads
+        return Upload(sink, name, self.describe(name), loop=self._loop,
                       call=self._reader.call, once=self._reader.once, part_size=block_size,
                       parts_in_flight=parts_in_flight)
 
@@ -297,8 +323,9 @@ class Storage:
     def close(self) -> None:
         self._reader.backend.close()
         self._reader.verify_threads.close()
-        if self._writer is not None and self._writer is not self._reader.backend:
-            self._writer.close()
+        for extra in {id(b): b for b in (self._writer, self._s3fs_backend) if b is not None}.values():
+            if extra is not self._reader.backend:
+                extra.close()
 
 
 def _public(uri: str) -> str:
