@@ -14,8 +14,10 @@ a real job writes:
 * ``get_state_dict(model, optim)`` gives the model's and the optimizer's state as
   DTensors (each rank holds its FSDP2 shard) plus plain values (``param_groups``
   with their learning rates, the step);
-* ``sc.save`` writes that state (each rank uploads its own shards) and commits it
-  by writing ``manifest.json`` last; a job killed mid-save leaves no manifest;
+* ``sc.async_save`` copies that state aside and returns: training goes on while each
+  rank uploads its share in the background and rank 0 commits it by writing
+  ``manifest.json`` last (a job killed mid-save leaves no manifest); the next save, and
+  the end of the run, wait for the previous one (``handle.result()`` raises its error);
 * on restart ``sc.latest`` finds the newest committed checkpoint, ``sc.load`` fills
   a freshly built state_dict in place, each rank reading only the bytes of its own
   shards of the new layout, and ``set_state_dict`` puts it into model and optimizer.
@@ -78,6 +80,7 @@ class Job:
     optim: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
     step: int = 0
+    pending: sc.SaveHandle | None = None  # the async save in flight
 
     @classmethod
     def create(cls, mesh: DeviceMesh, lr: float = 1e-2) -> "Job":
@@ -103,11 +106,20 @@ class Job:
         return {"model": model_sd, "optim": optim_sd, "sched": self.sched.state_dict(), "step": self.step}
 
     def save(self, root: str, storage_options: dict[str, Any] | None = None) -> str:
-        """Collective: every rank writes its shards; ``manifest.json`` commits the checkpoint."""
+        """Collective: stage this step's state and return; the upload and the commit
+        (``manifest.json``) run in the background while training goes on."""
+        self.wait_saved()
         uri = f"{root.rstrip('/')}/step-{self.step:06d}"  # zero-padded: names sort like steps
-        res = sc.save(self.state_dict(), uri, storage_options=storage_options)
-        log.info("saved %s: %d bytes from this rank in %.2f s", uri, res.bytes_written, res.seconds)
+        self.pending = sc.async_save(self.state_dict(), uri, storage_options=storage_options,
+                                     staging_budget=256 << 20)
         return uri
+
+    def wait_saved(self) -> None:
+        """Wait for the save in flight to commit (raises its error on every rank)."""
+        if self.pending is not None:
+            handle, self.pending = self.pending, None
+            res = handle.result()
+            log.info("saved %s: %d bytes from this rank in %.2f s", handle.uri, res.bytes_written, res.seconds)
 
     def resume(self, root: str, storage_options: dict[str, Any] | None = None) -> str | None:
         """Load the newest committed checkpoint under ``root`` into this (maybe differently
@@ -138,6 +150,7 @@ def run(args: argparse.Namespace) -> Job:
             log.info("step %d loss %.5f", job.step, loss)
         if args.save_every and job.step % args.save_every == 0:
             job.save(args.ckpt, args.storage_options)
+    job.wait_saved()  # the last checkpoint is durable before the job ends
     return job
 
 
