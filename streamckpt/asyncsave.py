@@ -16,6 +16,10 @@ staged, as buffers free up behind the upload — it then blocks for about the ti
 takes to upload ``share - staging_budget`` bytes. Uploads hold their own part buffers
 besides (``PARTS_IN_FLIGHT`` × ``PART_SIZE`` of ``streamckpt.storage.store``, 32 MiB).
 
+A process that exits with a save in flight cancels it (an ``atexit`` hook): nothing is
+committed, and the uploader is stopped before the interpreter shuts down (a thread killed
+inside a native call at shutdown aborts the process).
+
 Process state: creating a process group is itself a collective, so the save group made
 for a training group is kept for the next save (``_SESSIONS``, keyed by that group), with
 the handle of the save in flight: a second ``async_save`` on the group waits for the first
@@ -24,6 +28,7 @@ to finish. This is the one piece of module-level state in streamckpt.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import logging
 import threading
@@ -34,6 +39,7 @@ import torch
 
 from . import writeplan
 from .comm import GroupComm, SoloComm, make_comm
+from .errors import CheckpointError
 from .results import SaveResult
 from .saver import Prepared, prepare, write_and_commit
 from .storage import Storage
@@ -46,9 +52,18 @@ class SaveHandle:
     """An ``async_save`` in flight: ``result()`` waits for the commit (or raises the save's
     error, on every rank); ``done()`` says whether it has finished."""
 
-    def __init__(self, future: "cf.Future[SaveResult]", uri: str) -> None:
+    def __init__(self, future: "cf.Future[SaveResult]", uri: str, cancel: Any = None) -> None:
         self._future = future
+        self._cancel = cancel
         self.uri = uri
+
+    def cancel(self, timeout: float = 60.0) -> bool:
+        """Stop the save: no manifest is written (every rank's ``result()`` raises).
+        Returns whether it ended within ``timeout`` seconds."""
+        if self._cancel is not None and not self.done():
+            self._cancel()
+        done, _ = cf.wait([self._future], timeout)
+        return bool(done)
 
     def result(self, timeout: float | None = None) -> SaveResult:
         return self._future.result(timeout)
@@ -113,8 +128,9 @@ class StagedShard:
         self._ready.set()
 
     def fail(self, error: BaseException) -> None:
-        self._error = error
-        self._ready.set()
+        if not self._ready.is_set():
+            self._error = error
+            self._ready.set()
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -220,6 +236,11 @@ def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, budget:
         finally:
             storage.close()
 
+    def cancel() -> None:
+        budget.fail()
+        for shard in shards:
+            shard.fail(CheckpointError("the save was cancelled (the process is exiting); nothing was committed"))
+
     threading.Thread(target=background, name="streamckpt-async-save", daemon=True).start()
     tensors = {t.spec: t.tensor for t in prep.local}
     for k, (item, shard) in enumerate(zip(prep.items, shards)):
@@ -234,4 +255,16 @@ def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, budget:
     for shard in shards:
         if not shard._ready.is_set():
             shard.fail(RuntimeError("staging stopped after the upload failed"))
-    return SaveHandle(future, storage.describe("").rstrip("/"))
+    return SaveHandle(future, storage.describe("").rstrip("/"), cancel)
+
+
+@atexit.register
+def _cancel_at_exit() -> None:
+    """A process ending with a save in flight cancels it (its checkpoint stays uncommitted)
+    and waits a little for the uploader to stop: a thread killed inside a native call at
+    interpreter shutdown aborts the process."""
+    with _SESSIONS_LOCK:
+        pending = [s.last for s in _SESSIONS.values() if s.last is not None and not s.last.done()]
+    for handle in pending:
+        log.warning("cancelling the save to %s in flight at exit; call result() to wait for it", handle.uri)
+        handle.cancel(timeout=60.0)

@@ -160,3 +160,18 @@ def test_staging_stays_within_budget_in_a_fresh_process(tmp_path: Any) -> None:
     assert growth <= budget + 64 * MiB, growth / MiB
     back = sc.load_full(str(tmp_path / "ck"), keys=["t0"])
     assert back["t0"].shape == (1024, 1024)
+
+
+_EXIT_EARLY = textwrap.dedent("""
+    import sys, torch, streamckpt as sc
+    state = {f"t{i}": torch.randn(1024, 1024) for i in range(96)}  # 384 MiB
+    sc.async_save(state, sys.argv[1], staging_budget=64 << 20)
+    sys.exit(0)  # the job ends with the save in flight
+""")
+
+
+def test_exit_with_a_save_in_flight_leaves_no_manifest(tmp_path: Any) -> None:
+    root = tmp_path / "run"
+    subprocess.run([sys.executable, "-c", _EXIT_EARLY, str(root / "step-1")], check=True, timeout=240)
+    assert not (root / "step-1" / "manifest.json").exists()
+    assert sc.latest(str(root)) is None
