@@ -43,7 +43,6 @@ from .targets import TargetSpec
 VERSION = 1
 DIGEST = 16  # blake2b-128: distinct blobs collide with probability ~n²/2¹²⁹
 SECTIONS = 3  # names, boxes, flats
-_TAGS = (b"N", b"B", b"F")
 _HEAD = struct.Struct(f"<cB{SECTIONS * (DIGEST + 4)}s")
 _REF = struct.Struct(f"<{DIGEST}sI")
 _COUNT = struct.Struct("<BI")  # version, number of specs (or flat ranges)
