@@ -10,6 +10,12 @@ on one core and returns a table row: the plan one rank makes in a real load
 (``rank=r``: shared targets planned alike everywhere, single-holder targets
 only near the rank), for the first rank and one in the middle, and the
 all-ranks plan (``rank=None``, what a simulation of every rank computes).
+
+``metadata(ranks)`` times the whole per-rank metadata path of a load on the
+same job, the old JSON gather and ``streamckpt.specwire`` side by side: this
+rank's encoding, the gather (bytes each rank receives, and the CPU time of
+cutting them out of the receive buffer as ``all_gather_bytes`` does; network
+time is not simulated), decoding every rank's specs, and rank 0's plan.
 """
 
 from __future__ import annotations
@@ -167,9 +173,93 @@ def bench(ranks: int, layers: int = LAYERS, full: bool = True) -> dict[str, Any]
     return row
 
 
+def _cpu(fn: Any) -> tuple[Any, float]:
+    t0 = time.process_time()
+    out = fn()
+    return out, time.process_time() - t0
+
+
+def _received(blobs: list[bytes]) -> tuple[list[bytes], int, float]:
+    """One padded all-gather as this rank sees it: what it returns, bytes received, CPU s
+    of cutting each rank's bytes out of the receive buffer."""
+    width = max(map(len, blobs))
+    buf = b"".join(b.ljust(width, b"\0") for b in blobs)  # what arrives (built outside the timing)
+    view = memoryview(buf)
+    out, cpu = _cpu(lambda: [bytes(view[i * width:i * width + len(b)]) for i, b in enumerate(blobs)])
+    return out, len(buf), cpu
+
+
+def _json_path(targets: list[list[Any]], rank: int) -> tuple[list[list[Any]], dict[str, Any]]:
+    """The gather before specwire: every rank's specs as one JSON document each."""
+    import json
+
+    from streamckpt.targets import TargetSpec
+
+    docs = [json.dumps({"targets": [s.to_json() for s in t]}).encode() for t in targets]  # the other ranks
+    _, enc = _cpu(lambda: json.dumps({"targets": [s.to_json() for s in targets[rank]]}).encode())
+    got, nbytes, gather = _received(docs)
+    specs, dec = _cpu(lambda: [[TargetSpec.from_json(v) for v in json.loads(b)["targets"]] for b in got])
+    return specs, {"encode ms": enc * 1e3, "received MiB": nbytes / 2**20, "gather s": gather, "decode s": dec}
+
+
+def _encoded(specs: list[Any]) -> tuple[Any, bytes]:
+    from streamckpt import specwire as sw
+
+    enc = sw.encode(specs)
+    return enc, enc.header()
+
+
+def _specwire_path(targets: list[list[Any]], rank: int) -> tuple[list[list[Any]], dict[str, Any]]:
+    """specwire: headers, then each distinct section once, split over its holders."""
+    from streamckpt import specwire as sw
+
+    encs = [sw.encode(t) for t in targets]  # the other ranks
+    heads = [e.header() for e in encs]
+    (mine, _), enc = _cpu(lambda: _encoded(targets[rank]))
+    got_heads, n1, g1 = _received(heads)
+    routing, route = _cpu(lambda: sw.route([sw.parse_header(h, r) for r, h in enumerate(got_heads)]))
+    payloads = [sw.payload(routing, r, e) for r, e in enumerate(encs)]
+    _, pay = _cpu(lambda: sw.payload(routing, rank, mine))
+    got, n2, g2 = _received(payloads)
+    specs, dec = _cpu(lambda: sw.decode_all(routing, sw.assemble(routing, got)))
+    return specs, {"encode ms": (enc + pay) * 1e3, "received MiB": (n1 + n2) / 2**20, "gather s": g1 + g2,
+                   "decode s": route + dec, "distinct blobs": len(routing.blobs)}
+
+
+def metadata(ranks: int, layers: int = LAYERS, rank: int = 0) -> list[dict[str, Any]]:
+    """Rows (JSON, specwire) of one rank's metadata path onto ``ranks`` ranks: encode,
+    gather, decode every rank's specs, then this rank's plan from the decoded specs."""
+    import gc
+
+    from streamckpt.plan import PlanOptions, build_plan
+
+    manifest = build_manifest(layers=layers)
+    targets = build_targets(ranks, layers=layers)
+    rows = []
+    for name, path in (("JSON (before)", _json_path), ("specwire", _specwire_path)):
+        gc.collect()
+        specs, row = path(targets, rank)
+        if specs != targets:
+            raise AssertionError(f"{name}: decoded specs differ from the originals")
+        _, plan = _cpu(lambda: build_plan(manifest, specs, PlanOptions(), rank=rank))
+        del specs
+        total = row["encode ms"] / 1e3 + row["gather s"] + row["decode s"] + plan
+        rows.append({"ranks": ranks, "path": name, "target specs": sum(map(len, targets)),
+                     "received MiB/rank": round(row["received MiB"], 2),
+                     "encode ms": round(row["encode ms"], 2), "gather copy s": round(row["gather s"], 3),
+                     "decode s": round(row["decode s"], 3), "plan s": round(plan, 2),
+                     "metadata + plan s": round(total, 2), "distinct blobs": row.get("distinct blobs", "")})
+    return rows
+
+
 if __name__ == "__main__":
     import json
     import sys
 
-    for n in (int(a) for a in sys.argv[1:] or ["512"]):
-        print(json.dumps(bench(n)), flush=True)
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    for n in (int(a) for a in args or ["512"]):
+        if "--metadata" in sys.argv:
+            for row in metadata(n):
+                print(json.dumps(row), flush=True)
+        else:
+            print(json.dumps(bench(n)), flush=True)

@@ -152,6 +152,8 @@ class Harness:
         self.timing: dict[str, float] = {}
         self.planner_rows: list[dict[str, Any]] | None = None
         self.planner_note = ""
+        self.metadata_rows: list[dict[str, Any]] = []
+        self.metadata_note = ""
         self.profiles: dict[str, str] = {}
         self.load_start = os.getloadavg()[0]
 
@@ -417,25 +419,20 @@ class Harness:
                 self.curl.setdefault(scenario, []).append(c)
 
     def run_planner(self) -> None:
-        """Each rank count in a fresh process; the lead's planner_scale.bench wins if it exists."""
+        """Each rank count in a fresh process; the lead's planner_scale.bench wins if it exists.
+        Then the per-rank metadata path (planner_bench.metadata), also one process per count."""
         from importlib.util import find_spec
 
         mod = "benchmarks.planner_scale" if find_spec("benchmarks.planner_scale") else "benchmarks.planner_bench"
         runs = [(64, 8)] if self.args.quick else [(512, 80), (1024, 80), (4096, 80)]
         rows = []
         for ranks, layers in runs:
-            call = f"bench({ranks})" if layers == 80 else f"bench({ranks}, layers={layers})"
-            code = f"import json, {mod} as p; print(json.dumps(p.{call}))"
-            try:
-                out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                                     env=self._env(1), timeout=60 if self.args.quick else 900)
-                if out.returncode != 0:
-                    rows.append({"ranks": ranks, "error": (out.stderr.strip().splitlines() or ["failed"])[-1][:200]})
-                else:
-                    rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            except subprocess.TimeoutExpired:
-                rows.append({"ranks": ranks, "error": "timed out"})
+            args = f"{ranks}" if layers == 80 else f"{ranks}, layers={layers}"
+            rows.append(self._planner_call(mod, f"bench({args})", ranks))
             print(f"  (f) {ranks} ranks: {rows[-1]}", flush=True)
+            md = self._planner_call("benchmarks.planner_bench", f"metadata({args})", ranks)
+            self.metadata_rows += md if isinstance(md, list) else [md]
+            print(f"  (f) {ranks} ranks, metadata: {md}", flush=True)
         self.planner_rows = rows
         self.planner_note = (f"`{mod}`: a 70B-like model (80 layers × 9 tensors, bf16) + a ZeRO-1 fp32 `exp_avg` "
                              "(flat ranges), saved TP=8 × PP=8 (ZeRO over DP=8), planned onto TP=4 × PP=16 × "
@@ -443,9 +440,35 @@ class Harness:
                              "load (process CPU time, one core; the slower of rank 0 and a middle rank); the goal is "
                              "< 2 s at 4096 ranks. `all ranks' plan` is `rank=None`, every rank's reads at once (what "
                              "a simulation computes). See docs/PLANNER.md.")
+        self.metadata_note = ("`benchmarks.planner_bench.metadata`: the whole per-rank metadata path of the same "
+                              "load, the JSON all-gather it replaced and `streamckpt.specwire` side by side: this "
+                              "rank's encoding, the bytes each rank receives from the all-gathers (padded, as "
+                              "`all_gather_bytes` moves them) and the CPU time of cutting them out of the receive "
+                              "buffer (network time not simulated), decoding every rank's specs, then rank 0's plan "
+                              "from them (process CPU time, one core). Goal at 4096 ranks: ≤ 4 MiB received and "
+                              "metadata + plan < 1.5 s.")
+
+    def _planner_call(self, mod: str, call: str, ranks: int) -> Any:
+        """``mod.call`` in a fresh one-core process: its JSON result, or an error row."""
+        code = f"import json, {mod} as p; print(json.dumps(p.{call}))"
+        try:
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                                 env=self._env(1), timeout=60 if self.args.quick else 900)
+        except subprocess.TimeoutExpired:
+            return {"ranks": ranks, "error": "timed out"}
+        if out.returncode != 0:
+            return {"ranks": ranks, "error": (out.stderr.strip().splitlines() or ["failed"])[-1][:200]}
+        return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # ------------------------------------------------------------------ report
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    """A markdown table whose columns are every key of ``rows`` in first-seen order."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    return lines + ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
 
 
 def _fn(frame: str) -> str:
@@ -675,14 +698,11 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
         lines.append(f"## (f) {SCENARIOS['f']}")
         lines.append("")
         if h.planner_rows:
-            lines += [h.planner_note, ""]
-            keys = list(dict.fromkeys(k for r in h.planner_rows for k in r))
-            lines.append("| " + " | ".join(keys) + " |")
-            lines.append("|" + "---|" * len(keys))
-            for r in h.planner_rows:
-                lines.append("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
+            lines += [h.planner_note, ""] + _table(h.planner_rows)
         else:
             lines.append(h.planner_note)
+        if h.metadata_rows:
+            lines += ["", h.metadata_note, ""] + _table(h.metadata_rows)
         lines.append("")
     checks = targets_check(h, figures)
     if checks:

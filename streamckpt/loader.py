@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import manifest as mf
+from . import specwire
 from .comm import GroupComm, SoloComm, encode_error, raise_agreed
 from .errors import CheckpointError, MissingKeysError
 from .formats import read_manifest
@@ -45,17 +46,29 @@ def share_manifest(comm: SoloComm | GroupComm, storage: Storage) -> mf.Manifest:
 
 
 def gather_targets(comm: SoloComm | GroupComm, specs: list[TargetSpec], own: BaseException | None) -> list[list[TargetSpec]]:
-    """Every rank's target specs (JSON over the wire), or an agreed failure."""
+    """Every rank's target specs, or an agreed failure.
+
+    Two all-gathers (``specwire``): fixed-size headers (an error, or each
+    section's digest and length), then every distinct section once, in parts
+    spread over the ranks holding it. Each rank receives and decodes about the
+    distinct layouts' bytes, not ranks × specs.
+    """
     if isinstance(comm, SoloComm):
         if own is not None:
             raise own
         return [specs]
-    doc = {"error": encode_error(own, comm.rank)} if own is not None else {"targets": [s.to_json() for s in specs]}
-    gathered = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(doc).encode())]
-    failures = [g["error"] for g in gathered if "error" in g]
-    if failures:
+    enc: specwire.Encoded | None = None
+    if own is None:
+        try:
+            enc = specwire.encode(specs)
+        except CheckpointError as e:
+            own = e
+    head = enc.header() if enc is not None else b"E" + json.dumps(encode_error(own, comm.rank)).encode()
+    heads = comm.all_gather_bytes(head)
+    failures = [json.loads(h[1:]) for h in heads if h[:1] == b"E"]
+    if failures or enc is None:
         raise_agreed(failures, own)
-    return [[TargetSpec.from_json(v) for v in g["targets"]] for g in gathered]
+    return specwire.exchange(enc, heads, comm.rank, comm.all_gather_bytes)
 
 
 @dataclass(slots=True)
