@@ -9,8 +9,9 @@ commits the manifest on rank 0 and agrees on the outcome — all on a gloo proce
 of its own, so the training job's collectives (NCCL or gloo) never interleave with the
 save's.
 
-Memory: with ``staging_budget`` set, at most that many bytes of tensors are staged at
-once (items larger than a quarter of it are cut into row blocks or flat ranges first);
+Memory: with ``staging_budget`` set, staged copies live in one block of that many bytes
+(``staging``: a ring, pinned for CUDA tensors, kept for the next save on the group;
+items larger than a quarter of it are cut into row blocks or flat ranges first);
 when this rank's share is larger, ``async_save`` returns only once the rest has been
 staged, as buffers free up behind the upload — it then blocks for about the time it
 takes to upload ``share - staging_budget`` bytes. Uploads hold their own part buffers
@@ -42,6 +43,7 @@ from .comm import GroupComm, SoloComm, make_comm
 from .errors import CheckpointError
 from .results import SaveResult
 from .saver import Prepared, prepare, write_and_commit
+from .staging import StagingArea
 from .storage import Storage
 from .targets import TargetSpec
 
@@ -80,39 +82,6 @@ class SaveHandle:
         return f"SaveHandle({self.uri!r}, {state})"
 
 
-class Budget:
-    """Bytes of staged tensors held at once; a reservation that cannot fit waits for the
-    upload to free some (one always may go, so an oversized item cannot deadlock)."""
-
-    def __init__(self, limit: int | None) -> None:
-        self.limit = limit
-        self.used = 0
-        self.peak = 0
-        self.failed = False
-        self._cond = threading.Condition()
-
-    def reserve(self, n: int) -> bool:
-        """Wait until ``n`` bytes fit; False when the upload has failed (stop staging)."""
-        with self._cond:
-            while not self.failed and self.limit is not None and self.used and self.used + n > self.limit:
-                self._cond.wait()
-            if self.failed:
-                return False
-            self.used += n
-            self.peak = max(self.peak, self.used)
-            return True
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self.used -= n
-            self._cond.notify_all()
-
-    def fail(self) -> None:
-        with self._cond:
-            self.failed = True
-            self._cond.notify_all()
-
-
 class StagedShard:
     """One item to write, filled by the staging thread and read once by the uploader
     (``.tensor`` waits until it is staged)."""
@@ -139,22 +108,9 @@ class StagedShard:
             raise self._error or RuntimeError("internal: staged shard released before it was written")
         return self._tensor
 
-    def drop(self) -> int:
-        """Free the staged copy; returns its size."""
-        t, self._tensor = self._tensor, None
-        return 0 if t is None else t.numel() * t.element_size()
-
-
-def stage_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous host copy of ``t`` that the caller cannot change any more (CUDA: into
-    pinned memory, the copy ordered after the caller's pending work on its stream)."""
-    t = t.detach()
-    if t.device.type == "cpu":
-        out = torch.empty(t.shape, dtype=t.dtype)
-    else:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t)  # blocking: returns once the bytes are in host memory
-    return out
+    def drop(self) -> None:
+        """Forget the staged copy (its memory goes back to the staging area)."""
+        self._tensor = None
 
 
 @dataclass
@@ -162,6 +118,13 @@ class _Session:
     group: Any  # the training group (kept so that its id is not reused)
     comm: SoloComm | GroupComm  # the save's own group
     last: SaveHandle | None = None
+    area: StagingArea | None = None  # kept for the next save with the same budget
+
+    def staging(self, budget: int | None, pinned: bool) -> StagingArea:
+        if self.area is None or self.area.budget != budget or self.area.pinned != pinned:
+            self.area = StagingArea(budget, pinned)
+        self.area.reset()
+        return self.area
 
 
 _SESSIONS: dict[int, _Session] = {}
@@ -215,29 +178,31 @@ def async_save(
     except BaseException:
         storage.close()
         raise
-    handle = _start(session.comm, storage, prep, Budget(staging_budget))
+    pinned = any(t.tensor.device.type == "cuda" for t in prep.local)
+    handle = _start(session.comm, storage, prep, session.staging(staging_budget, pinned))
     session.last = handle
     return handle
 
 
-def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, budget: Budget) -> SaveHandle:
+def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, area: StagingArea) -> SaveHandle:
     shards = [StagedShard(it.spec) for it in prep.items]
     future: cf.Future[SaveResult] = cf.Future()
 
     def released(i: int) -> None:
-        budget.release(shards[i].drop())
+        shards[i].drop()
+        area.release()
 
     def background() -> None:
         try:
             future.set_result(write_and_commit(comm, storage, prep, shards, on_written=released))  # type: ignore[arg-type]
         except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
-            budget.fail()
+            area.fail()
             future.set_exception(e)
         finally:
             storage.close()
 
     def cancel() -> None:
-        budget.fail()
+        area.fail()
         for shard in shards:
             shard.fail(CheckpointError("the save was cancelled (the process is exiting); nothing was committed"))
 
@@ -245,9 +210,10 @@ def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, budget:
     tensors = {t.spec: t.tensor for t in prep.local}
     for k, (item, shard) in enumerate(zip(prep.items, shards)):
         try:
-            if not budget.reserve(item.spec.nbytes):
-                break  # the upload failed: the handle raises its error
-            shard.set(stage_copy(writeplan.piece_of(item, tensors[item.source])))
+            staged = area.copy(writeplan.piece_of(item, tensors[item.source]))
+            if staged is None:
+                break  # the upload failed or was cancelled: the handle raises its error
+            shard.set(staged)
         except BaseException as e:
             for rest in shards[k:]:
                 rest.fail(e)  # the uploader raises it, and every rank learns of it through the agreement

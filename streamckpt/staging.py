@@ -1,0 +1,113 @@
+"""Host memory for staged copies of tensors being saved: a ring over one block.
+
+``async_save`` copies this rank's share of the state aside before it returns, and the
+uploader frees each copy as soon as its bytes are written, in the order they were
+staged. With a budget that order makes a ring buffer exact: copies are carved out of
+one block of ``budget`` bytes (pinned when the tensors live on a GPU), so staging never
+holds more than the budget, whatever the allocator would have done with thousands of
+freed tensors, and the block is reused by the next save instead of paying its page
+faults (and, pinned, its registration) again. Without a budget each copy is its own
+tensor.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+
+ALIGN = 64  # every copy starts 64-byte aligned (any dtype view is valid)
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class StagingArea:
+    """Copies handed out in FIFO order and given back in the same order.
+
+    ``copy(t)`` waits until ``t`` fits behind the live copies (one copy always may go:
+    an oversized tensor when nothing is live gets memory of its own), ``release()`` frees
+    the oldest live copy, ``fail()`` wakes and stops every waiter (the upload died).
+    """
+
+    def __init__(self, budget: int | None, pinned: bool = False) -> None:
+        self.budget = budget
+        self.pinned = pinned
+        self.block: torch.Tensor | None = None
+        if budget is not None:
+            self.block = torch.empty(budget, dtype=torch.uint8, pin_memory=pinned)
+        self._live: collections.deque[tuple[int, int]] = collections.deque()  # (start, end) in the block
+        self._head = 0
+        self._cond = threading.Condition()
+        self.failed = False
+        self.peak = 0
+        self._used = 0
+
+    def reset(self) -> None:
+        """Ready for the next save (nothing live)."""
+        with self._cond:
+            self._live.clear()
+            self._head = 0
+            self.failed = False
+            self._used = 0
+
+    def _place(self, n: int) -> int | None:
+        """Where ``n`` bytes fit now (block offset), or None."""
+        size = self.budget or 0
+        if not self._live:
+            return 0 if n <= size else -1
+        oldest = self._live[0][0]
+        if self._head > oldest or (self._head == oldest and not self._live):
+            if self._head + n <= size:
+                return self._head
+            return 0 if n <= oldest else None
+        return self._head if self._head + n <= oldest else None
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A host copy of ``t`` that its owner cannot change any more; None after ``fail``."""
+        t = t.detach()
+        nbytes = t.numel() * t.element_size()
+        if self.block is None:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pinned and t.device.type != "cpu")
+            out.copy_(t)
+            return out
+        n = _aligned(max(nbytes, 1))
+        with self._cond:
+            while True:
+                if self.failed:
+                    return None
+                at = self._place(n)
+                if at is not None:
+                    break
+                self._cond.wait()
+            if at < 0:  # larger than the whole block: memory of its own
+                self._live.append((-1, n))
+            else:
+                self._live.append((at, at + n))
+                self._head = at + n
+            self._used += n
+            self.peak = max(self.peak, self._used)
+        if at < 0:
+            out = torch.empty(t.shape, dtype=t.dtype)
+        else:
+            out = self.block[at:at + nbytes].view(t.dtype).view(t.shape)
+        out.copy_(t)  # blocking: returns once the bytes are in host memory
+        return out
+
+    def release(self) -> None:
+        """The oldest live copy has been written."""
+        if self.block is None:
+            return  # copies of their own: freed with the last reference
+        with self._cond:
+            start, end = self._live.popleft()
+            self._used -= (end - start) if start >= 0 else end
+            if not self._live:
+                self._head = 0
+            self._cond.notify_all()
+
+    def fail(self) -> None:
+        with self._cond:
+            self.failed = True
+            self._cond.notify_all()

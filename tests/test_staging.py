@@ -1,0 +1,73 @@
+"""The staging ring: copies carved out of one block in FIFO order, never more than the
+budget live, waiting for releases, stopped by fail()."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from streamckpt.staging import StagingArea
+
+
+def _offset(area: StagingArea, t: torch.Tensor) -> int:
+    assert area.block is not None
+    return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size() - area.block.data_ptr()
+
+
+def test_copies_are_exact_views_of_one_block_and_wrap_around() -> None:
+    area = StagingArea(1024)
+    src = [torch.arange(64, dtype=torch.int32), torch.full((50,), 2.5, dtype=torch.float64),
+           torch.tensor(7, dtype=torch.int16)]
+    got = [area.copy(t) for t in src]
+    assert [_offset(area, g) for g in got] == [0, 256, 704]  # 64-byte aligned, in order
+    for s, g in zip(src, got):
+        assert torch.equal(s, g) and g.dtype == s.dtype and g.shape == s.shape
+    src[0].zero_()
+    assert got[0].sum().item() == sum(range(64))  # a copy: the caller may change its tensor
+    area.release()  # the oldest copies (offsets 0 and 256) are written
+    area.release()
+    d = area.copy(torch.ones(75, dtype=torch.int32))  # 300 bytes: no room after 768, wraps to 0
+    assert _offset(area, d) == 0 and torch.equal(got[2], src[2]) and area.peak <= 1024
+
+
+def test_a_copy_waits_for_room_and_fail_stops_it() -> None:
+    area = StagingArea(512)
+    area.copy(torch.zeros(100, dtype=torch.int32))  # 400 bytes
+    seen: list[object] = []
+
+    def stage() -> None:
+        seen.append(area.copy(torch.ones(50, dtype=torch.int32)))  # 200 bytes: waits for the release
+
+    t = threading.Thread(target=stage)
+    t.start()
+    time.sleep(0.1)
+    assert not seen  # still waiting: 400 + 200 > 512
+    area.release()
+    t.join(5)
+    assert len(seen) == 1 and torch.equal(seen[0], torch.ones(50, dtype=torch.int32))
+    area.copy(torch.zeros(64, dtype=torch.int32))  # 256 bytes behind it
+    t = threading.Thread(target=stage)
+    t.start()
+    time.sleep(0.1)
+    area.fail()
+    t.join(5)
+    assert seen[-1] is None  # stopped, not hung
+
+
+def test_an_item_larger_than_the_block_gets_memory_of_its_own_when_alone() -> None:
+    area = StagingArea(256)
+    big = torch.arange(1000, dtype=torch.int64)
+    got = area.copy(big)
+    assert torch.equal(got, big) and got.untyped_storage().data_ptr() != area.block.data_ptr()
+    area.release()
+    small = area.copy(torch.ones(8))
+    assert _offset(area, small) == 0
+
+
+def test_without_a_budget_every_copy_is_its_own() -> None:
+    area = StagingArea(None)
+    got = area.copy(torch.arange(10))
+    assert torch.equal(got, torch.arange(10))
+    area.release()
