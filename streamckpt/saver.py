@@ -19,6 +19,7 @@ from . import manifest as mf
 from . import writeplan
 from .comm import GroupComm, SoloComm, encode_error, raise_agreed
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleStateDictError
+from .loader import gather_targets
 from .results import SaveResult
 from .storage import Storage
 from .targets import LocalTarget, TargetSpec, collect
@@ -122,8 +123,7 @@ def prepare(
                 storage.delete(mf.MANIFEST_NAME)  # uncommit first: old data files are about to change
     except CheckpointError as e:
         own = e
-    gathered = _gather_json(comm, [s.to_json() for s in specs], own)
-    all_specs = [[TargetSpec.from_json(v) for v in g] for g in gathered]
+    all_specs = gather_targets(comm, specs, own)  # compact: distinct layouts travel once
     items: list[writeplan.WriteItem] = []
     try:
         _check_layout(writeplan.holders_of(all_specs))  # before any upload: a bad layout leaves no orphans
