@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 from . import manifest as mf
 from .comm import GroupComm, SoloComm, encode_error, raise_agreed
+from .cudaapi import CudaApi, TorchCuda
+from .device import cuda_devices
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleStateDictError
 from .results import SaveResult
 from .storage import Storage
@@ -85,6 +87,7 @@ def run_save(
     metadata: dict[str, Any] | None,
     overwrite: bool,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    cuda: CudaApi | None = None,
 ) -> SaveResult:
     t0 = time.perf_counter()
     own: BaseException | None = None
@@ -100,6 +103,7 @@ def run_save(
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"metadata must be a JSON-serializable dict ({e})") from None
         targets, slots = collect(state_dict, for_save=True)
+        comm.prefer_device(cuda_devices(cuda or TorchCuda(), (t.tensor for t in targets)))
         local = targets
         specs = [t.spec for t in targets]
         values = {v.key: v.value for v in slots}
@@ -125,7 +129,7 @@ def run_save(
         mine = [ShardToWrite(t.spec, t.tensor) for t in local if owner[t.spec] == comm.rank]
         if mine:
             name = _data_name(comm.rank, compression)
-            records, size = write_data_file(storage, name, mine, compression=compression, chunk_size=chunk_size)
+            records, size = write_data_file(storage, name, mine, compression=compression, chunk_size=chunk_size, cuda=cuda)
             files[name] = size
             result.files.append(name)
             result.bytes_written += size
