@@ -299,8 +299,11 @@ class DeviceStage:
             self.api.record_stream(b, self.stream)
 
 
+Stage = HostStage | DeviceStage
+
+
 @contextlib.contextmanager
-def finishing(stage: HostStage | DeviceStage) -> Iterator[None]:
+def finishing(stage: Stage) -> Iterator[None]:
     """``stage.finish()`` on every exit; on a failing one its own error must not hide the first."""
     try:
         yield
