@@ -123,11 +123,11 @@ class GroupComm:
         self.backends = _device.group_backends(dist, self.group)
         self.backend = ",".join(f"{d}:{b}" for d, b in sorted(self.backends.items()))
         self._cuda = cuda if cuda is not None else TorchCuda()
-        self._control_gpu, self._data_gpu = _device.needs_gpu(self.backends)
         self._targets: set[torch.device] = set()
         self._gpu: torch.device | None = None
+        self._transport: _device.Transport | None = None
         # each agreement on a GPU-only group is a host sync: agree every few rounds there
-        self.agree_every = AGREE_EVERY_ON_GPU if self._control_gpu else 1
+        self.agree_every = 1 if "cpu" in self.backends else AGREE_EVERY_ON_GPU
 
     def prefer_device(self, devices: set[torch.device]) -> None:
         """This rank's tensors' devices: the GPU to use when the group is not bound to one
@@ -147,15 +147,20 @@ class GroupComm:
             )
         return self._gpu
 
+    def _tensors(self) -> _device.Transport:
+        if self._transport is None:
+            self._transport = _device.transport(self.backends, self.gpu)
+        return self._transport
+
     @property
     def device(self) -> torch.device:
         """Where the small collectives' tensors live."""
-        return self.gpu() if self._control_gpu else torch.device("cpu")
+        return self._tensors().control
 
     @property
     def data_device(self) -> torch.device:
         """Where the rounds' send/recv buffers live."""
-        return self.gpu() if self._data_gpu else torch.device("cpu")
+        return self._tensors().data
 
     def _global(self, group_rank: int) -> int:
         if self.group is self.dist.group.WORLD:
@@ -245,8 +250,8 @@ class GroupComm:
 
     def barrier(self) -> None:
         try:
-            if self._control_gpu:  # NCCL's barrier would otherwise guess the GPU
-                self.dist.barrier(group=self.group, device_ids=[self.gpu().index])
+            if self.device.type == "cuda":  # NCCL's barrier would otherwise guess the GPU
+                self.dist.barrier(group=self.group, device_ids=[self.device.index])
             else:
                 self.dist.barrier(group=self.group)
         except RuntimeError as e:

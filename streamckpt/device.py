@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Collection, Iterable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 
@@ -128,9 +128,13 @@ class Transport:
     data: torch.device  # the rounds' send/recv buffers
 
 
-def needs_gpu(backends: dict[str, str]) -> tuple[bool, bool]:
-    """(control on a GPU, data on a GPU) for a group's backends."""
-    return "cpu" not in backends, backends.get("cuda") == "nccl"
+def transport(backends: dict[str, str], gpu: Callable[[], torch.device]) -> Transport:
+    """Host tensors for small collectives when the group has a CPU backend, else this rank's
+    GPU; the rounds' data on this rank's GPU when CUDA tensors go over NCCL, else host
+    tensors. ``gpu`` (``choose_device``) is asked only when a GPU is used."""
+    control = CPU if "cpu" in backends else gpu()
+    data = (control if control.type == "cuda" else gpu()) if backends.get("cuda") == "nccl" else CPU
+    return Transport(control, data)
 
 
 def cuda_devices(api: CudaApi, tensors: Iterable[torch.Tensor]) -> set[torch.device]:

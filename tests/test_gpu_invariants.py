@@ -94,13 +94,18 @@ def invariants_worker(rank: int, world: int, cases_: list[dict[str, Any]], roots
     return out
 
 
-def _run_cases(batch: list[Case]) -> list[list[Any]]:
+def _run_cases(batch: list[Case], corrupt: bool = False) -> list[list[Any]]:
     with tempfile.TemporaryDirectory(prefix="sc-gpuinv-") as d:
         roots = []
         for i, case in enumerate(batch):
             root = str(Path(d) / f"c{i}")
             write_checkpoint(case, root)
             roots.append(root)
+            if corrupt:  # the last byte of every data file: some rank's read fails its checksum
+                for f in Path(root, "data").iterdir():
+                    raw = bytearray(f.read_bytes())
+                    raw[-1] ^= 0xFF
+                    f.write_bytes(bytes(raw))
         world = max(c.world for c in batch)
         ranks = run_ranks(world, invariants_worker, kwargs={"cases_": [c.doc() for c in batch], "roots": roots},
                           timeout=240, pg_timeout=60)
@@ -131,6 +136,21 @@ def test_receive_only_rounds_and_the_nccl_plane_are_covered() -> None:
             check_report(case, rank, rep)
         assert sum(r["recv_only_rounds"] for r in reps) > 0, "no rank had a receive-only round"
         assert sum(r["received_bytes"] for r in reps) > 0
+
+
+def test_failures_agreed_every_k_rounds_raise_on_every_rank() -> None:
+    """A failed rank keeps exchanging until the next agreement: with agreement every 1 or 3
+    rounds, on host and device data planes, every rank raises the same error and none hangs."""
+    base = dict(budget=1024, read_once=True, zstd=False, chunk=64, current_device=1, transform=False,
+                cpu_targets=False)
+    batch = [Case(seed=21, world=4, data_on_device=False, agree_every=3, **base),
+             Case(seed=22, world=5, data_on_device=True, agree_every=3, **base),
+             Case(seed=23, world=3, data_on_device=False, agree_every=1, **{**base, "zstd": True})]
+    per_rank = _run_cases(batch, corrupt=True)
+    for i, case in enumerate(batch):
+        errors = [per_rank[r][i].get("error", "") for r in range(case.world)]
+        assert all(e.startswith("CorruptCheckpointError: ") for e in errors), (case, errors)
+        assert all("checksum" in e or "CRC" in e or "zstd" in e for e in errors), errors
 
 
 # ----------------------------------------------------------------------------- wiring and saves
