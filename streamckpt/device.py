@@ -200,7 +200,7 @@ class HostStage:
     def release(self, slot: int) -> None:
         return None
 
-    def finish(self) -> None:
+    def finish(self, failed: bool = False) -> None:
         return None
 
     def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -250,10 +250,15 @@ class DeviceStage:
         self.api.record(ev, self.stream)
         self.events[slot] = ev
 
-    def finish(self) -> None:
-        """The caller's stream follows the load; the host returns once the side stream is done."""
+    def finish(self, failed: bool = False) -> None:
+        """The caller's stream follows the load; the host returns once the side stream is done.
+
+        After a failure the host does not wait: the side stream may be stuck behind an NCCL
+        receive from a dead peer, and the error must reach the caller.
+        """
         self.api.wait_stream(self._current(), self.stream)
-        self.api.stream_sync(self.stream)
+        if not failed:
+            self.api.stream_sync(self.stream)
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """Raw bytes of a pinned span on the device (side stream), at the same address modulo ALIGN."""
@@ -313,7 +318,7 @@ def finishing(stage: Stage) -> Iterator[None]:
         yield
     except BaseException:
         try:
-            stage.finish()
+            stage.finish(failed=True)
         except Exception as e:  # noqa: BLE001 - already failing
             log.warning("finishing the device stage after a failure: %s", e)
         raise
