@@ -36,11 +36,11 @@ import torch
 
 from .cudaapi import CudaApi
 from .errors import CheckpointError, IncompatibleStateDictError
+from .plandata import ALIGN  # a piece keeps its address modulo this on the device
 
 log = logging.getLogger(__name__)
 
 CPU = torch.device("cpu")
-ALIGN = 64  # the same as plandata.ALIGN: a piece keeps its address modulo this on the device
 SAVE_BLOCK_BYTES = 32 << 20  # each of the two pinned blocks a save stages device bytes through
 
 
@@ -202,6 +202,12 @@ class HostStage:
 
     def finish(self, failed: bool = False) -> None:
         return None
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        return host
+
+    def download(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf
 
     def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)

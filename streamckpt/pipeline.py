@@ -25,7 +25,7 @@ import zstandard
 
 from .comm import P2P, GroupComm, SoloComm
 from .cudaapi import TorchCuda
-from .device import HostStage, Placement, finishing, place
+from .device import Placement, finishing, place
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .plandata import ALIGN, Copy, LoadPlan, Read, is_packed, message_layout, message_size, messages_of
 from .scatter import Destinations, message_pieces, pack_message, source_view, unpack_message
@@ -263,11 +263,9 @@ class Executor:
         targets = set(targets)
         dev_side = bool(targets & self.on_device)
         host_side = bool(targets - self.on_device)
-        if isinstance(self.stage, HostStage) or not self.placement.is_device(buf):
-            dev = self.stage.upload(buf[lo:hi]) if dev_side else None  # type: ignore[union-attr]
-            return buf, (dev, lo)
-        host = self.stage.download(buf) if host_side else None  # type: ignore[union-attr]
-        return host, (buf[lo:], lo)
+        if not self.placement.is_device(buf):
+            return buf, (self.stage.upload(buf[lo:hi]) if dev_side else None, lo)
+        return (self.stage.download(buf) if host_side else None), (buf[lo:], lo)
 
     def _apply(self, host: Any, dev: tuple[Any, int], offset: int, c: Copy) -> None:
         if c.target in self.on_device:

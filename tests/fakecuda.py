@@ -31,7 +31,7 @@ import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
