@@ -109,7 +109,6 @@ class FakeCuda:
         self._lock = threading.RLock()
         self._sids = itertools.count(1)
         self._default: dict[torch.device, FakeStream] = {}
-        self._currents: dict[torch.device, FakeStream] = {}
         self._nccl: dict[torch.device, FakeStream] = {}
         self.streams: list[FakeStream] = []
         self._blocks: dict[int, _Block] = {}  # storage ptr -> block, device memory only
@@ -133,11 +132,11 @@ class FakeCuda:
     def launch(self, device: torch.device, fn: Callable[[], None], *, writes: Sequence[torch.Tensor] = (),
                reads: Sequence[torch.Tensor] = (), label: str = "caller kernel") -> None:
         """A kernel of the caller's, enqueued on its current stream (runs lazily like any other)."""
-        self._enqueue(self.current_stream(device), fn, list(reads), list(writes), label)
+        self._enqueue(self._caller_stream(device), fn, list(reads), list(writes), label)
 
     def mark(self, device: torch.device) -> tuple[int, int]:
         """(stream id, position) of the caller's current stream now: work before this must precede targets' writes."""
-        s = self.current_stream(device)
+        s = self._caller_stream(device)
         return s.sid, len(s.ops)
 
     def synchronize(self) -> None:
@@ -154,7 +153,7 @@ class FakeCuda:
         now follows every target write."""
         out = []
         sid, pos = mark
-        cur = self.current_stream(device)
+        cur = self._caller_stream(device)
         for op in self.target_writes():
             if op.stream.sid != sid and op.clock.get(sid, 0) < pos:
                 out.append(f"order: {op.label} on {op.stream} is not ordered after the caller's stream "
@@ -189,11 +188,8 @@ class FakeCuda:
         return block.device if block is not None else torch.device("cpu")
 
     def current_stream(self, device: torch.device) -> FakeStream:
-        with self._lock:
-            self._use(device, "current_stream")
-            if device not in self._default:
-                self._default[device] = self._stream(device, f"default:{device}")
-            return self._currents.get(device, self._default[device])
+        self._use(device, "current_stream")
+        return self._caller_stream(device)
 
     def new_stream(self, device: torch.device) -> FakeStream:
         with self._lock:
@@ -266,7 +262,7 @@ class FakeCuda:
             nccl = self._nccl.get(device)
             if nccl is None:
                 nccl = self._nccl[device] = self._stream(device, f"nccl:{device}")
-            self.wait_stream(nccl, self.current_stream(device))
+            self.wait_stream(nccl, self._caller_stream(device))
             self._enqueue(nccl, lambda: None, list(sends), list(recvs), "nccl send/recv", nccl=True)
             self._flush(nccl, len(nccl.ops))  # gloo moves the bytes now
 
@@ -274,9 +270,15 @@ class FakeCuda:
         with self._lock:
             nccl = self._nccl.get(device)
             if nccl is not None:
-                self.wait_stream(self.current_stream(device), nccl)
+                self.wait_stream(self._caller_stream(device), nccl)
 
     # ------------------------------------------------------------------ internals
+
+    def _caller_stream(self, device: torch.device) -> FakeStream:
+        with self._lock:
+            if device not in self._default:
+                self._default[device] = self._stream(device, f"default:{device}")
+            return self._default[device]
 
     def _stream(self, device: torch.device, name: str) -> FakeStream:
         s = FakeStream(device, name, next(self._sids))
