@@ -1,6 +1,7 @@
 """streamckpt: stream sharded PyTorch checkpoints from object storage into any layout."""
 
 from .api import inspect, latest, load, load_full, merge, save
+from .asyncsave import SaveHandle, async_save
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -19,7 +20,7 @@ from .sharded import ShardedTensor
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "load", "load_full", "merge", "inspect", "latest",
+    "save", "async_save", "SaveHandle", "load", "load_full", "merge", "inspect", "latest",
     "ShardedTensor", "LoadResult", "SaveResult", "CheckpointInfo", "TensorInfo",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompatibleStateDictError", "MissingKeysError", "PeerError", "StorageError", "TransformError",

@@ -23,6 +23,7 @@ from .plan import IdentityView, LoadPlan, PlanOptions, build_plan, settle_rounds
 from .results import LoadResult
 from .storage import Storage
 from .targets import LocalTarget, TargetSpec, ValueSlot, collect
+from .values import ValuePlan, plan_values
 
 log = logging.getLogger(__name__)
 
@@ -94,20 +95,24 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
     placement: Placement | None = None
     view: Any = None
     missing: list[str] = []
+    vplan = ValuePlan()
     try:
         placement = place(cuda, [t.tensor for t in targets], comm.data_device)
         view = _view(manifest, req.transforms)
         plan = build_plan(manifest, all_specs, req.options, view, rank=comm.rank)
-        missing = plan.missing[comm.rank] + [v.key for v in values if v.key not in manifest.values]
+        vplan = plan_values(values, manifest.values, _unloadable(manifest))
+        missing = plan.missing[comm.rank] + vplan.missing
         any_missing = any(plan.missing) or bool(missing)
         if req.strict and any_missing:
             mine = sorted(set(missing))
             raise MissingKeysError(
                 f"{len(mine)} key(s) of the state_dict are not in the checkpoint {storage.describe('')}: "
-                f"{', '.join(mine[:10])}{' ...' if len(mine) > 10 else ''} (use strict=False to load the rest)"
+                f"{', '.join(mine[:10])}{' ...' if len(mine) > 10 else ''}{_why_unloadable(manifest, mine)} "
+                f"(use strict=False to load the rest)"
                 if mine else "another rank's state_dict has keys missing from the checkpoint",
                 missing_keys=mine,
             )
+        _warn_unloadable(manifest, missing)
     except CheckpointError as e:
         own = e
     comm.agree(own)
@@ -119,10 +124,9 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
     })
     with torch.no_grad():
         stats = Executor(plan, comm, storage, dest, progress=req.progress, placement=placement).run()
-    for v in values:
-        if v.key in manifest.values:
-            v.container[v.name] = manifest.values[v.key]
-    mine_keys = {t.spec.key for t in targets} | {v.key for v in values}
+    for slot, value in vplan.assign:
+        slot.container[slot.name] = value
+    mine_keys = {t.spec.key for t in targets} | {v.key for v in values} | vplan.used | set(vplan.missing)
     view_names = set(view.tensors)
     result = LoadResult(
         missing_keys=sorted(set(missing)),
@@ -146,3 +150,19 @@ def _unloadable(manifest: mf.Manifest) -> set[str]:
     """Entries a foreign checkpoint holds that cannot be restored (e.g. pickled DCP objects)."""
     keys = manifest.metadata.get("unloadable_keys", ())
     return {k for k in keys if isinstance(k, str)} if isinstance(keys, (list, tuple)) else set()
+
+
+def _why_unloadable(manifest: mf.Manifest, keys: list[str]) -> str:
+    """Why keys the checkpoint holds could not be restored (DCP objects outside the allow-list)."""
+    reasons = manifest.metadata.get("unloadable_reasons")
+    found = [(k, reasons[k]) for k in keys if k in reasons] if isinstance(reasons, dict) else []
+    if not found:
+        return ""
+    return "; of these, stored but not restorable: " + "; ".join(f"{k}: {r}" for k, r in found[:5])
+
+
+def _warn_unloadable(manifest: mf.Manifest, missing: list[str]) -> None:
+    """strict=False: say which stored entries were skipped (they are also in missing_keys)."""
+    why = _why_unloadable(manifest, sorted(set(missing)))
+    if why:
+        log.warning("streamckpt load (strict=False): keys left as they were%s", why)

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from . import dtypes
+from . import dtypes, values as vals
 from .errors import CorruptCheckpointError, UnsupportedVersionError
 from .regions import Box, flat_range_boxes, intersect
 
@@ -120,7 +120,7 @@ def to_json(m: Manifest) -> bytes:
             }
             for name, t in m.tensors.items()
         },
-        "values": m.values,
+        "values": {k: vals.encode(v) for k, v in m.values.items()} if m.kind == "dcp" else m.values,
         "metadata": m.metadata,
     }
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
@@ -180,6 +180,8 @@ def from_json(data: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
     kind = obj.get("kind", FORMAT_NAME)
     if kind not in (FORMAT_NAME, "safetensors", "dcp"):
         raise CorruptCheckpointError(f"{where}: field 'kind' is {kind!r}")
+    if kind == "dcp":  # values unpickled from DCP items: tuples and infinities are tagged
+        values = {k: vals.decode(v, where=f"{where}: values.{k}") for k, v in values.items()}
     m = Manifest(tensors=tensors, files=files, values=values, metadata=metadata, kind=kind)
     validate(m, where=where)
     return m

@@ -1,7 +1,7 @@
 """One ``save`` on one rank: decide who writes what, stream data files, commit.
 
-Each distinct stored region is written once, by the lowest rank holding it;
-every writing rank streams its own data file; rank 0 gathers the shard records,
+Each distinct stored region is written once, by one of the ranks holding it,
+balanced by bytes (``writeplan``); every writing rank streams its own data file; rank 0 gathers the shard records,
 validates the whole manifest (shards must tile every tensor exactly) and writes
 ``manifest.json`` last. Every step ends in failure agreement, so ``save``
 returns on every rank only after the commit, or raises on every rank.
@@ -12,16 +12,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 from . import manifest as mf
+from . import writeplan
 from .comm import GroupComm, SoloComm, encode_error, raise_agreed
 from .cudaapi import CudaApi, TorchCuda
 from .device import cuda_devices
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleStateDictError
 from .results import SaveResult
 from .storage import Storage
-from .targets import TargetSpec, collect
+from .targets import LocalTarget, TargetSpec, collect
 from .writer import DEFAULT_CHUNK_SIZE, ShardToWrite, write_data_file
 
 log = logging.getLogger(__name__)
@@ -33,36 +35,26 @@ def _data_name(rank: int, compression: str | None) -> str:
     return f"data/{rank:05d}.{'zst' if compression else 'safetensors'}"
 
 
-def _owners(all_specs: list[list[TargetSpec]]) -> dict[TargetSpec, int]:
-    """The lowest rank holding each distinct region; global shapes/dtypes must agree."""
-    owner: dict[TargetSpec, int] = {}
-    seen: dict[str, tuple[tuple[int, ...], str, int]] = {}
-    for rank, specs in enumerate(all_specs):
-        for s in specs:
-            prev = seen.setdefault(s.key, (s.global_shape, s.dtype, rank))
-            if prev[:2] != (s.global_shape, s.dtype):
-                raise IncompatibleStateDictError(
-                    f"{s.key}: rank {prev[2]} holds global shape {list(prev[0])} {prev[1]}, rank {rank} "
-                    f"holds {list(s.global_shape)} {s.dtype}"
-                )
-            owner.setdefault(s, rank)
-    return owner
-
-
-def _check_layout(owner: dict[TargetSpec, int]) -> None:
+def _check_layout(holders: dict[TargetSpec, list[int]]) -> None:
     """The distinct regions of every tensor must tile it exactly once."""
     by_key: dict[str, list[TargetSpec]] = {}
-    for spec in owner:
+    for spec in holders:
         by_key.setdefault(spec.key, []).append(spec)
     for key, specs in by_key.items():
         try:
             mf.check_tiling(specs[0].global_shape, [(sp.box, sp.flat_range) for sp in specs], f"tensor {key!r}:")
         except CorruptCheckpointError as e:
-            holders = sorted({owner[sp] for sp in specs})
+            ranks = sorted({r for sp in specs for r in holders[sp]})
             raise IncompatibleStateDictError(
-                f"the ranks' shards do not form a valid checkpoint: {e} (held by ranks {holders[:16]}); every "
+                f"the ranks' shards do not form a valid checkpoint: {e} (held by ranks {ranks[:16]}); every "
                 f"element of every tensor must be held by some rank, and distinct shards may not overlap"
             ) from None
+
+
+def to_write(items: list[writeplan.WriteItem], local: list[LocalTarget]) -> list[ShardToWrite]:
+    """This rank's items with the tensors (or pieces of them) that hold their bytes."""
+    tensors = {t.spec: t.tensor for t in local}
+    return [ShardToWrite(it.spec, writeplan.piece_of(it, tensors[it.source])) for it in items]
 
 
 def _gather_json(comm: SoloComm | GroupComm, doc: Any, own: BaseException | None) -> list[Any]:
@@ -78,7 +70,20 @@ def _gather_json(comm: SoloComm | GroupComm, doc: Any, own: BaseException | None
     return [g["ok"] for g in got]
 
 
-def run_save(
+@dataclass
+class Prepared:
+    """A save after its first collective: every rank's specs, checked, and who writes what."""
+
+    all_specs: list[list[TargetSpec]]
+    items: list[writeplan.WriteItem]  # this rank's
+    local: list[LocalTarget]
+    values: dict[str, Any]
+    metadata: dict[str, Any]
+    compression: str | None
+    started: float = field(default_factory=time.perf_counter)
+
+
+def prepare(
     comm: SoloComm | GroupComm,
     storage: Storage,
     state_dict: Mapping[str, Any],
@@ -86,13 +91,18 @@ def run_save(
     compression: str | None,
     metadata: dict[str, Any] | None,
     overwrite: bool,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    max_item_bytes: int | None = None,
     cuda: CudaApi | None = None,
-) -> SaveResult:
+) -> Prepared:
+    """Validate, gather every rank's specs and assign writers; raises the agreed error on every rank.
+
+    ``max_item_bytes`` cuts larger items into pieces (row blocks or flat ranges), so that
+    an item can be staged within a bounded buffer. ``cuda``: the CUDA runtime (a test's stand-in).
+    """
     t0 = time.perf_counter()
     own: BaseException | None = None
     specs: list[TargetSpec] = []
-    local = []
+    local: list[LocalTarget] = []
     values: dict[str, Any] = {}
     try:
         if compression not in COMPRESSIONS:
@@ -102,10 +112,9 @@ def run_save(
                 json.dumps(metadata, allow_nan=False)
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"metadata must be a JSON-serializable dict ({e})") from None
-        targets, slots = collect(state_dict, for_save=True)
-        comm.prefer_device(cuda_devices(cuda or TorchCuda(), (t.tensor for t in targets)))
-        local = targets
-        specs = [t.spec for t in targets]
+        local, slots = collect(state_dict, for_save=True)
+        comm.prefer_device(cuda_devices(cuda or TorchCuda(), (t.tensor for t in local)))
+        specs = [t.spec for t in local]
         values = {v.key: v.value for v in slots}
         if comm.rank == 0:
             if storage.exists(mf.MANIFEST_NAME):
@@ -119,17 +128,33 @@ def run_save(
         own = e
     gathered = _gather_json(comm, [s.to_json() for s in specs], own)
     all_specs = [[TargetSpec.from_json(v) for v in g] for g in gathered]
+    items: list[writeplan.WriteItem] = []
+    try:
+        _check_layout(writeplan.holders_of(all_specs))  # before any upload: a bad layout leaves no orphans
+        items = writeplan.assign(all_specs)[comm.rank]
+        if max_item_bytes is not None:
+            items = [piece for it in items for piece in writeplan.split_item(it, max_item_bytes)]
+    except CheckpointError as e:
+        own = e
+    comm.agree(own)
+    return Prepared(all_specs, items, local, values, metadata or {}, compression, t0)
 
+
+def write_and_commit(
+    comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, mine: Sequence[ShardToWrite], *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE, on_written: Callable[[int], None] | None = None,
+    cuda: CudaApi | None = None,
+) -> SaveResult:
+    """Stream this rank's data file, gather the shard records, commit the manifest on rank 0."""
+    own: BaseException | None = None
     result = SaveResult(uri=storage.describe(""))
     records: list[tuple[str, mf.Shard]] = []
     files: dict[str, int] = {}
     try:
-        owner = _owners(all_specs)
-        _check_layout(owner)  # before any upload: a bad layout leaves no orphaned data files
-        mine = [ShardToWrite(t.spec, t.tensor) for t in local if owner[t.spec] == comm.rank]
         if mine:
-            name = _data_name(comm.rank, compression)
-            records, size = write_data_file(storage, name, mine, compression=compression, chunk_size=chunk_size, cuda=cuda)
+            name = _data_name(comm.rank, prep.compression)
+            records, size = write_data_file(storage, name, mine, compression=prep.compression, chunk_size=chunk_size,
+                                            on_written=on_written, cuda=cuda)
             files[name] = size
             result.files.append(name)
             result.bytes_written += size
@@ -140,7 +165,7 @@ def run_save(
 
     try:
         if comm.rank == 0:
-            manifest = _assemble(all_specs, per_rank, values, metadata or {}, storage)
+            manifest = _assemble(prep.all_specs, per_rank, prep.values, prep.metadata, storage)
             blob = mf.to_json(manifest)
             storage.write_bytes(mf.MANIFEST_NAME, blob)
             result.files.append(mf.MANIFEST_NAME)
@@ -149,10 +174,27 @@ def run_save(
     except CheckpointError as e:
         own = e
     comm.agree(own)
-    result.seconds = time.perf_counter() - t0
+    result.seconds = time.perf_counter() - prep.started
     if comm.rank == 0:
         log.info("streamckpt save %s: %d files, %.3f s", storage.describe(""), len(result.files), result.seconds)
     return result
+
+
+def run_save(
+    comm: SoloComm | GroupComm,
+    storage: Storage,
+    state_dict: Mapping[str, Any],
+    *,
+    compression: str | None,
+    metadata: dict[str, Any] | None,
+    overwrite: bool,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    cuda: CudaApi | None = None,
+) -> SaveResult:
+    prep = prepare(comm, storage, state_dict, compression=compression, metadata=metadata, overwrite=overwrite,
+                   cuda=cuda)
+    mine = to_write(prep.items, prep.local)
+    return write_and_commit(comm, storage, prep, mine, chunk_size=chunk_size, cuda=cuda)
 
 
 def _assemble(

@@ -71,21 +71,40 @@ class ValueSlot:
     """A non-tensor leaf: where to put the restored value."""
 
     key: str
-    container: dict[str, Any]
-    name: str
+    container: Any  # the dict (or the list, when a list holding tensors was split) holding it
+    name: str | int
     value: Any
 
 
-def iter_leaves(state_dict: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, dict, str, Any]]:
-    """``(dotted_key, container, name, value)`` for every leaf of a nested dict."""
+Leaf = tuple[str, Any, "str | int", Any]  # (dotted key, container, name or index in it, value)
+
+
+def iter_leaves(state_dict: Mapping[str, Any], prefix: str = "") -> Iterator[Leaf]:
+    """``(dotted_key, container, name, value)`` for every leaf of a nested dict. A list
+    that holds tensors is split like torch DCP splits it, one key per element
+    (``optim.param_groups.0.lr`` for a tensor learning rate); other lists are values."""
     for name, value in state_dict.items():
         if not isinstance(name, str):
             raise IncompatibleStateDictError(f"state_dict key {name!r} under {prefix or '<root>'!r} is not a string")
-        key = f"{prefix}{name}"
-        if isinstance(value, Mapping):
-            yield from iter_leaves(value, key + ".")
-        else:
-            yield key, state_dict, name, value  # type: ignore[misc]
+        yield from _leaves(f"{prefix}{name}", state_dict, name, value)
+
+
+def _leaves(key: str, container: Any, name: str | int, value: Any) -> Iterator[Leaf]:
+    if isinstance(value, Mapping):
+        yield from iter_leaves(value, key + ".")
+    elif isinstance(value, list) and _holds_tensor(value):
+        for i, v in enumerate(value):
+            yield from _leaves(f"{key}.{i}", value, i, v)
+    else:
+        yield key, container, name, value
+
+
+def _holds_tensor(value: Any) -> bool:
+    if is_tensor_like(value) or _is_dtensor(value):
+        return True
+    if isinstance(value, list):
+        return any(_holds_tensor(v) for v in value)
+    return isinstance(value, Mapping) and any(_holds_tensor(v) for v in value.values())
 
 
 def is_tensor_like(value: Any) -> bool:

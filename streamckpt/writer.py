@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import zstandard
@@ -122,17 +122,22 @@ def write_data_file(
     compression: str | None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     cuda: CudaApi | None = None,
+    on_written: Callable[[int], None] | None = None,
 ) -> tuple[list[tuple[str, Shard]], int]:
-    """Stream ``items`` into file ``name``; return ``(key, Shard)`` records and the file size."""
+    """Stream ``items`` into file ``name``; return ``(key, Shard)`` records and the file size.
+
+    ``on_written(i)`` is called once item ``i``'s bytes have been handed to the upload (its
+    tensor is no longer read: a staged copy can be freed)."""
     records: list[tuple[str, Shard]] = []
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL) if compression == "zstd" else None
     host = _HostBytes(cuda if cuda is not None else (TorchCuda() if torch.cuda.is_available() else None))
+    size_hint = sum(it.spec.nbytes for it in items) + (1 << 20)  # zstd: at most about the raw size
     try:
-        with storage.open_write(name) as up:
+        with storage.open_write(name, size_hint=size_hint) as up:
             if cctx is None:
                 head, _ = _safetensors_header(items)
                 up.write(head)
-            for it in items:
+            for i, it in enumerate(items):
                 start = up.bytes_written
                 nbytes = it.tensor.numel() * it.tensor.element_size()
                 chunk = chunk_size_for(nbytes, chunk_size, cctx is not None)
@@ -154,6 +159,8 @@ def write_data_file(
                     chunk_size=chunk, crc32c=tuple(crcs),
                     frame_lengths=tuple(frames) if cctx else None,
                 )))
+                if on_written is not None:
+                    on_written(i)
             size = up.bytes_written
     finally:
         host.close()

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real S3 server (moto) on 127.0.0.1, reached over HTTP by s3fs."""
+"""Shared fixtures: a real S3 server (moto) and a real GCS emulator (fake-gcs-server) on
+127.0.0.1, reached over HTTP by s3fs / obstore and gcsfs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from streamckpt.testing import LocalS3
+from streamckpt.testing import LocalGCS, LocalS3
 
 BUCKET = "streamckpt-test"
 
@@ -35,6 +36,26 @@ def _slug(request: pytest.FixtureRequest) -> str:
 def s3_uri(request: pytest.FixtureRequest, local_s3: LocalS3) -> str:
     """A fresh, unique prefix in the test bucket: ``s3://streamckpt-test/<test>-<uuid>``."""
     return f"s3://{BUCKET}/{_slug(request)}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def local_gcs() -> Iterator[LocalGCS]:
+    """One fake-gcs-server for the whole session, with bucket ``streamckpt-test``."""
+    with LocalGCS() as gcs:
+        gcs.make_bucket(BUCKET)
+        yield gcs
+
+
+@pytest.fixture
+def gcs_opts(local_gcs: LocalGCS) -> dict[str, Any]:
+    """storage_options (gcsfs) for the session's GCS server (a fresh dict per test)."""
+    return local_gcs.storage_options
+
+
+@pytest.fixture
+def gcs_uri(request: pytest.FixtureRequest, local_gcs: LocalGCS) -> str:
+    """A fresh, unique prefix in the test bucket: ``gs://streamckpt-test/<test>-<uuid>``."""
+    return f"gs://{BUCKET}/{_slug(request)}-{uuid.uuid4().hex[:10]}"
 
 
 @pytest.fixture

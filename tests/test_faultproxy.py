@@ -150,26 +150,63 @@ def test_persistent_stall_times_out_with_storage_error(stored: tuple[str, bytes]
     assert "[0, 10)" in str(ei.value)
 
 
-def test_corruption_on_every_fetch_is_corrupt_checkpoint(stored: tuple[str, bytes], proxy_factory: Any) -> None:
+@pytest.mark.parametrize("seed", [0, 3, 7])
+def test_different_corruption_on_every_fetch_is_a_storage_error_not_rot(
+    stored: tuple[str, bytes], proxy_factory: Any, seed: int
+) -> None:
+    """A path that flips a different bit on every read is a transit problem: re-fetched up
+    to the policy's mismatch limit, then StorageError saying the contents differed."""
     uri, data = stored
-    proxy = proxy_factory(faults=["flip"], rate=1.0, max_repeats=10**9)
+    proxy = proxy_factory(faults=["flip"], rate=1.0, max_repeats=10**9, seed=seed)
     st = Storage(uri, proxy.storage_options)
-    read = _reads(data, 1, seed=9)[0]
+    read = _reads(data, 1, seed=9)[0]  # < 4 MiB: one request per fetch
+    with pytest.raises(StorageError) as ei:
+        _read_all(st, [read])
+    assert not isinstance(ei.value, CorruptCheckpointError)
+    assert "data/00000.bin" in str(ei.value) and "different wrong contents" in str(ei.value)
+    assert proxy.counts["flip"] == max(st.policy.max_attempts, st.policy.checksum_retries + 2)
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_same_wrong_content_on_every_fetch_is_corrupt_checkpoint(
+    stored: tuple[str, bytes], proxy_factory: Any, seed: int
+) -> None:
+    """Rot at rest returns the same wrong bytes every time: CorruptCheckpointError after
+    exactly checksum_retries + 1 equal reads, naming object, range and what was compared."""
+    uri, data = stored
+    proxy = proxy_factory(faults=["rot"], rate=1.0, max_repeats=10**9, seed=seed)
+    st = Storage(uri, proxy.storage_options)
+    read = RangeRead("data/00000.bin", 0, len(data), tuple(
+        (off, CHUNK, crc32c(data[off:off + CHUNK])) for off in range(0, len(data), CHUNK)))
     with pytest.raises(CorruptCheckpointError) as ei:
         _read_all(st, [read])
-    assert "data/00000.bin" in str(ei.value)
-    assert proxy.counts["flip"] == st.policy.checksum_retries + 1  # re-fetched, then given up
+    msg = str(ei.value)
+    assert "data/00000.bin" in msg and "the same wrong content" in msg and "crc32c" in msg
+    assert f"on {st.policy.checksum_retries + 1} of {st.policy.checksum_retries + 1} reads" in msg
+    assert proxy.counts["rot"] == st.policy.checksum_retries + 1
 
 
 def test_whole_object_corrupted_every_time_is_corrupt_checkpoint(
     stored: tuple[str, bytes], proxy_factory: Any
 ) -> None:
     uri, _ = stored
-    proxy = proxy_factory(faults=["flip"], rate=1.0, max_repeats=10**9)
+    proxy = proxy_factory(faults=["rot"], rate=1.0, max_repeats=10**9)
     st = Storage(uri, proxy.storage_options)
     with pytest.raises(CorruptCheckpointError) as ei:
         st.read_bytes("data/00000.bin")  # no range: checked against the ETag (MD5)
-    assert "data/00000.bin" in str(ei.value)
+    assert "data/00000.bin" in str(ei.value) and "ETag" in str(ei.value)
+    assert proxy.counts["rot"] == st.policy.checksum_retries + 1
+
+
+def test_whole_object_flipped_differently_every_time_is_a_storage_error(
+    stored: tuple[str, bytes], proxy_factory: Any
+) -> None:
+    uri, _ = stored
+    proxy = proxy_factory(faults=["flip"], rate=1.0, max_repeats=10**9)
+    st = Storage(uri, proxy.storage_options, policy=RetryPolicy(base_delay=0.01))
+    with pytest.raises(StorageError) as ei:
+        st.read_bytes("data/00000.bin")
+    assert not isinstance(ei.value, CorruptCheckpointError) and "different wrong contents" in str(ei.value)
 
 
 def test_short_bodies_every_time_are_a_storage_error_not_corruption(

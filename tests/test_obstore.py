@@ -11,7 +11,7 @@ import pytest
 
 from streamckpt.checksum import crc32c
 from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from streamckpt.obstore_reader import AUTO_PICKS_OBSTORE, BACKEND_ENV, NotConfigurable, ObstoreReader, s3_config
+from streamckpt.storage.obstore_backend import AUTO_PICKS_OBSTORE, BACKEND_ENV, NotConfigurable, ObstoreBackend, s3_config
 from streamckpt.storage import RangeRead, RetryPolicy, Storage
 from streamckpt.testing import FaultProxy, LocalS3
 
@@ -165,9 +165,9 @@ def test_metadata_calls_match_s3fs_and_never_create_it(
         with pytest.raises(CheckpointNotFoundError, match="absent.json"):
             st.read_bytes("absent.json")
     # the whole read path of a load ran without s3fs (its botocore client costs ~0.2 s to start)
-    assert fast._fs is None and slow._fs is not None
+    assert fast.clients_started == ("obstore",) and slow.clients_started == ("s3fs",)
     fast.write_bytes("late.bin", b"x")  # writes still go through s3fs, created on demand
-    assert fast._fs is not None and fast.read_bytes("late.bin") == b"x"
+    assert fast.clients_started == ("obstore", "s3fs") and fast.read_bytes("late.bin") == b"x"
 
 
 def test_bodies_in_flight_are_reserved_from_the_memory_budget(
@@ -189,7 +189,8 @@ def test_a_cancelled_read_waits_for_its_worker(s3_opts: dict[str, Any]) -> None:
     import threading
 
     before = set(threading.enumerate())  # other tests' unclosed Storages may still hold worker threads
-    reader = ObstoreReader(s3_config(s3_opts), 5.0, 1, 4)
+    backend = ObstoreBackend(s3_config(s3_opts), 5.0, 1, 4)
+    reader = backend.threads
     buf = bytearray(4)
     started = threading.Event()
 
@@ -209,7 +210,7 @@ def test_a_cancelled_read_waits_for_its_worker(s3_opts: dict[str, Any]) -> None:
         assert await reader.run(lambda: "again") == "again"
 
     asyncio.run(scenario())
-    reader.close()
+    backend.close()
     mine = [t for t in threading.enumerate() if t.name.startswith("streamckpt-s3") and t not in before]
     assert not mine  # close joined this reader's workers
 
@@ -249,3 +250,18 @@ def test_option_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in ({"key": "k", "profile": "p"}, {"key": "k", "client_kwargs": {"verify": False}}, {}):
         with pytest.raises(NotConfigurable):
             s3_config(bad)
+
+
+def test_missing_bucket_is_not_found_at_once(monkeypatch: pytest.MonkeyPatch, local_s3: LocalS3) -> None:
+    """A typo in a bucket name: CheckpointNotFoundError naming the bucket, on both clients,
+    after a handful of requests (no retries of a 404 NoSuchBucket as if it were transient)."""
+    import streamckpt as sc
+
+    for backend in ("obstore", "s3fs"):
+        monkeypatch.setenv(BACKEND_ENV, backend)
+        with FaultProxy(local_s3.endpoint_url, rate=0.0) as proxy:
+            with pytest.raises(CheckpointNotFoundError, match="bucket 'no-such-bucket' does not exist"):
+                sc.load_full("s3://no-such-bucket/ckpt", storage_options=proxy.storage_options)
+            with pytest.raises(CheckpointNotFoundError, match="bucket 'no-such-bucket' does not exist"):
+                Storage("s3://no-such-bucket/ckpt", proxy.storage_options).read_bytes("manifest.json")
+            assert proxy.requests <= 6, (backend, proxy.history)

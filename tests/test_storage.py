@@ -10,7 +10,7 @@ import pytest
 
 from streamckpt.checksum import crc32c
 from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from streamckpt.obstore_reader import BACKEND_ENV
+from streamckpt.storage.obstore_backend import BACKEND_ENV
 from streamckpt.storage import RangeRead, RetryPolicy, Storage
 
 MiB = 1 << 20
@@ -260,7 +260,7 @@ def test_gate_bounds_requests_and_bytes_first_come_first_served() -> None:
     a cancelled waiter leaves no hole, and one request always goes even if oversized."""
     import asyncio
 
-    from streamckpt.storage import _Gate
+    from streamckpt.storage.gate import Gate as _Gate
 
     async def scenario() -> list[tuple[str, int, int]]:
         gate = _Gate(count=2, nbytes=10)

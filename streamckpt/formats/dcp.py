@@ -14,8 +14,10 @@ header are fetched with small range reads; the tensor's raw bytes then have an
 exact file address and any slice of a chunk is a range read. Small reads of
 neighbouring items are coalesced: an item's tail and the next item's head are
 one request, so locating N items costs about N requests of a few KiB.
-Non-tensor entries (``torch.save`` of Python objects) are read whole, unpickled
-with builtins only, and kept when JSON-safe; the rest are reported as unloadable.
+Non-tensor entries (``torch.save`` of Python objects: optimizer ``param_groups``
+leaves, step counters, scheduler state) are read whole, unpickled with builtins
+only, and kept when made of dicts, lists, tuples and scalars
+(``values.unrestorable``); the rest are reported as unloadable, with a reason.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .. import dtypes
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..manifest import MAX_NDIM, Manifest, Shard, TensorMeta, check_relative_name, validate
 from ..storage import RangeRead, Storage
+from ..values import RESTORABLE, unrestorable
 
 log = logging.getLogger(__name__)
 
@@ -761,8 +764,9 @@ def _values(cache: RangeCache, storage: Storage, md: DcpMetadata) -> tuple[dict[
         except CorruptCheckpointError as e:
             unloadable[fqn] = f"not restorable without running pickle code: {e}"
             continue
-        if json_safe(value):
+        why = unrestorable(value)
+        if why is None:
             values[fqn] = value
         else:
-            unloadable[fqn] = f"a {type(value).__name__} value is not JSON-safe"
+            unloadable[fqn] = f"{why} is not JSON-safe nor made of restorable types ({RESTORABLE})"
     return values, unloadable

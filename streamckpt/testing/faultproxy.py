@@ -1,4 +1,4 @@
-"""An HTTP proxy on 127.0.0.1 that injects storage faults in front of a real S3 server.
+"""An HTTP proxy on 127.0.0.1 that injects storage faults in front of a real S3 or GCS server.
 
 Point a client's ``endpoint_url`` at ``FaultProxy.endpoint_url`` instead of the
 server's: every request is forwarded, and a seeded fraction of the eligible ones
@@ -8,7 +8,9 @@ server's: every request is forwarded, and a seeded fraction of the eligible ones
 ``reset``     the head and half of the body, then a TCP reset;
 ``short``     a consistent but short body (Content-Length and Content-Range agree);
 ``flip``      one bit of the body flipped in transit, length unchanged;
-``stall``     the reply held back for ``stall_seconds`` (then sent whole).
+``stall``     the reply held back for ``stall_seconds`` (then sent whole);
+``rot``       the same bit of the same object flipped on every read (rot at rest as
+              a reader sees it: the same wrong content every time, unlike ``flip``).
 
 ``methods`` and ``match(method, path)`` choose the eligible requests (object
 requests only: ``/bucket/key``). ``max_repeats`` bounds how many times in a row the same request (method, path,
@@ -18,6 +20,13 @@ guaranteed to get through; set it high to model an outage (or ``rate=1.0``).
     with LocalS3() as s3, FaultProxy(s3.endpoint_url, rate=0.2, seed=1) as proxy:
         sc.load(sd, uri, storage_options=proxy.storage_options)
         print(proxy.counts)   # {'slowdown': 7, 'reset': 5, ...}
+
+``api="gcs"`` puts it in front of a GCS JSON-API server (``LocalGCS``): object
+requests are then ``.../b/<bucket>/o/<object>`` (media downloads and metadata),
+the body faults (``short``, ``flip``) touch only media bodies (a metadata reply
+is GCS's HEAD), ``slowdown`` answers GCS's 503 JSON error, resumable-upload
+``Location`` headers are pointed back at the proxy, and ``storage_options`` are
+gcsfs options.
 """
 
 from __future__ import annotations
@@ -32,12 +41,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
+from . import gcsserver
 from .s3server import options_for
 
 log = logging.getLogger(__name__)
 
 _HISTORY_LIMIT = 100_000
-FAULT_KINDS = ("slowdown", "reset", "short", "flip", "stall")
+FAULT_KINDS = ("slowdown", "reset", "short", "flip", "stall", "rot")
 _DEFAULT_KINDS = ("slowdown", "reset", "short", "flip")
 _HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
@@ -47,6 +57,12 @@ _SLOWDOWN_BODY = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message><RequestId>faultproxy</RequestId></Error>"
 )
+# What GCS answers when it sheds load (its JSON API error shape).
+_GCS_503_BODY = (
+    b'{"error": {"code": 503, "message": "Backend Error", "errors": '
+    b'[{"message": "Backend Error", "domain": "global", "reason": "backendError"}]}}'
+)
+APIS = ("s3", "gcs")
 
 
 class FaultProxy:
@@ -55,6 +71,7 @@ class FaultProxy:
     ``faults``: kinds to inject, as an iterable (equal weights) or a mapping
     kind -> weight. ``rate``: the fraction of eligible requests that get a fault
     (may be changed while running). ``counts``: faults actually injected, by kind.
+    ``api``: the upstream's protocol, ``"s3"`` or ``"gcs"`` (see the module docstring).
     """
 
     def __init__(
@@ -70,10 +87,15 @@ class FaultProxy:
         match: Callable[[str, str], bool] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        api: str = "s3",
     ) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"FaultProxy needs an http:// upstream, got {upstream!r}")
+        if api not in APIS:
+            raise ValueError(f"unknown api {api!r}; choose from {APIS}")
+        self.api = api
+        self.upstream_origin = f"http://{parts.netloc}"
         self.upstream_host = parts.hostname
         self.upstream_port = parts.port or 80
         weights = dict(faults) if isinstance(faults, Mapping) else {k: 1.0 for k in (faults or _DEFAULT_KINDS)}
@@ -130,7 +152,7 @@ class FaultProxy:
         self.stop()
 
     def __repr__(self) -> str:
-        return f"FaultProxy(rate={self.rate}, kinds={self.kinds}, counts={self.counts})"
+        return f"FaultProxy(api={self.api!r}, rate={self.rate}, kinds={self.kinds}, counts={self.counts})"
 
     # ------------------------------------------------------------ reporting
 
@@ -142,7 +164,10 @@ class FaultProxy:
 
     @property
     def storage_options(self) -> dict[str, Any]:
-        """s3fs options through this proxy, with the local test server's dummy credentials."""
+        """Client options through this proxy: s3fs with the local test server's dummy
+        credentials, or gcsfs (anonymous) with ``api="gcs"``."""
+        if self.api == "gcs":
+            return gcsserver.options_for(self.endpoint_url)
         return options_for(self.endpoint_url)
 
     @property
@@ -186,10 +211,40 @@ class FaultProxy:
     # ------------------------------------------------------------ decisions
 
     def _eligible(self, method: str, path: str) -> bool:
-        segments = [s for s in path.split("?", 1)[0].split("/") if s]
-        if method not in self.methods or len(segments) < 2:  # /bucket/key: an object request
+        if method not in self.methods or not self._object_request(path):
             return False
         return self.match is None or bool(self.match(method, path))
+
+    def _object_request(self, path: str) -> bool:
+        segments = [s for s in path.split("?", 1)[0].split("/") if s]
+        if self.api == "gcs":  # .../b/<bucket>/o/<object> (download, metadata) or an upload to /upload/.../o
+            if segments[:1] == ["upload"]:
+                return len(segments) >= 2 and segments[-1] == "o" and segments[-3] == "b"
+            return any(segments[i] == "b" and segments[i + 2] == "o" for i in range(len(segments) - 3))
+        return len(segments) >= 2  # /bucket/key
+
+    def _has_body(self, method: str, path: str, status: int) -> bool:
+        """Whether a reply carries object bytes (what ``short`` and ``flip`` may touch)."""
+        if method == "HEAD" or status not in (200, 206):
+            return False
+        if self.api == "gcs":  # a media download; JSON metadata plays the part of S3's HEAD
+            return "alt=media" in path.partition("?")[2].split("&")
+        return True
+
+    def _slowdown_reply(self) -> tuple[str, list[tuple[str, str]], bytes]:
+        if self.api == "gcs":
+            return "Service Unavailable", [("Content-Type", "application/json")], _GCS_503_BODY
+        return "Slow Down", [("Content-Type", "application/xml")], _SLOWDOWN_BODY
+
+    def _rewrite_reply_headers(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """GCS resumable uploads continue at the ``Location`` they are given: keep them on the proxy."""
+        if self.api != "gcs":
+            return headers
+        return [
+            (k, self.endpoint_url + v[len(self.upstream_origin):])
+            if k.lower() == "location" and v.startswith(self.upstream_origin + "/") else (k, v)
+            for k, v in headers
+        ]
 
     def _decide(self, method: str, path: str, rng_range: str) -> tuple[str | None, tuple[str, str, str], random.Random]:
         key = (method, path, rng_range)
@@ -271,7 +326,8 @@ class _Handler(BaseHTTPRequestHandler):
         kind, key, rng = proxy._decide(method, self.path, self.headers.get("Range") or "")
         if kind == "slowdown":
             proxy._record(key, kind)
-            self._reply(503, "Slow Down", [("Content-Type", "application/xml")], _SLOWDOWN_BODY)
+            reason, slow_headers, slow_body = proxy._slowdown_reply()
+            self._reply(503, reason, slow_headers, slow_body)
             return
         if kind == "stall":
             proxy._record(key, kind)  # counted as it starts: the client may give up before it ends
@@ -292,8 +348,9 @@ class _Handler(BaseHTTPRequestHandler):
             proxy._record(key, None)
             return
         rheaders = [(k, v) for k, v in rheaders if k.lower() not in _HOP_BY_HOP | {"server", "date"}]
+        rheaders = proxy._rewrite_reply_headers(rheaders)
         applied = None
-        has_body = method != "HEAD" and status in (200, 206)
+        has_body = proxy._has_body(method, self.path, status)
         if kind == "reset":
             proxy._record(key, kind)
             self._reset(status, reason, rheaders, data if has_body else b"")
@@ -305,6 +362,9 @@ class _Handler(BaseHTTPRequestHandler):
             buf = bytearray(data)
             buf[rng.randrange(len(buf))] ^= 1 << rng.randrange(8)
             data, applied = bytes(buf), kind
+        elif kind == "rot" and has_body and data:
+            rotted = _rot(data, self.path.split("?", 1)[0], rheaders)
+            data, applied = rotted, (kind if rotted is not data else None)
         if kind != "stall":
             proxy._record(key, applied)  # before replying: a client that gave up must not hide it
         self._reply(status, reason, rheaders, data, head=method == "HEAD")
@@ -367,6 +427,23 @@ class _Handler(BaseHTTPRequestHandler):
             super().finish()
         except OSError:
             pass
+
+
+def _rot(data: bytes, path: str, headers: list[tuple[str, str]]) -> bytes:
+    """Flip the bit that one fixed position of the object holds (chosen from its path),
+    when the body covers it: every read of those bytes sees the same wrong content."""
+    start = 0
+    for k, v in headers:
+        if k.lower() == "content-range" and v.startswith("bytes "):
+            start = int(v[6:].split("-", 1)[0])
+    size = next((int(v.rsplit("/", 1)[1]) for k, v in headers
+                 if k.lower() == "content-range" and v.rsplit("/", 1)[1].isdigit()), start + len(data))
+    at = random.Random(path).randrange(max(1, size)) - start
+    if not 0 <= at < len(data):
+        return data
+    buf = bytearray(data)
+    buf[at] ^= 0x10
+    return bytes(buf)
 
 
 def _shorten(data: bytes, headers: list[tuple[str, str]], n: int) -> tuple[bytes, list[tuple[str, str]]]:

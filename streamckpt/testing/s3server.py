@@ -110,6 +110,17 @@ class LocalS3:
             fs.mkdir(name)
         return f"s3://{name}"
 
+    def remove_bucket(self, name: str) -> None:
+        """Delete bucket ``name`` and every object in it (missing: nothing to do)."""
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
+        if fs.exists(name):
+            if fs.find(name):
+                fs.rm(name, recursive=True)  # s3fs removes the bucket with its objects
+            if fs.exists(name):
+                fs.rmdir(name)
+
 
 def options_for(endpoint_url: str) -> dict[str, Any]:
     """s3fs options for an S3-compatible endpoint with the dummy test credentials."""

@@ -1,0 +1,237 @@
+"""``async_save``: block the training loop only for the staging copy.
+
+The call does the save's first collective (validation, every rank's specs, who writes
+what: errors here raise from ``async_save`` itself on every rank), then copies this
+rank's share of the state into host buffers it owns and returns a ``SaveHandle``; the
+caller may change or free its tensors at once. A background thread streams the staged
+bytes to storage (starting while staging is still going on), gathers the shard records,
+commits the manifest on rank 0 and agrees on the outcome — all on a gloo process group
+of its own, so the training job's collectives (NCCL or gloo) never interleave with the
+save's.
+
+Memory: with ``staging_budget`` set, at most that many bytes of tensors are staged at
+once (items larger than a quarter of it are cut into row blocks or flat ranges first);
+when this rank's share is larger, ``async_save`` returns only once the rest has been
+staged, as buffers free up behind the upload — it then blocks for about the time it
+takes to upload ``share - staging_budget`` bytes. Uploads hold their own part buffers
+besides (``PARTS_IN_FLIGHT`` × ``PART_SIZE`` of ``streamckpt.storage.store``, 32 MiB).
+
+Process state: creating a process group is itself a collective, so the save group made
+for a training group is kept for the next save (``_SESSIONS``, keyed by that group), with
+the handle of the save in flight: a second ``async_save`` on the group waits for the first
+to finish. This is the one piece of module-level state in streamckpt.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from . import writeplan
+from .comm import GroupComm, SoloComm, make_comm
+from .results import SaveResult
+from .saver import Prepared, prepare, write_and_commit
+from .storage import Storage
+from .targets import TargetSpec
+
+log = logging.getLogger(__name__)
+
+
+class SaveHandle:
+    """An ``async_save`` in flight: ``result()`` waits for the commit (or raises the save's
+    error, on every rank); ``done()`` says whether it has finished."""
+
+    def __init__(self, future: "cf.Future[SaveResult]", uri: str) -> None:
+        self._future = future
+        self.uri = uri
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        """Wait for the save to end, whatever its outcome (its owner sees the error)."""
+        cf.wait([self._future])
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"SaveHandle({self.uri!r}, {state})"
+
+
+class Budget:
+    """Bytes of staged tensors held at once; a reservation that cannot fit waits for the
+    upload to free some (one always may go, so an oversized item cannot deadlock)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self.failed = False
+        self._cond = threading.Condition()
+
+    def reserve(self, n: int) -> bool:
+        """Wait until ``n`` bytes fit; False when the upload has failed (stop staging)."""
+        with self._cond:
+            while not self.failed and self.limit is not None and self.used and self.used + n > self.limit:
+                self._cond.wait()
+            if self.failed:
+                return False
+            self.used += n
+            self.peak = max(self.peak, self.used)
+            return True
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+    def fail(self) -> None:
+        with self._cond:
+            self.failed = True
+            self._cond.notify_all()
+
+
+class StagedShard:
+    """One item to write, filled by the staging thread and read once by the uploader
+    (``.tensor`` waits until it is staged)."""
+
+    def __init__(self, spec: TargetSpec) -> None:
+        self.spec = spec
+        self._tensor: torch.Tensor | None = None
+        self._error: BaseException | None = None
+        self._ready = threading.Event()
+
+    def set(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        self._ready.wait()
+        if self._tensor is None:
+            raise self._error or RuntimeError("internal: staged shard released before it was written")
+        return self._tensor
+
+    def drop(self) -> int:
+        """Free the staged copy; returns its size."""
+        t, self._tensor = self._tensor, None
+        return 0 if t is None else t.numel() * t.element_size()
+
+
+def stage_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy of ``t`` that the caller cannot change any more (CUDA: into
+    pinned memory, the copy ordered after the caller's pending work on its stream)."""
+    t = t.detach()
+    if t.device.type == "cpu":
+        out = torch.empty(t.shape, dtype=t.dtype)
+    else:
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t)  # blocking: returns once the bytes are in host memory
+    return out
+
+
+@dataclass
+class _Session:
+    group: Any  # the training group (kept so that its id is not reused)
+    comm: SoloComm | GroupComm  # the save's own group
+    last: SaveHandle | None = None
+
+
+_SESSIONS: dict[int, _Session] = {}
+_SESSIONS_LOCK = threading.Lock()
+
+
+def _session_for(process_group: Any) -> _Session:
+    """The save group of ``process_group`` (created on first use: a collective of its ranks)."""
+    train = make_comm(process_group)
+    if isinstance(train, SoloComm):
+        key, group = 0, None
+    else:
+        key, group = id(train.group), train.group
+    with _SESSIONS_LOCK:
+        session = _SESSIONS.get(key)
+        if session is not None:
+            return session
+    if isinstance(train, SoloComm):
+        comm: SoloComm | GroupComm = SoloComm()
+    else:
+        dist = train.dist
+        ranks = dist.get_process_group_ranks(train.group)
+        side = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        comm = GroupComm(side)
+    with _SESSIONS_LOCK:
+        return _SESSIONS.setdefault(key, _Session(group, comm))
+
+
+def async_save(
+    state_dict: Mapping[str, Any],
+    uri: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    process_group: Any = None,
+    compression: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    staging_budget: int | None = None,
+) -> SaveHandle:
+    """Like ``save``, but returns once this rank's share of the state is staged (see the module doc)."""
+    if staging_budget is not None and staging_budget <= 0:
+        raise ValueError(f"staging_budget must be positive bytes or None, not {staging_budget!r}")
+    session = _session_for(process_group)
+    if session.last is not None:
+        session.last.wait()  # at most one save in flight per group
+    storage = Storage(uri, storage_options)
+    try:
+        max_item = None if staging_budget is None else max(1 << 20, staging_budget // 4)
+        prep = prepare(session.comm, storage, state_dict, compression=compression, metadata=metadata,
+                       overwrite=overwrite, max_item_bytes=max_item)
+    except BaseException:
+        storage.close()
+        raise
+    handle = _start(session.comm, storage, prep, Budget(staging_budget))
+    session.last = handle
+    return handle
+
+
+def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, budget: Budget) -> SaveHandle:
+    shards = [StagedShard(it.spec) for it in prep.items]
+    future: cf.Future[SaveResult] = cf.Future()
+
+    def released(i: int) -> None:
+        budget.release(shards[i].drop())
+
+    def background() -> None:
+        try:
+            future.set_result(write_and_commit(comm, storage, prep, shards, on_written=released))  # type: ignore[arg-type]
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
+            budget.fail()
+            future.set_exception(e)
+        finally:
+            storage.close()
+
+    threading.Thread(target=background, name="streamckpt-async-save", daemon=True).start()
+    tensors = {t.spec: t.tensor for t in prep.local}
+    for k, (item, shard) in enumerate(zip(prep.items, shards)):
+        try:
+            if not budget.reserve(item.spec.nbytes):
+                break  # the upload failed: the handle raises its error
+            shard.set(stage_copy(writeplan.piece_of(item, tensors[item.source])))
+        except BaseException as e:
+            for rest in shards[k:]:
+                rest.fail(e)  # the uploader raises it, and every rank learns of it through the agreement
+            raise
+    for shard in shards:
+        if not shard._ready.is_set():
+            shard.fail(RuntimeError("staging stopped after the upload failed"))
+    return SaveHandle(future, storage.describe("").rstrip("/"))

@@ -1,0 +1,201 @@
+"""The one small interface every storage client sits behind.
+
+A backend makes exactly one attempt per call and reports a failure as one of a few
+kinds (``NotFound``, ``Transient``, ``Stalled``, ``RangeNotSatisfiable``, ``Permanent``);
+everything else — retries, deadlines, piece splitting, length and checksum checks, the
+corruption verdict, messages — is the policy above it (``policy``, ``reads``,
+``uploads``), written once. Adding a client means writing one module of client calls.
+
+Paths are full backend paths (``bucket/key`` on object stores, a filesystem path for
+local files). Every call is a coroutine run on the storage event loop; a client with
+blocking calls runs them in worker threads (``WorkerThreads``).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures as cf
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+# ------------------------------------------------------------------ failure kinds
+
+
+class BackendError(Exception):
+    """One attempt failed; the subclass says what the policy should do about it."""
+
+
+class NotFound(BackendError):
+    """The object (or, with ``bucket`` set, its whole bucket/container) does not exist."""
+
+    def __init__(self, message: str, *, bucket: str | None = None) -> None:
+        super().__init__(message)
+        self.bucket = bucket
+
+
+class Transient(BackendError):
+    """Worth another attempt: 5xx, throttling, resets, short bodies."""
+
+
+class Stalled(Transient):
+    """No response head or body bytes within the request timeout."""
+
+
+class RangeNotSatisfiable(BackendError):
+    """The server refused the range: the object may be shorter than the reader thinks."""
+
+
+class Permanent(BackendError):
+    """Retrying cannot help: credentials, permissions, bad configuration."""
+
+
+class TooLarge(BackendError):
+    """A whole-object read refused (before its body was read) because of its size."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"{size} bytes")
+        self.size = size
+
+
+# ------------------------------------------------------------------ plain data
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """What one ranged fetch landed, and what it learned about the object."""
+
+    got: int  # body bytes written into the buffer
+    size: int | None = None  # the object's total size, when the response said it
+    etag: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    size: int
+    etag: str | None = None
+    modified: float | None = None  # POSIX seconds
+
+
+# ------------------------------------------------------------------ interfaces
+
+
+class PartSink(abc.ABC):
+    """One object being written, in numbered parts; nothing is visible before ``complete``.
+
+    All parts but the last are the same size, at least ``min_part`` bytes. When
+    ``concurrent`` is true, parts may be sent at the same time and in any order.
+    """
+
+    min_part: int = 1
+    concurrent: bool = True
+
+    @abc.abstractmethod
+    async def put_whole(self, data: memoryview) -> None:
+        """Write the object in one request (it fits in one part)."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Begin a multi-part write."""
+
+    @abc.abstractmethod
+    async def put_part(self, number: int, offset: int, data: memoryview) -> Any:
+        """Send part ``number`` (1-based) holding the object's bytes at ``offset``; returns its token."""
+
+    @abc.abstractmethod
+    async def complete(self, tokens: list[Any]) -> None:
+        """Make the object visible from its parts' tokens, in part order."""
+
+    @abc.abstractmethod
+    async def abort(self) -> None:
+        """Drop everything sent so far (best effort; must not raise for a part never sent)."""
+
+
+class Backend(abc.ABC):
+    """A storage client, one attempt per call."""
+
+    name: str = "backend"
+    holds_bodies: bool = False  # the client holds a response body before copying it into the buffer
+    piece_size: int | None = None  # reads larger than this become concurrent requests (None: never)
+
+    @abc.abstractmethod
+    async def fetch(self, path: str, start: int, buf: memoryview, *, want_meta: bool = False) -> Fetched:
+        """Fetch ``len(buf)`` bytes at ``start`` into ``buf``; ``want_meta`` asks for the object's size/ETag."""
+
+    @abc.abstractmethod
+    async def head(self, path: str) -> ObjectInfo:
+        """The object's size, ETag and modification time; ``NotFound`` if absent."""
+
+    @abc.abstractmethod
+    async def listing(self, path: str, recursive: bool) -> list[str]:
+        """Full paths under the prefix ``path`` (one level adds sub-prefixes); ``NotFound(bucket=...)``
+        only when the bucket itself is missing."""
+
+    @abc.abstractmethod
+    async def get_whole(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
+        """A whole small object and its ETag; ``TooLarge`` before reading a body over ``max_bytes``."""
+
+    @abc.abstractmethod
+    async def delete(self, path: str, recursive: bool) -> None:
+        """Remove an object (or everything under a prefix); absent is fine."""
+
+    @abc.abstractmethod
+    def sink(self, path: str) -> PartSink:
+        """A writer for one object."""
+
+    async def exists(self, path: str) -> bool:
+        """An object, or a prefix with objects under it."""
+        try:
+            await self.head(path)
+            return True
+        except NotFound as e:
+            if e.bucket is not None:
+                raise
+        return bool(await self.listing(path, False))
+
+    async def makedirs(self, path: str) -> None:
+        """Object stores have no directories."""
+
+    def close(self) -> None:
+        """Release clients and threads."""
+
+
+class WorkerThreads:
+    """Blocking client calls run in a private thread pool, awaited from the event loop.
+
+    A cancelled caller still waits for its call to end: the call may be writing into
+    a buffer that the caller is about to give back.
+    """
+
+    def __init__(self, max_workers: int, prefix: str) -> None:
+        self._max = max(1, max_workers)
+        self._prefix = prefix
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(self._max, thread_name_prefix=self._prefix)
+            pool = self._pool
+        fut = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            while not fut.done():
+                try:
+                    await asyncio.wait([fut])
+                except asyncio.CancelledError:
+                    continue
+            raise
+
+    def close(self) -> None:
+        """Wait for the workers to finish their calls."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)

@@ -1,0 +1,173 @@
+"""Local files: positional reads straight into the caller's buffer, parts written at their
+offsets into a temporary file that is renamed into place on commit."""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import random
+import shutil
+from typing import Any
+
+from .backend import (Backend, BackendError, Fetched, NotFound, ObjectInfo, PartSink, Permanent, TooLarge,
+                      Transient, WorkerThreads)
+
+
+def translate(e: OSError, path: str) -> BackendError:
+    """An OS error as a failure kind: missing is NotFound, permissions and the like are
+    Permanent, anything else (I/O errors on network mounts) may pass."""
+    if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+        return NotFound(f"{path}: no such file")
+    if isinstance(e, (PermissionError, IsADirectoryError)) or e.errno in (errno.EACCES, errno.EROFS, errno.ENOSPC):
+        return Permanent(f"{type(e).__name__}: {e}")
+    return Transient(f"{type(e).__name__}: {e}")
+
+
+class LocalBackend(Backend):
+    name = "local"
+
+    def __init__(self, max_concurrency: int) -> None:
+        self.threads = WorkerThreads(min(max_concurrency, 16), "streamckpt-io")
+
+    async def _run(self, path: str, fn: Any, *args: Any) -> Any:
+        try:
+            return await self.threads.run(fn, *args)
+        except OSError as e:
+            raise translate(e, path) from None
+
+    async def fetch(self, path: str, start: int, buf: memoryview, *, want_meta: bool = False) -> Fetched:
+        return await self._run(path, _pread, path, start, buf)
+
+    async def head(self, path: str) -> ObjectInfo:
+        st = await self._run(path, os.stat, path)
+        if not os.path.isfile(path):
+            raise NotFound(f"{path}: not a file")
+        return ObjectInfo(size=st.st_size, modified=st.st_mtime)
+
+    async def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    async def listing(self, path: str, recursive: bool) -> list[str]:
+        return await self._run(path, _listing, path, recursive)
+
+    async def get_whole(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
+        return await self._run(path, _read_whole, path, max_bytes), None
+
+    async def delete(self, path: str, recursive: bool) -> None:
+        await self._run(path, _delete, path, recursive)
+
+    async def makedirs(self, path: str) -> None:
+        await self._run(path, os.makedirs, path, 0o777, True)
+
+    def sink(self, path: str) -> PartSink:
+        return LocalSink(self, path)
+
+    def close(self) -> None:
+        self.threads.close()
+
+
+def _pread(path: str, start: int, buf: memoryview) -> Fetched:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = 0
+        while got < len(buf):
+            n = os.preadv(fd, [buf[got:]], start + got)
+            if not n:
+                return Fetched(got=got, size=os.fstat(fd).st_size)
+            got += n
+        return Fetched(got=got)
+    finally:
+        os.close(fd)
+
+
+def _read_whole(path: str, max_bytes: int | None) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if max_bytes is not None and size > max_bytes:
+            raise TooLarge(size)
+        return f.read()
+
+
+def _listing(path: str, recursive: bool) -> list[str]:
+    if not os.path.isdir(path):
+        return [path] if os.path.isfile(path) else []
+    if not recursive:
+        return [posixpath.join(path, n) for n in os.listdir(path)]
+    out = []
+    for d, _, files in os.walk(path):
+        out += [posixpath.join(d, f) for f in files]
+    return out
+
+
+def _delete(path: str, recursive: bool) -> None:
+    try:
+        if os.path.isdir(path) and recursive:
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+class LocalSink(PartSink):
+    """Parts written at their offsets (concurrently) into ``<path>.tmp-…``, renamed on commit."""
+
+    concurrent = True
+
+    def __init__(self, backend: LocalBackend, path: str) -> None:
+        self._backend = backend
+        self._path = path
+        self._tmp = f"{path}.tmp-{os.getpid()}-{random.getrandbits(40):010x}"
+        self._fd: int | None = None
+
+    async def put_whole(self, data: memoryview) -> None:
+        await self.start()
+        await self.put_part(1, 0, data)
+        await self.complete([])
+
+    async def start(self) -> None:
+        def open_tmp() -> int:
+            os.makedirs(os.path.dirname(self._tmp) or ".", exist_ok=True)
+            return os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+
+        self._fd = await self._backend._run(self._path, open_tmp)
+
+    async def put_part(self, number: int, offset: int, data: memoryview) -> Any:
+        fd = self._fd
+        if fd is None:
+            raise Permanent(f"{self._path}: part written before start")
+
+        def write() -> None:
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], offset + done)
+
+        await self._backend._run(self._path, write)
+        return number
+
+    async def complete(self, tokens: list[Any]) -> None:
+        fd, self._fd = self._fd, None
+
+        def finish() -> None:
+            if fd is not None:
+                os.close(fd)
+            os.replace(self._tmp, self._path)
+
+        await self._backend._run(self._path, finish)
+
+    async def abort(self) -> None:
+        fd, self._fd = self._fd, None
+
+        def drop() -> None:
+            if fd is not None:
+                os.close(fd)
+            try:
+                os.remove(self._tmp)
+            except FileNotFoundError:
+                pass
+
+        try:
+            await self._backend._run(self._path, drop)
+        except BackendError:
+            pass

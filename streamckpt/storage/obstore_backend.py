@@ -1,0 +1,302 @@
+"""S3 through obstore (Rust ``object_store``): the default client for every read of an
+``s3://`` prefix (ranged GETs, whole small objects, HEAD, LIST, deletes). The s3fs /
+aiohttp / botocore stack costs more CPU per byte than the reads themselves on a fast
+network; obstore does the HTTP, signing and body handling in Rust. Uploads stay on
+s3fs (``s3fs_backend``) for now.
+
+Selection: ``STREAMCKPT_S3_BACKEND`` = ``auto`` (the default), ``obstore`` or ``s3fs``.
+``auto`` and ``obstore`` use it whenever it is installed (a runtime dependency) and every
+storage option maps onto it; otherwise s3fs reads, with a warning when ``obstore`` was
+asked for. ``s3fs`` forces the fallback. A body is collected in Rust before its copy
+into the buffer, so the bodies in flight are bounded (``holds_bodies``: the policy's
+gate counts them against ``inflight_bytes``).
+
+Every call is a blocking obstore call in a Python worker thread: obstore's ``*_async``
+functions resolve their future from a Rust thread calling back into Python, and a
+short-lived process reaching interpreter shutdown meanwhile died with SIGABRT (about 1
+exit in 100 of a ``streamckpt inspect`` loop). Blocking calls are also cheaper here:
+the body lands in the worker's allocator arena and is copied into the buffer there,
+off the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from datetime import timedelta
+from typing import Any
+
+from .backend import (Backend, BackendError, Fetched, NotFound, ObjectInfo, PartSink, Permanent, RangeNotSatisfiable,
+                      Stalled, TooLarge, Transient, WorkerThreads)
+
+log = logging.getLogger(__name__)
+
+PIECE = 4 << 20  # reads larger than this become concurrent GETs
+
+BACKEND_ENV = "STREAMCKPT_S3_BACKEND"
+BACKENDS = ("auto", "obstore", "s3fs")
+AUTO_PICKS_OBSTORE = True  # see the module docstring
+
+# s3fs options that change nothing about a ranged GET (caches, block sizes, s3fs's own retries).
+_IGNORED_OPTIONS = frozenset({
+    "skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths", "default_block_size",
+    "default_fill_cache", "default_cache_type", "cache_regions", "asynchronous", "loop", "retries",
+    "version_aware", "fixed_upload_size", "session", "max_concurrency",
+})
+_CREDENTIAL_OPTIONS = {
+    "key": "access_key_id", "aws_access_key_id": "access_key_id",
+    "secret": "secret_access_key", "aws_secret_access_key": "secret_access_key",
+    "token": "session_token", "aws_session_token": "session_token",
+}
+_CONFIG_KWARGS_OK = frozenset({"retries", "connect_timeout", "read_timeout", "max_pool_connections"})
+
+
+class NotConfigurable(ValueError):
+    """The storage options use something obstore cannot reproduce; use s3fs."""
+
+
+def requested_backend() -> str:
+    """The backend named by the environment (``auto`` when unset)."""
+    value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={value!r}: choose one of {', '.join(BACKENDS)}")
+    return value
+
+
+def available() -> bool:
+    try:
+        import obstore  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def s3_config(options: dict[str, Any]) -> dict[str, Any]:
+    """obstore ``S3Config`` equivalent to s3fs ``options``; ``NotConfigurable`` if some option has none."""
+    config: dict[str, Any] = {}
+    client_kwargs = dict(options.get("client_kwargs") or {})
+    endpoint = options.get("endpoint_url") or client_kwargs.pop("endpoint_url", None) or _env_endpoint()
+    region = client_kwargs.pop("region_name", None)
+    if client_kwargs:
+        raise NotConfigurable(f"client_kwargs {sorted(client_kwargs)}")
+    config_kwargs = dict(options.get("config_kwargs") or {})
+    s3_section = config_kwargs.pop("s3", None) or {}
+    if set(s3_section) - {"addressing_style"} or set(config_kwargs) - _CONFIG_KWARGS_OK:
+        raise NotConfigurable(f"config_kwargs {sorted(config_kwargs)} {sorted(s3_section)}")
+    for name, value in options.items():
+        if name in _CREDENTIAL_OPTIONS:
+            if value is not None:
+                config[_CREDENTIAL_OPTIONS[name]] = str(value)
+        elif name == "anon":
+            if value:
+                config["skip_signature"] = True
+        elif name == "use_ssl":
+            if not value and endpoint is None:
+                raise NotConfigurable("use_ssl=False without endpoint_url")
+        elif name not in _IGNORED_OPTIONS and name not in ("endpoint_url", "client_kwargs", "config_kwargs"):
+            raise NotConfigurable(f"option {name!r}")
+    if not config.get("skip_signature") and "access_key_id" not in config and not os.environ.get(
+        "AWS_ACCESS_KEY_ID"
+    ):
+        # botocore would look in ~/.aws profiles and other places object_store does not.
+        raise NotConfigurable("no explicit credentials (key/secret or AWS_ACCESS_KEY_ID)")
+    if endpoint:
+        config["endpoint"] = str(endpoint)
+        config["virtual_hosted_style_request"] = s3_section.get("addressing_style") == "virtual"
+    config["region"] = str(region or os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
+                           or "us-east-1")
+    return config
+
+
+def _env_endpoint() -> str | None:
+    """The endpoint botocore would take from the environment (so s3fs and obstore reach the same server)."""
+    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").strip().lower() == "true":
+        return None
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+class ObstoreBackend(Backend):
+    """One obstore client per bucket; single-attempt calls in worker threads."""
+
+    name = "obstore"
+    holds_bodies = True
+    piece_size = PIECE
+
+    def __init__(self, config: dict[str, Any], request_timeout: float, client_attempts: int,
+                 max_concurrency: int) -> None:
+        self.config = config
+        self.request_timeout = request_timeout
+        self.client_attempts = client_attempts
+        self.max_concurrency = max_concurrency
+        self.threads = WorkerThreads(max(4, max_concurrency), "streamckpt-s3")
+        self._stores: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def store(self, bucket: str) -> Any:
+        with self._lock:
+            s = self._stores.get(bucket)
+            if s is None:
+                s = self._stores[bucket] = self._make_store(bucket)
+            return s
+
+    def _make_store(self, bucket: str) -> Any:
+        from obstore.store import S3Store
+
+        timeout = timedelta(seconds=self.request_timeout)
+        client = {
+            "allow_http": str(self.config.get("endpoint", "")).startswith("http://"),
+            "connect_timeout": timeout,
+            # A stalled response (head or between body chunks) fails after this, as with s3fs's read_timeout.
+            "read_timeout": timeout,
+            # A backstop for a body that trickles in: ~70 KB/s for a 4 MiB piece.
+            "timeout": timedelta(seconds=max(60.0, 4 * self.request_timeout)),
+            "pool_max_idle_per_host": str(max(10, self.max_concurrency)),
+        }
+        retry = {
+            "max_retries": max(0, self.client_attempts - 1),
+            "retry_timeout": timeout,
+            "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=1),
+                        "base": 2},
+        }
+        return S3Store(bucket, config=self.config, client_options=client, retry_config=retry)
+
+    async def _run(self, path: str, fn: Any, *args: Any) -> Any:
+        bucket, _, key = path.partition("/")
+
+        def call() -> Any:
+            try:
+                return fn(self.store(bucket), key, *args)
+            except BackendError:
+                raise
+            except Exception as e:  # noqa: BLE001 - classified
+                raise translate(e, bucket) from None
+
+        return await self.threads.run(call)
+
+    async def fetch(self, path: str, start: int, buf: memoryview, *, want_meta: bool = False) -> Fetched:
+        return await self._run(path, _fetch_streamed if want_meta else _fetch, start, buf)
+
+    async def head(self, path: str) -> ObjectInfo:
+        return await self._run(path, _head)
+
+    async def listing(self, path: str, recursive: bool) -> list[str]:
+        bucket = path.partition("/")[0]
+        keys = await self._run(path.rstrip("/"), _listing, recursive)
+        return [f"{bucket}/{k}" for k in keys]
+
+    async def get_whole(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
+        return await self._run(path, _get_whole, max_bytes)
+
+    async def delete(self, path: str, recursive: bool) -> None:
+        await self._run(path, _delete, recursive)
+
+    def sink(self, path: str) -> PartSink:
+        raise Permanent("obstore uploads are not used: writes go through s3fs")
+
+    def close(self) -> None:
+        """Wait for the worker threads and drop the clients (their pooled connections end here)."""
+        self.threads.close()
+        with self._lock:
+            self._stores.clear()
+
+
+def _fetch(store: Any, key: str, start: int, buf: memoryview) -> Fetched:
+    """One ranged GET: the body is collected in Rust (one allocation) and copied once into ``buf``."""
+    import obstore
+
+    data = obstore.get_range(store, key, start=start, end=start + len(buf))
+    n = len(data)
+    if n > len(buf):
+        raise Transient(f"body of {n} bytes for a {len(buf)}-byte range")
+    buf[:n] = memoryview(data)
+    return Fetched(got=n)
+
+
+def _fetch_streamed(store: Any, key: str, start: int, buf: memoryview) -> Fetched:
+    """A ranged GET streamed into ``buf`` that also learns the object's size and ETag."""
+    import obstore
+
+    stop = start + len(buf)
+    result = obstore.get(store, key, options={"range": (start, stop)})
+    meta = result.meta
+    lo, hi = result.range
+    if lo != start or hi > stop:
+        raise Transient(f"server sent bytes [{lo}, {hi}) for [{start}, {stop})")
+    got = 0
+    for data in result.stream(min_chunk_size=256 << 10):
+        n = len(data)
+        if got + n > len(buf):
+            raise Transient(f"body longer than the {len(buf)}-byte range")
+        buf[got:got + n] = memoryview(data)
+        got += n
+    return Fetched(got=got, size=int(meta["size"]), etag=meta.get("e_tag"))
+
+
+def _head(store: Any, key: str) -> ObjectInfo:
+    import obstore
+
+    meta = obstore.head(store, key)
+    when = meta.get("last_modified")
+    return ObjectInfo(size=int(meta["size"]), etag=meta.get("e_tag"),
+                      modified=when.timestamp() if when is not None else None)
+
+
+def _listing(store: Any, prefix: str, recursive: bool) -> list[str]:
+    """Keys under ``prefix`` (a path: ``a/b`` lists ``a/b/...``); one level deep adds sub-prefixes."""
+    import obstore
+
+    if recursive:
+        return [m["path"] for m in obstore.list(store, prefix or None, chunk_size=1000).collect()]
+    res = obstore.list_with_delimiter(store, prefix or None)
+    return [*res["common_prefixes"], *(m["path"] for m in res["objects"])]
+
+
+def _get_whole(store: Any, key: str, max_bytes: int | None) -> tuple[bytes, str | None]:
+    import obstore
+
+    result = obstore.get(store, key)
+    size = int(result.meta["size"])
+    if max_bytes is not None and size > max_bytes:
+        raise TooLarge(size)
+    data = result.bytes()
+    if len(data) != size:
+        raise Transient(f"short body: {len(data)} of {size} bytes")
+    return bytes(data), result.meta.get("e_tag")
+
+
+def _delete(store: Any, key: str, recursive: bool) -> None:
+    import obstore
+
+    keys = [key]
+    if recursive:
+        keys += [m["path"] for m in obstore.list(store, key.rstrip("/") + "/", chunk_size=1000).collect()]
+    for k in keys:
+        try:
+            obstore.delete(store, k)
+        except FileNotFoundError:
+            pass
+
+
+def translate(e: BaseException, bucket: str) -> BackendError:
+    """obstore's exceptions as the policy's kinds (the first line: the rest is a Rust debug dump)."""
+    from obstore import exceptions as ox
+
+    text = str(e).split("\n", 1)[0]
+    full = str(e).lower()
+    if "nosuchbucket" in full or "bucket does not exist" in full:
+        return NotFound(f"bucket {bucket!r} does not exist", bucket=bucket)
+    if isinstance(e, (ox.NotFoundError, FileNotFoundError)):
+        return NotFound(text)
+    if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError, PermissionError)):
+        return Permanent(text)
+    if isinstance(e, (ox.InvalidPathError, ox.UnknownConfigurationKeyError, ox.NotSupportedError, ValueError)):
+        return Permanent(text)
+    low = text.lower()
+    if "416" in text or "range not satisfiable" in low or "invalidrange" in low or "range" in low and (
+        "invalid" in low or "start" in low
+    ):
+        return RangeNotSatisfiable(text)
+    if "timed out" in full or "timeout" in full:
+        return Stalled(f"{type(e).__name__}: {text}")
+    return Transient(f"{type(e).__name__}: {text}")

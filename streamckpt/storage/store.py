@@ -1,0 +1,322 @@
+"""``Storage``: one checkpoint prefix on one store, the only storage object the rest of
+streamckpt sees. It picks the backends for a URI, runs every call under the one fault
+policy (``reads``, ``uploads``) on the storage event loop, and gives blocking methods
+to callers plus ``read_into`` that returns a future, so a batch of range reads proceeds
+while the caller's thread does other work.
+
+Names are relative to the prefix; messages carry no credentials.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import posixpath
+import random
+import re
+from typing import Any, Sequence
+
+import fsspec
+import fsspec.asyn
+from fsspec.core import url_to_fs
+
+from ..errors import CheckpointNotFoundError, StorageError
+from . import obstore_backend
+from .backend import Backend, NotFound
+from .fsspec_backend import FsspecBackend
+from .local_backend import LocalBackend
+from .obstore_backend import ObstoreBackend
+from .policy import Describer, RetryPolicy, not_found_message
+from .reads import RangeRead, Reader
+from .s3fs_backend import S3fsBackend, s3fs_options
+from .uploads import Upload
+
+log = logging.getLogger(__name__)
+
+_S3_PROTOCOLS = ("s3", "s3a")
+_LOCAL_PROTOCOLS = ("file", "local")
+INFLIGHT = 16 << 20  # bodies held by the client when the caller sets no memory budget
+INFLIGHT_MAX = 64 << 20  # ... and at most this much of a budget (16 concurrent pieces, for high-latency stores)
+PART_SIZE = 8 << 20  # upload part size (larger when an object's size hint needs it: S3 allows 10,000 parts)
+PARTS_IN_FLIGHT = 4  # upload part buffers per object, the one being filled included (4 x 8 MiB = 32 MiB)
+MAX_PARTS = 9_000
+_SECRET_OPTION = re.compile(r"(secret|token|password|passwd|key|credential|sas|signature)", re.I)
+
+
+class Storage:
+    """One checkpoint prefix on one store; ``backend`` injects a client (tests, custom stores)."""
+
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, *, policy: RetryPolicy | None = None,
+                 max_concurrency: int = 32, backend: Backend | None = None) -> None:
+        self.uri = str(uri)
+        self.policy = policy or RetryPolicy.from_env()
+        self.max_concurrency = max(1, int(max_concurrency))
+        opts = dict(storage_options or {})
+        self._describe = Describer(_public(self.uri), _secrets_of(opts), self.policy.request_timeout)
+        self._protocol = fsspec.core.split_protocol(self.uri)[0] or "file"
+        self._fs_options = opts
+        self._writer: Backend | None = None
+        reader, self.root = backend, self.uri.split("://", 1)[-1].rstrip("/")
+        if reader is None:
+            reader = self._open_reader(opts)
+        else:
+            self._writer = reader
+        self._loop = getattr(getattr(reader, "fs", None), "loop", None) or fsspec.asyn.get_loop()
+        self._reader = Reader(reader, self.policy, self._describe, self.root, self.max_concurrency,
+                              INFLIGHT, reader.piece_size, random.Random())
+
+    # ------------------------------------------------------------ backends
+
+    def _open_reader(self, opts: dict[str, Any]) -> Backend:
+        if self._protocol in _S3_PROTOCOLS:
+            self._fs_options = s3fs_options(opts, self.policy.client_attempts, self.policy.request_timeout,
+                                            self.max_concurrency)
+            self.root = self.uri.split("://", 1)[1].strip("/")
+            ob = self._pick_obstore(opts)
+            if ob is not None:
+                return ob  # s3fs (and its botocore client, ~0.2 s to start) only comes up to write
+            self._writer = S3fsBackend(self._open_fs(), self.policy.request_timeout, self.max_concurrency)
+            return self._writer
+        if self._protocol in _LOCAL_PROTOCOLS and "::" not in self.uri:
+            self.root = fsspec.implementations.local.LocalFileSystem._strip_protocol(self.uri).rstrip("/")
+            self._writer = LocalBackend(self.max_concurrency)
+            return self._writer
+        self._writer = FsspecBackend(self._open_fs(), self.policy.request_timeout, self.max_concurrency)
+        return self._writer
+
+    def _open_fs(self) -> Any:
+        try:
+            fs, root = url_to_fs(self.uri, **self._fs_options)
+        except (ImportError, ValueError, TypeError) as e:
+            raise StorageError(f"cannot open {self._describe.public_uri}: {self._describe.scrub(str(e))}") from None
+        self.root = str(root).rstrip("/")
+        return fs
+
+    def _pick_obstore(self, opts: dict[str, Any]) -> ObstoreBackend | None:
+        """The obstore client for these options, or None to read through s3fs."""
+        try:
+            wanted = obstore_backend.requested_backend()
+        except ValueError as e:
+            raise StorageError(str(e)) from None
+        if wanted == "s3fs" or (wanted == "auto" and not obstore_backend.AUTO_PICKS_OBSTORE):
+            return None
+        if "?" in self.uri or "::" in self.uri:
+            log.debug("reads of %s go through s3fs (query string or chained URL)", self._describe.public_uri)
+            return None
+        if not obstore_backend.available():
+            if wanted == "obstore":
+                raise StorageError(
+                    f"{obstore_backend.BACKEND_ENV}=obstore but obstore is not installed (pip install obstore)")
+            return None
+        try:
+            config = obstore_backend.s3_config(opts)
+        except obstore_backend.NotConfigurable as e:
+            (log.warning if wanted == "obstore" else log.debug)(
+                "reads of %s go through s3fs: obstore cannot reproduce %s", self._describe.public_uri, e)
+            return None
+        return ObstoreBackend(config, self.policy.request_timeout, self.policy.client_attempts, self.max_concurrency)
+
+    @property
+    def _write_backend(self) -> Backend:
+        """Writes on S3 go through s3fs, created on first use when obstore reads."""
+        if self._writer is None:
+            self._writer = S3fsBackend(self._open_fs(), self.policy.request_timeout, self.max_concurrency)
+        return self._writer
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem behind writes (s3fs, gcsfs, local, ...), created on first use."""
+        return getattr(self._write_backend, "fs", None) or fsspec.filesystem("file")
+
+    @property
+    def read_backend(self) -> str:
+        """Which client does the range reads: ``obstore``, ``s3fs``, ``local`` or ``fsspec``."""
+        name = self._reader.backend.name
+        return "fsspec" if name == "local" else name
+
+    @property
+    def clients_started(self) -> tuple[str, ...]:
+        """The clients this Storage has created so far (a load on S3 never starts s3fs)."""
+        names = [self._reader.backend.name]
+        if self._writer is not None and self._writer is not self._reader.backend:
+            names.append(self._writer.name)
+        return tuple(names)
+
+    # ------------------------------------------------------- budgets and names
+
+    @property
+    def piece_size(self) -> int | None:
+        return self._reader.piece_size
+
+    @piece_size.setter
+    def piece_size(self, value: int | None) -> None:
+        self._reader.piece_size = value
+
+    @property
+    def inflight_bytes(self) -> int:
+        return self._reader.inflight_bytes
+
+    @inflight_bytes.setter
+    def inflight_bytes(self, value: int) -> None:
+        self._reader.inflight_bytes = value
+
+    def reserve_inflight(self, memory_budget: int) -> int:
+        """Take a share of a load's ``memory_budget`` for response bodies that the client
+        holds before copying them into their buffers; returns what is left for staging.
+
+        Only a body-holding client (obstore) needs it: a quarter of the budget, between one
+        piece and ``INFLIGHT_MAX``.
+        """
+        if not self._reader.backend.holds_bodies:
+            return memory_budget
+        piece = self.piece_size or INFLIGHT
+        self.inflight_bytes = min(INFLIGHT_MAX, max(piece, memory_budget // 4))
+        return max(memory_budget - self.inflight_bytes, memory_budget // 2)
+
+    def __repr__(self) -> str:
+        return f"Storage({self._describe.public_uri!r})"
+
+    def path(self, name: str) -> str:
+        return self._reader.path(name)
+
+    def describe(self, name: str) -> str:
+        """A user-facing address for an object (no credentials)."""
+        return self._describe.name(name)
+
+    # ------------------------------------------------------------ small calls
+
+    def _sync(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        return self._sync(self._reader.call(what, fn, *args))
+
+    def _not_found(self, name: str, e: NotFound) -> CheckpointNotFoundError:
+        return CheckpointNotFoundError(not_found_message(self._describe, name, e))
+
+    def size(self, name: str) -> int:
+        try:
+            return self._call(f"sizing {self.describe(name)}", self._reader.backend.head, self.path(name)).size
+        except NotFound as e:
+            raise self._not_found(name, e) from None
+
+    def modified(self, name: str) -> float | None:
+        """Last-modified time (POSIX seconds) of an object, or None if it does not exist."""
+        try:
+            info = self._call(f"checking {self.describe(name)}", self._reader.backend.head, self.path(name))
+        except NotFound as e:
+            if e.bucket is not None:
+                raise self._not_found(name, e) from None
+            return None
+        return info.modified if info.modified is not None else 0.0
+
+    def exists(self, name: str) -> bool:
+        """Whether an object (or a prefix with objects under it) exists; a missing bucket raises."""
+        try:
+            return bool(self._call(f"checking {self.describe(name)}", self._reader.backend.exists, self.path(name)))
+        except NotFound as e:
+            raise self._not_found(name, e) from None
+
+    def list(self, prefix: str = "", *, recursive: bool = False) -> list[str]:
+        """Names (relative to the root) of objects under ``prefix``; a missing bucket raises."""
+        base = self.path(prefix).rstrip("/")
+        try:
+            found = self._call(f"listing {self.describe(prefix)}", self._reader.backend.listing, base, recursive)
+        except NotFound as e:
+            if e.bucket is not None:
+                raise self._not_found(prefix, e) from None
+            return []
+        root = self.root.rstrip("/") + "/"
+        out = []
+        for p in found:
+            p = p.rstrip("/")
+            if p.startswith(root):
+                out.append(p[len(root):])
+            elif p != self.root:
+                out.append(posixpath.relpath(p, self.root))
+        return sorted(n for n in out if n and n != ".")
+
+    def read_bytes(self, name: str, start: int | None = None, stop: int | None = None, *,
+                   max_bytes: int | None = None) -> bytes:
+        """Read a whole (small) object or one range of it, length-checked.
+
+        A whole-object read refuses objects larger than ``max_bytes`` before fetching
+        them, and checks the body against the ETag when it is an MD5.
+        """
+        if start is None:
+            return self._sync(self._reader.read_whole(name, max_bytes))
+        stop = start if stop is None else stop
+        buf = bytearray(stop - start)
+        self.read_into([RangeRead(name, start, stop)], [memoryview(buf)]).result()
+        return bytes(buf)
+
+    def read_into(self, reads: Sequence[RangeRead], buffers: Sequence[memoryview]) -> cf.Future:
+        """Start fetching every read into its buffer (``len == read.length``).
+
+        Returns a future that resolves to the number of requests made, or raises
+        ``StorageError`` / ``CorruptCheckpointError`` / ``CheckpointNotFoundError``
+        naming object and range.
+        """
+        if len(reads) != len(buffers):
+            raise ValueError(f"{len(reads)} reads but {len(buffers)} buffers")
+        for r, b in zip(reads, buffers):
+            if r.start < 0 or r.stop < r.start:
+                raise ValueError(f"bad range [{r.start}, {r.stop}) of {r.name!r}")
+            if len(b) != r.length:
+                raise ValueError(f"buffer of {len(b)} bytes for a {r.length}-byte read")
+        return asyncio.run_coroutine_threadsafe(self._reader.read_all(reads, buffers), self._loop)
+
+    # ---------------------------------------------------------------- writes
+
+    def open_write(self, name: str, *, block_size: int = PART_SIZE, parts_in_flight: int = PARTS_IN_FLIGHT,
+                   size_hint: int | None = None) -> Upload:
+        """A streaming upload that becomes visible only on ``commit``: parts of ``block_size``
+        bytes (more when ``size_hint``, the expected object size, needs more than ``MAX_PARTS``),
+        up to ``parts_in_flight`` part buffers at once, each part retried under the policy."""
+        if size_hint:
+            block_size = max(block_size, -(-size_hint // MAX_PARTS))
+        return Upload(self._write_backend.sink(self.path(name)), name, self.describe(name), loop=self._loop,
+                      call=self._reader.call, once=self._reader.once, part_size=block_size,
+                      parts_in_flight=parts_in_flight)
+
+    def write_bytes(self, name: str, data: bytes | bytearray | memoryview) -> None:
+        """Write a small object whole (one request where the store allows it)."""
+        sink = self._write_backend.sink(self.path(name))
+        self._call(f"writing {self.describe(name)}", sink.put_whole, memoryview(data).cast("B"))
+
+    def delete(self, name: str, *, recursive: bool = False) -> None:
+        try:
+            self._call(f"deleting {self.describe(name)}", self._write_backend.delete, self.path(name), recursive)
+        except NotFound:
+            pass
+
+    def makedirs(self, name: str = "") -> None:
+        self._sync(self._write_backend.makedirs(self.path(name)))
+
+    def close(self) -> None:
+        self._reader.backend.close()
+        self._reader.verify_threads.close()
+        if self._writer is not None and self._writer is not self._reader.backend:
+            self._writer.close()
+
+
+def _public(uri: str) -> str:
+    """A URI without query string or user:password@ part."""
+    uri = uri.split("?", 1)[0]
+    return re.sub(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@", r"\1", uri)
+
+
+def _secrets_of(options: dict[str, Any]) -> tuple[str, ...]:
+    """String values of options that look like credentials (to scrub from messages)."""
+    found: list[str] = []
+
+    def walk(d: dict[str, Any]) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v)
+            elif isinstance(v, str) and len(v) >= 4 and _SECRET_OPTION.search(str(k)):
+                found.append(v)
+
+    walk(options)
+    return tuple(sorted(set(found), key=len, reverse=True))

@@ -1,0 +1,162 @@
+"""sc.async_save against the real moto server and real gloo ranks: the checkpoint holds
+the values at call time, saves queue one behind another, an upload fault raises from
+result() on every rank with no manifest left, and staging stays within its budget."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+
+import streamckpt as sc
+from streamckpt.storage import Storage
+from streamckpt.testing import FaultProxy, LocalS3
+
+from distributed import run_ranks
+
+MiB = 1 << 20
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(1024, 512, generator=g), "b": torch.randn(512, generator=g).to(torch.bfloat16)},
+        "optim": {"step": 10, "m": torch.randn(300, 7, generator=g)},
+    }
+
+
+def _clone(sd: dict[str, Any]) -> dict[str, Any]:
+    return {k: _clone(v) if isinstance(v, dict) else (v.clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in sd.items()}
+
+
+def _assert_equal(back: dict[str, torch.Tensor], want: dict[str, Any], prefix: str = "") -> None:
+    for k, v in want.items():
+        if isinstance(v, dict):
+            _assert_equal(back, v, f"{prefix}{k}.")
+        elif isinstance(v, torch.Tensor):
+            assert torch.equal(back[f"{prefix}{k}"], v), f"{prefix}{k}"
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+@pytest.mark.parametrize("budget", [None, 256 << 10])
+def test_checkpoint_holds_the_values_at_call_time(
+    where: str, budget: int | None, s3_uri: str, s3_opts: dict[str, Any], tmp_path: Any
+) -> None:
+    uri, opts = (s3_uri, s3_opts) if where == "s3" else (str(tmp_path / "ck"), None)
+    sd = _state()
+    expected = _clone(sd)
+    handle = sc.async_save(sd, uri, storage_options=opts, staging_budget=budget, metadata={"step": 10})
+    for t in (sd["model"]["w"], sd["model"]["b"], sd["optim"]["m"]):
+        t.fill_(7)  # the caller moves on at once
+    result = handle.result(timeout=120)
+    assert handle.done() and "manifest.json" in result.files and result.bytes_written > 2 * MiB
+    back = sc.load_full(uri, storage_options=opts)
+    _assert_equal(back, expected)
+    target = _state(seed=99)
+    sc.load(target, uri, storage_options=opts)
+    assert target["optim"]["step"] == 10 and sc.inspect(uri, storage_options=opts).metadata == {"step": 10}
+
+
+def test_a_second_async_save_waits_for_the_first(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    first = sc.async_save(_state(1), f"{s3_uri}/a", storage_options=s3_opts)
+    second = sc.async_save(_state(2), f"{s3_uri}/b", storage_options=s3_opts)
+    assert first.done()  # the second call returned only after the first had finished
+    second.result(timeout=120)
+    _assert_equal(sc.load_full(f"{s3_uri}/a", storage_options=s3_opts), _state(1))
+    _assert_equal(sc.load_full(f"{s3_uri}/b", storage_options=s3_opts), _state(2))
+    assert sc.latest(s3_uri, storage_options=s3_opts) == f"{s3_uri}/b"
+
+
+def test_bad_state_raises_from_the_call(tmp_path: Any) -> None:
+    with pytest.raises(sc.CheckpointError, match="compression"):
+        sc.async_save(_state(), str(tmp_path / "x"), compression="lz4")
+    sc.save(_state(), str(tmp_path / "y"))
+    with pytest.raises(sc.CheckpointExistsError):
+        sc.async_save(_state(), str(tmp_path / "y"))
+
+
+def async_fault_worker(rank: int, world: int, uri: str, opts: dict[str, Any]) -> dict[str, Any]:
+    sd = {"w": torch.full((2048, 1024), float(rank + 1)), "shared": torch.ones(4096, 256)}
+    handle = sc.async_save(sd, uri, storage_options=opts)
+    try:
+        handle.result(timeout=90)
+    except sc.CheckpointError as e:
+        return {"error": type(e).__name__, "msg": str(e)}
+    return {"error": None}
+
+
+def test_upload_fault_raises_on_every_rank_and_commits_nothing(
+    s3_uri: str, s3_opts: dict[str, Any], local_s3: LocalS3
+) -> None:
+    """Rank 1's data file can never be uploaded: both ranks' result() raise, no manifest."""
+    with FaultProxy(local_s3.endpoint_url, faults=["slowdown"], rate=1.0, methods=("PUT",), max_repeats=10**9,
+                    match=lambda m, p: "00001.safetensors" in p) as proxy:
+        opts = {**proxy.storage_options}
+        ranks = run_ranks(2, async_fault_worker, kwargs={"uri": s3_uri, "opts": opts}, timeout=150,
+                          env={"STREAMCKPT_MAX_ATTEMPTS": "2", "STREAMCKPT_TOTAL_TIMEOUT": "3"})
+    errors = [r.value for r in ranks]
+    assert all(r.ok for r in ranks), [r.error for r in ranks]
+    assert errors[1]["error"] == "StorageError" and "data/00001.safetensors" in errors[1]["msg"]
+    assert errors[0]["error"] in ("StorageError", "PeerError") and "rank 1" in errors[0]["msg"]
+    assert not Storage(s3_uri, s3_opts).exists("manifest.json")
+
+
+def async_ddp_worker(rank: int, world: int, uri: str, opts: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    sd = _state(5)
+    want = _clone(sd)
+    handle = sc.async_save(sd, uri, storage_options=opts, staging_budget=1 << 20)
+    sd["model"]["w"].zero_()
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the training group stays usable while the save runs on its own group
+    res = handle.result(timeout=90)
+    back = sc.load_full(uri, storage_options=opts)
+    ok = all(torch.equal(back[f"model.{k}"], v) for k, v in want["model"].items())
+    return {"ok": ok, "reduced": float(t.item()), "bytes": res.bytes_written, "files": res.files}
+
+
+def test_two_rank_async_save_round_trip_balanced(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    ranks = run_ranks(2, async_ddp_worker, kwargs={"uri": s3_uri, "opts": s3_opts}, timeout=150)
+    assert all(r.ok for r in ranks), [r.error for r in ranks]
+    values = [r.value for r in ranks]
+    assert all(v["ok"] and v["reduced"] == 2.0 for v in values)
+    st = Storage(s3_uri, s3_opts)
+    sizes = [st.size(f"data/0000{r}.safetensors") for r in range(2)]
+    assert max(sizes) / (sum(sizes) / 2) <= 1.1, sizes
+
+
+_RSS_PROBE = textwrap.dedent("""
+    import json, sys, torch, streamckpt as sc
+
+    def hwm():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+
+    state = {f"t{i}": torch.randn(1024, 1024) for i in range(64)}  # 256 MiB
+    sc.save({"warm": torch.ones(4)}, sys.argv[1] + "-warm")  # imports and threads, outside the probe
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark to the current RSS
+    base = hwm()
+    handle = sc.async_save(state, sys.argv[1], staging_budget=int(sys.argv[2]))
+    handle.result()
+    print(json.dumps({"growth": hwm() - base}))
+""")
+
+
+def test_staging_stays_within_budget_in_a_fresh_process(tmp_path: Any) -> None:
+    budget = 32 * MiB
+    out = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(tmp_path / "ck"), str(budget)],
+                         capture_output=True, text=True, timeout=240, check=True)
+    growth = json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+    # tensors staged (<= budget) + upload part buffers (32 MiB) + allocator slack: within budget + 64 MiB
+    assert growth <= budget + 64 * MiB, growth / MiB
+    back = sc.load_full(str(tmp_path / "ck"), keys=["t0"])
+    assert back["t0"].shape == (1024, 1024)
