@@ -136,7 +136,8 @@ def stage_copy(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu":
         out = torch.empty(t.shape, dtype=t.dtype)
     else:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        with torch.cuda.device(t.device):  # pinning needs a context: the tensor's GPU, not GPU 0
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t)  # blocking: returns once the bytes are in host memory
     return out
 
