@@ -133,7 +133,7 @@ def stage_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous host copy of ``t`` that the caller cannot change any more (CUDA: into
     pinned memory, the copy ordered after the caller's pending work on its stream)."""
     t = t.detach()
-    if t.device.type == "cpu":
+    if t.device.type != "cuda":
         out = torch.empty(t.shape, dtype=t.dtype)
     else:
         with torch.cuda.device(t.device):  # pinning needs a context: the tensor's GPU, not GPU 0
