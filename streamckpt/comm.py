@@ -14,6 +14,7 @@ once (``device.choose_device``), never taken from the current device alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -86,6 +87,9 @@ class SoloComm:
 
     def max_ints(self, values: list[int]) -> list[int]:
         return list(values)
+
+    def open_exchange(self) -> None:
+        return None
 
     def exchange(self, sends: Sequence[P2P], recvs: Sequence[P2P]) -> list[Any]:
         if sends or recvs:
@@ -231,13 +235,30 @@ class GroupComm:
         failures = [json.loads(b) for b in self.all_gather_bytes(blob)]
         raise_agreed([f for f in failures if f], exc)
 
+    def _on_data_device(self) -> Any:
+        """NCCL's grouped send/recv wants this rank's GPU current; nothing on a host data plane."""
+        dev = self.data_device
+        return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+    def open_exchange(self) -> None:
+        """Before a load's first grouped send/recv, which NCCL requires every rank to join when
+        it is the group's first call on the GPU: one tiny all-reduce that every rank makes."""
+        if self.data_device.type != "cuda":
+            return
+        try:
+            with self._on_data_device():
+                self.dist.all_reduce(torch.zeros(1, device=self.data_device), group=self.group)
+        except RuntimeError as e:
+            raise _backend_failure("opening the data exchange with all ranks", e) from None
+
     def exchange(self, sends: Sequence[P2P], recvs: Sequence[P2P]) -> list[Any]:
         ops = [self.dist.P2POp(self.dist.isend, s.tensor, self._global(s.peer), self.group, s.tag) for s in sends]
         ops += [self.dist.P2POp(self.dist.irecv, r.tensor, self._global(r.peer), self.group, r.tag) for r in recvs]
         if not ops:
             return []
         try:
-            return self.dist.batch_isend_irecv(ops)
+            with self._on_data_device():
+                return self.dist.batch_isend_irecv(ops)
         except RuntimeError as e:
             raise _backend_failure("exchanging data with peer ranks", e) from None
 

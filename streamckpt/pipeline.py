@@ -295,6 +295,8 @@ class Executor:
     # ------------------------------------------------------------------ driver
 
     def run(self) -> Stats:
+        if self.plan.num_rounds:  # the same on every rank
+            self.comm.open_exchange()
         self.stage.begin()
         with finishing(self.stage):
             self._rounds()
