@@ -186,8 +186,6 @@ def place(api: CudaApi, tensors: Sequence[torch.Tensor], data_device: torch.devi
 class HostStage:
     """The CPU path: plain host arenas, every copy done on the spot."""
 
-    on_device = False
-
     def __init__(self, sizes: Sequence[int]) -> None:
         self.arenas = [torch.empty(n, dtype=torch.uint8) for n in sizes]
 
@@ -225,8 +223,6 @@ class DeviceStage:
     stream and ``received`` before reading them; ``release(k % 2)`` records the event
     that the arena's next ``acquire`` waits on.
     """
-
-    on_device = True
 
     def __init__(self, api: CudaApi, device: torch.device, sizes: Sequence[int]) -> None:
         self.api = api
