@@ -120,9 +120,9 @@ class _Session:
     last: SaveHandle | None = None
     area: StagingArea | None = None  # kept for the next save with the same budget
 
-    def staging(self, budget: int | None, pinned: bool) -> StagingArea:
-        if self.area is None or self.area.budget != budget or self.area.pinned != pinned:
-            self.area = StagingArea(budget, pinned)
+    def staging(self, budget: int | None, gpu: torch.device | None) -> StagingArea:
+        if self.area is None or self.area.budget != budget or self.area.gpu != gpu:
+            self.area = StagingArea(budget, gpu)
         self.area.reset()
         return self.area
 
@@ -178,8 +178,8 @@ def async_save(
     except BaseException:
         storage.close()
         raise
-    pinned = any(t.tensor.device.type == "cuda" for t in prep.local)
-    handle = _start(session.comm, storage, prep, session.staging(staging_budget, pinned))
+    gpu = next((t.tensor.device for t in prep.local if t.tensor.device.type == "cuda"), None)
+    handle = _start(session.comm, storage, prep, session.staging(staging_budget, gpu))
     session.last = handle
     return handle
 

@@ -4,21 +4,33 @@
 that an error on one rank raises on every rank, and runs one grouped
 send/recv per pipeline round. ``SoloComm`` is the single-process case.
 Every call is bounded by the process group's timeout.
+
+Which tensors each call carries follows the group's backends (``device``):
+small collectives on the host when the group has a CPU backend (gloo, or
+``"cpu:gloo,cuda:nccl"``), else on this rank's GPU; the rounds' data on this
+rank's GPU when the group has NCCL for CUDA tensors. This rank's GPU is chosen
+once (``device.choose_device``), never taken from the current device alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
+from . import device as _device
 from . import errors as _errors
+from .cudaapi import CudaApi, TorchCuda
 from .errors import CheckpointError, PeerError
 
 log = logging.getLogger(__name__)
+
+AGREE_EVERY_ON_GPU = 8  # rounds between failure agreements when each one syncs a GPU with the host
 
 
 @dataclass(slots=True)
@@ -56,7 +68,12 @@ class SoloComm:
     rank = 0
     world_size = 1
     device = torch.device("cpu")
+    data_device = torch.device("cpu")
     backend = "none"
+    agree_every = 1
+
+    def prefer_device(self, devices: set[torch.device]) -> None:
+        return None
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         return [data]
@@ -70,6 +87,9 @@ class SoloComm:
 
     def max_ints(self, values: list[int]) -> list[int]:
         return list(values)
+
+    def open_exchange(self) -> None:
+        return None
 
     def exchange(self, sends: Sequence[P2P], recvs: Sequence[P2P]) -> list[Any]:
         if sends or recvs:
@@ -97,18 +117,54 @@ class GroupComm:
     ``PeerError`` so that every surviving rank raises a ``CheckpointError``.
     """
 
-    def __init__(self, group: Any | None) -> None:
+    def __init__(self, group: Any | None, *, cuda: CudaApi | None = None) -> None:
         import torch.distributed as dist
 
         self.dist = dist
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.backend = str(dist.get_backend(self.group)).lower()
-        if self.backend == "nccl":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
+        self.backends = _device.group_backends(dist, self.group)
+        self.backend = ",".join(f"{d}:{b}" for d, b in sorted(self.backends.items()))
+        self._cuda = cuda if cuda is not None else TorchCuda()
+        self._targets: set[torch.device] = set()
+        self._gpu: torch.device | None = None
+        self._transport: _device.Transport | None = None
+        # each agreement on a GPU-only group is a host sync: agree every few rounds there
+        self.agree_every = 1 if "cpu" in self.backends else AGREE_EVERY_ON_GPU
+
+    def prefer_device(self, devices: set[torch.device]) -> None:
+        """This rank's tensors' devices: the GPU to use when the group is not bound to one
+        (tensors on several GPUs are refused later, when the ranks agree on the plan)."""
+        if self._gpu is None and len(devices) == 1:
+            self._targets = set(devices)
+
+    def gpu(self) -> torch.device:
+        """This rank's GPU for collectives, chosen once (see ``device.choose_device``)."""
+        if self._gpu is None:
+            self._gpu = _device.choose_device(
+                bound=_device.bound_device(self.dist, self.group),
+                targets=self._targets,
+                local_rank=os.environ.get("LOCAL_RANK"),
+                current=self._cuda.current_device(),
+                count=self._cuda.device_count(),
+            )
+        return self._gpu
+
+    def _tensors(self) -> _device.Transport:
+        if self._transport is None:
+            self._transport = _device.transport(self.backends, self.gpu)
+        return self._transport
+
+    @property
+    def device(self) -> torch.device:
+        """Where the small collectives' tensors live."""
+        return self._tensors().control
+
+    @property
+    def data_device(self) -> torch.device:
+        """Where the rounds' send/recv buffers live."""
+        return self._tensors().data
 
     def _global(self, group_rank: int) -> int:
         if self.group is self.dist.group.WORLD:
@@ -179,13 +235,30 @@ class GroupComm:
         failures = [json.loads(b) for b in self.all_gather_bytes(blob)]
         raise_agreed([f for f in failures if f], exc)
 
+    def _on_data_device(self) -> Any:
+        """NCCL's grouped send/recv wants this rank's GPU current; nothing on a host data plane."""
+        dev = self.data_device
+        return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+    def open_exchange(self) -> None:
+        """Before a load's first grouped send/recv, which NCCL requires every rank to join when
+        it is the group's first call on the GPU: one tiny all-reduce that every rank makes."""
+        if self.data_device.type != "cuda":
+            return
+        try:
+            with self._on_data_device():
+                self.dist.all_reduce(torch.zeros(1, device=self.data_device), group=self.group)
+        except RuntimeError as e:
+            raise _backend_failure("opening the data exchange with all ranks", e) from None
+
     def exchange(self, sends: Sequence[P2P], recvs: Sequence[P2P]) -> list[Any]:
         ops = [self.dist.P2POp(self.dist.isend, s.tensor, self._global(s.peer), self.group, s.tag) for s in sends]
         ops += [self.dist.P2POp(self.dist.irecv, r.tensor, self._global(r.peer), self.group, r.tag) for r in recvs]
         if not ops:
             return []
         try:
-            return self.dist.batch_isend_irecv(ops)
+            with self._on_data_device():
+                return self.dist.batch_isend_irecv(ops)
         except RuntimeError as e:
             raise _backend_failure("exchanging data with peer ranks", e) from None
 
@@ -198,7 +271,10 @@ class GroupComm:
 
     def barrier(self) -> None:
         try:
-            self.dist.barrier(group=self.group)
+            if self.device.type == "cuda":  # NCCL's barrier would otherwise guess the GPU
+                self.dist.barrier(group=self.group, device_ids=[self.device.index])
+            else:
+                self.dist.barrier(group=self.group)
         except RuntimeError as e:
             raise _backend_failure("waiting for all ranks", e) from None
 

@@ -15,6 +15,8 @@ import torch
 from . import manifest as mf
 from . import specwire
 from .comm import GroupComm, SoloComm, encode_error, raise_agreed
+from .cudaapi import CudaApi, TorchCuda
+from .device import Placement, cuda_devices, place
 from .errors import CheckpointError, MissingKeysError
 from .formats import read_manifest
 from .pipeline import Destinations, Executor
@@ -79,6 +81,7 @@ class LoadRequest:
     transforms: Any  # streamckpt.transforms.Transforms | None
     progress: Callable[[int], None] | None = None
     manifest: mf.Manifest | None = None  # already read by the caller (single process)
+    cuda: CudaApi | None = None  # the CUDA runtime (TorchCuda unless a test injects a stand-in)
 
 
 def _view(manifest: mf.Manifest, transforms: Any) -> Any:
@@ -93,17 +96,21 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
     own: BaseException | None = None
     targets: list[LocalTarget] = []
     values: list[ValueSlot] = []
+    cuda = req.cuda if req.cuda is not None else TorchCuda()
     try:
         targets, values = collect(req.state_dict)
+        comm.prefer_device(cuda_devices(cuda, (t.tensor for t in targets)))
     except CheckpointError as e:
         own = e
     manifest = req.manifest if req.manifest is not None and isinstance(comm, SoloComm) else share_manifest(comm, storage)
     all_specs = gather_targets(comm, [t.spec for t in targets], own)
     plan: LoadPlan | None = None
+    placement: Placement | None = None
     view: Any = None
     missing: list[str] = []
     vplan = ValuePlan()
     try:
+        placement = place(cuda, [t.tensor for t in targets], comm.data_device)
         view = _view(manifest, req.transforms)
         plan = build_plan(manifest, all_specs, req.options, view, rank=comm.rank)
         vplan = plan_values(values, manifest.values, _unloadable(manifest))
@@ -122,14 +129,14 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
     except CheckpointError as e:
         own = e
     comm.agree(own)
-    if plan is None:  # pragma: no cover - agree() raised already
+    if plan is None or placement is None:  # pragma: no cover - agree() raised already
         raise CheckpointError("internal: no plan after agreement")
     settle_rounds(plan, comm.max_ints)
     dest = Destinations({
         uid: t.tensor for uid, t in zip(plan.rank_targets[comm.rank], targets) if uid >= 0
     })
     with torch.no_grad():
-        stats = Executor(plan, comm, storage, dest, progress=req.progress).run()
+        stats = Executor(plan, comm, storage, dest, progress=req.progress, placement=placement).run()
     for slot, value in vplan.assign:
         slot.container[slot.name] = value
     mine_keys = {t.spec.key for t in targets} | {v.key for v in values} | vplan.used | set(vplan.missing)

@@ -4,32 +4,39 @@ Round k+1's range reads are in flight (fsspec's event loop thread, or a
 thread pool for local files) while round k is decoded, exchanged with one
 grouped send/recv and copied into targets. Staging lives in two arenas per
 rank, allocated once at the size this rank's largest round needs (at most
-half the memory budget each). On CUDA the arenas are pinned and each round's
-host->device copies run on a side stream; the event recorded after them gates
-the reuse of that arena two rounds later. Every rank walks the same rounds,
-so the grouped send/recv of a round cannot deadlock; failures are agreed on
-before each exchange so that one rank's error raises on all of them.
+half the memory budget each). A ``device`` stage owns the arenas and every
+device-side rule: on CUDA they are pinned, each piece's span goes to the GPU
+as raw bytes on a side stream and is viewed/permuted/cast there, and the
+event recorded after a round gates its arena's reuse two rounds later; on CPU
+the same steps are plain host copies. Every rank walks the same rounds, so the
+grouped send/recv of a round cannot deadlock; failures are agreed on so that
+one rank's error raises on all of them (see ``Executor``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import logging
-import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import zstandard
 
-from . import dtypes
 from .comm import P2P, GroupComm, SoloComm
+from .cudaapi import TorchCuda
+from .device import Placement, finishing, place
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .plandata import ALIGN, Copy, LoadPlan, Read, is_packed, message_layout, message_size, messages_of, packed_copy
+from .plandata import ALIGN, Copy, LoadPlan, Read, is_packed, message_layout, message_size, messages_of
+from .scatter import Destinations, message_pieces, pack_message, source_view, unpack_message
 from .storage import RangeRead, Storage
 
 log = logging.getLogger(__name__)
+
+__all__ = [  # the scatter helpers live in scatter; importers may take them from here
+    "Destinations", "Executor", "LocalRound", "Message", "Stats", "local_schedule", "message_pieces",
+    "pack_message", "source_view", "unpack_message",
+]
 
 
 def _align(n: int) -> int:
@@ -115,61 +122,23 @@ class Stats:
     staging_bytes: int = 0
 
 
-class Destinations:
-    """Target id -> the local tensor it fills (only this rank's targets)."""
-
-    def __init__(self, tensors: dict[int, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def apply(self, staged: torch.Tensor, copy: Copy) -> None:
-        """Copy one piece from a uint8 buffer (starting at the piece) into its target."""
-        dest = self.tensors.get(copy.target)
-        if dest is None:
-            return
-        src = source_view(staged, copy)
-        if copy.perm is not None:
-            src = src.permute(copy.perm)
-        if copy.dst_base is None:
-            dst = dest[copy.dst_box.slices()] if copy.dst_box.ndim else dest
-        else:
-            frame = copy.dst_frame or ()
-            dst = dest.narrow(0, copy.dst_base, math.prod(frame)).view(frame)[copy.dst_box.slices()]
-        dst.copy_(src, non_blocking=dst.device.type == "cuda")
-
-
-def source_view(staged: torch.Tensor, copy: Copy) -> torch.Tensor:
-    """The copy's source elements, viewed in a uint8 buffer that starts at the piece."""
-    dt = dtypes.to_torch(copy.src_dtype)
-    raw = staged[: copy.length]
-    if dt.itemsize > 1 and (raw.data_ptr() % dt.itemsize):
-        raw = raw.clone()
-    if copy.src_shape:
-        return raw.view(dt).as_strided(copy.src_shape, copy.src_strides)
-    return raw.view(dt).reshape(())
-
-
-def pack_message(staged: torch.Tensor, copies: Sequence[Copy], out: torch.Tensor) -> torch.Tensor:
-    """Copy each piece's elements (no bytes between strided rows) into ``out``; return the message."""
-    offs, size = message_layout(copies)
-    for c, o in zip(copies, offs):
-        src = source_view(staged[c.offset:], c)
-        dst = out[o: o + src.numel() * src.element_size()].view(src.dtype)
-        dst.view(src.shape).copy_(src)
-    return out[:size]
-
-
-def unpack_message(buf: torch.Tensor, copies: Sequence[Copy], dest: "Destinations") -> None:
-    """Apply a received message: a slice of the staged read as is, or a packed one."""
-    if not is_packed(copies):
-        dest.apply(buf, copies[0])
-        return
-    offs, _ = message_layout(copies)
-    for c, o in zip(copies, offs):
-        dest.apply(buf[o:], packed_copy(c))
-
-
 class Executor:
-    """Runs one rank's schedule against storage and the process group."""
+    """Runs one rank's schedule against storage and the process group.
+
+    **No rank can deadlock, and every rank raises when one fails.** Every rank walks
+    the same ``num_rounds`` (settled across ranks) and in round k posts exactly the
+    send/recv pairs its schedule names, with sizes from the plan, whether or not it
+    has failed: a failed rank stops fetching and scattering but keeps exchanging
+    (whatever bytes its buffers hold). Failures are agreed on (one collective) before
+    the exchange of every round k with ``k % agree_every == agree_every - 1`` and once
+    after the last round; these rounds depend only on ``num_rounds`` and
+    ``agree_every`` (1 when the group has a CPU backend, ``AGREE_EVERY_ON_GPU`` on an
+    NCCL-only group, where each agreement costs a host sync), both the same on every
+    rank. So every rank issues the same sequence of collectives and leaves it at the
+    same agreement, all raising together; the only other exit is the backend itself
+    failing (a peer died), which gloo reports on every survivor. A failure is seen at
+    most ``agree_every`` rounds late; the targets of a failed load are unspecified.
+    """
 
     def __init__(
         self,
@@ -179,6 +148,8 @@ class Executor:
         destinations: Destinations,
         *,
         progress: Callable[[int], None] | None = None,
+        placement: Placement | None = None,
+        agree_every: int | None = None,
     ) -> None:
         self.plan = plan
         self.comm = comm
@@ -189,7 +160,11 @@ class Executor:
         self.schedule = local_schedule(plan, self.rank)
         self.layouts = [_layout(r) for r in self.schedule]
         self.stats = Stats(rounds=plan.num_rounds)
-        self.cuda = any(t.device.type == "cuda" for t in destinations.tensors.values()) or comm.device.type == "cuda"
+        self.agree_every = max(1, agree_every or comm.agree_every)
+        if placement is None:
+            placement = place(TorchCuda(), list(destinations.tensors.values()), comm.data_device)
+        self.placement = placement
+        self.on_device = {uid for uid, t in destinations.tensors.items() if placement.is_device(t)}
         sizes = [max((lay.size for lay in self.layouts[slot::2]), default=0) for slot in range(2)]
         self.stats.staging_bytes = sum(sizes)
         if self.stats.staging_bytes > plan.options.memory_budget:
@@ -198,25 +173,20 @@ class Executor:
                 "whole, so the budget must hold about 4 chunks (the default chunk is 256 KiB)",
                 self.rank, self.stats.staging_bytes, plan.options.memory_budget,
             )
-        pin = self.cuda and torch.cuda.is_available()
-        self.arenas = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in sizes]
+        self.stage = placement.stage(sizes)
+        self.arenas = self.stage.arenas
         self.views = [memoryview(a.numpy()) if a.numel() else memoryview(b"") for a in self.arenas]
-        self.stream = torch.cuda.Stream() if pin else None
-        self.events: list[Any] = [None, None]
         self.dctx = zstandard.ZstdDecompressor()
 
     # ------------------------------------------------------------- round steps
 
-    def _submit(self, k: int) -> cf.Future | None:
+    def _fetch(self, k: int) -> cf.Future | None:
+        """Start round k's reads into its arena (``stage.acquire`` was called for it)."""
         rnd = self.schedule[k]
         if not rnd.reads:
             return None
-        slot = k % 2
-        if self.events[slot] is not None:
-            self.events[slot].synchronize()  # the arena's last H2D copies are done
-            self.events[slot] = None
         lay = self.layouts[k]
-        view = self.views[slot]
+        view = self.views[k % 2]
         reqs = [RangeRead(r.file, r.start, r.stop, r.checks) for _, r in rnd.reads]
         bufs = [view[lay.fetch[i]: lay.fetch[i] + r.length] for i, r in rnd.reads]
         self.stats.bytes_read += sum(r.length for _, r in rnd.reads)
@@ -257,6 +227,7 @@ class Executor:
         arena = self.arenas[k % 2]
         lay = self.layouts[k]
         reads = dict(rnd.reads)
+        on_device = self.placement.data_on_device
         sends: list[P2P] = []
         for m in rnd.sends:
             staged = self._staged(k, m.read_index, reads[m.read_index])
@@ -267,95 +238,129 @@ class Executor:
                 base = lay.pack[(m.read_index, m.peer)]
                 payload = pack_message(staged, m.copies, arena[base:])
             self.stats.bytes_sent += payload.numel()
-            sends.append(P2P(m.peer, self._to_comm_device(payload), self.plan.reads[m.read_index].tag))
+            if on_device:
+                payload = self.stage.send_buffer(payload)  # type: ignore[union-attr]
+            sends.append(P2P(m.peer, payload, self.plan.reads[m.read_index].tag))
         recvs: list[P2P] = []
         landed: list[tuple[Message, torch.Tensor]] = []
         for m in rnd.recvs:
-            base = lay.recv[(m.read_index, m.peer)]
             size = message_size(m.copies)
-            buf = arena[base: base + size]
-            if self.comm.device.type == "cuda":
-                buf = torch.empty(size, dtype=torch.uint8, device=self.comm.device)
+            if on_device:
+                buf = self.stage.recv_buffer(size)  # type: ignore[union-attr]
+            else:
+                base = lay.recv[(m.read_index, m.peer)]
+                buf = arena[base: base + size]
             self.stats.bytes_received += size
             recvs.append(P2P(m.peer, buf, self.plan.reads[m.read_index].tag))
             landed.append((m, buf))
+        if on_device:
+            self.stage.posted([s.tensor for s in sends], [r.tensor for r in recvs])  # type: ignore[union-attr]
         return self.comm.exchange(sends, recvs), landed
 
-    def _to_comm_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.comm.device.type == "cuda":
-            return t.to(self.comm.device, non_blocking=True)
-        return t
+    def _split(self, buf: torch.Tensor, lo: int, hi: int, targets: Iterable[int]) -> tuple[Any, Any]:
+        """``buf`` as (host view, device view) for the pieces in bytes [lo, hi) of it: each
+        side exists only where a target needs it; a device view is indexed from ``lo``."""
+        targets = set(targets)
+        dev_side = bool(targets & self.on_device)
+        host_side = bool(targets - self.on_device)
+        if not self.placement.is_device(buf):
+            return buf, (self.stage.upload(buf[lo:hi]) if dev_side else None, lo)
+        return (self.stage.download(buf) if host_side else None), (buf[lo:], lo)
+
+    def _apply(self, host: Any, dev: tuple[Any, int], offset: int, c: Copy) -> None:
+        if c.target in self.on_device:
+            base, lo = dev
+            self.dest.apply(base[offset - lo:], c, self.stage)
+        else:
+            self.dest.apply(host[offset:], c, self.stage)
+        self.stats.copies += 1
 
     def _scatter_local(self, k: int) -> None:
         for i, r in self.schedule[k].reads:
-            staged = self._staged(k, i, r)
-            for c in r.copies:
-                if c.target in self.dest.tensors:
-                    self.dest.apply(staged[c.offset:], c)
-                    self.stats.copies += 1
+            mine = [c for c in r.copies if c.target in self.dest.tensors]
+            if not mine:
+                continue
+            lo = min(c.offset for c in mine)
+            hi = max(c.offset + c.length for c in mine)
+            host, dev = self._split(self._staged(k, i, r), lo, hi, (c.target for c in mine))
+            for c in mine:
+                self._apply(host, dev, c.offset, c)
 
     def _scatter_received(self, landed: Sequence[tuple[Message, torch.Tensor]]) -> None:
         for m, buf in landed:
-            unpack_message(buf, m.copies, self.dest)
-            self.stats.copies += len(m.copies)
+            host, dev = self._split(buf, 0, buf.numel(), (c.target for c in m.copies))
+            for o, c in message_pieces(m.copies):
+                self._apply(host, dev, o, c)
 
     # ------------------------------------------------------------------ driver
 
     def run(self) -> Stats:
+        if self.plan.num_rounds:  # the same on every rank
+            self.comm.open_exchange()
+        self.stage.begin()
+        with finishing(self.stage):
+            self._rounds()
+        return self.stats
+
+    def _rounds(self) -> None:
         n = self.plan.num_rounds
-        pending: cf.Future | None = None
         error: BaseException | None = None
-        try:
-            pending = self._submit(0) if n else None
-        except Exception as e:  # noqa: BLE001 - agreed on below
-            error = e
+        pending: cf.Future | None = None
+        if n:
+            self.stage.acquire(0)
+            try:
+                pending = self._fetch(0)
+            except Exception as e:  # noqa: BLE001 - agreed on below
+                error = e
         for k in range(n):
-            current = pending
-            pending = None
+            current, pending = pending, None
+            if k + 1 < n:
+                self.stage.acquire((k + 1) % 2)  # before any write into that arena, reads or not
             if error is None:
                 try:
                     if k + 1 < n:
-                        pending = self._submit(k + 1)  # overlaps with everything below
+                        pending = self._fetch(k + 1)  # overlaps with everything below
                     if current is not None:
                         self.stats.requests += _result(current)
                     self._decode(k)
                 except Exception as e:  # noqa: BLE001
                     error = e
-            if isinstance(self.comm, GroupComm):
-                try:
-                    self.comm.agree(error)
-                except BaseException:
-                    self._drain(pending)
-                    raise
-            elif error is not None:
+            if error is not None:
+                self._drain(current)
                 self._drain(pending)
-                raise error
-            works, landed = self._post_exchange(k)
-            with self._side_stream():
-                self._scatter_local(k)
-            self.comm.wait(works)
-            if self.stream is not None:
-                self.stream.wait_stream(torch.cuda.current_stream())  # received device buffers are ready
-            with self._side_stream():
-                self._scatter_received(landed)
-            self._record(k)
-            if self.progress is not None:
+                pending = None
+            if k % self.agree_every == self.agree_every - 1:
+                self._agree(error, pending)
+            error = self._exchange_and_scatter(k, error, pending)
+            if self.progress is not None and error is None:
                 self.progress(sum(r.length for _, r in self.schedule[k].reads))
-        if self.cuda and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return self.stats
+        self._agree(error, None)
 
-    def _side_stream(self) -> Any:
-        """H2D copies into CUDA targets run on a side stream (no-op on CPU)."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+    def _exchange_and_scatter(self, k: int, error: BaseException | None, pending: cf.Future | None) -> BaseException | None:
+        """Round k's exchange (posted even after a failure, see the class doc) and scatter."""
+        try:
+            works, landed = self._post_exchange(k)
+            if error is None:
+                error = _attempt(lambda: self._scatter_local(k))
+            self.comm.wait(works)
+            if landed and self.placement.data_on_device:
+                self.stage.received([buf for _, buf in landed])  # type: ignore[union-attr]
+            if error is None:
+                error = _attempt(lambda: self._scatter_received(landed))
+            self.stage.release(k % 2)
+        except BaseException:
+            self._drain(pending)
+            raise
+        if error is not None:
+            self._drain(pending)
+        return error
 
-    def _record(self, k: int) -> None:
-        """Mark the end of round k's copies: its arena is reused only after them."""
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream())  # also covers H2D of send payloads
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-            self.events[k % 2] = ev
+    def _agree(self, error: BaseException | None, pending: cf.Future | None) -> None:
+        try:
+            self.comm.agree(error)
+        except BaseException:
+            self._drain(pending)
+            raise
 
     @staticmethod
     def _drain(pending: cf.Future | None) -> None:
@@ -365,6 +370,15 @@ class Executor:
                 pending.result(timeout=60)
             except BaseException:  # noqa: BLE001 - already failing
                 pass
+
+
+def _attempt(fn: Callable[[], None]) -> BaseException | None:
+    """Run a local step; its failure is returned, to be agreed on with the other ranks."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
 
 
 def _result(fut: cf.Future) -> int:

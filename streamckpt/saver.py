@@ -18,6 +18,8 @@ from typing import Any, Callable, Mapping, Sequence
 from . import manifest as mf
 from . import writeplan
 from .comm import GroupComm, SoloComm, encode_error, raise_agreed
+from .cudaapi import CudaApi, TorchCuda
+from .device import cuda_devices
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleStateDictError
 from .loader import gather_targets
 from .results import SaveResult
@@ -91,11 +93,12 @@ def prepare(
     metadata: dict[str, Any] | None,
     overwrite: bool,
     max_item_bytes: int | None = None,
+    cuda: CudaApi | None = None,
 ) -> Prepared:
     """Validate, gather every rank's specs and assign writers; raises the agreed error on every rank.
 
     ``max_item_bytes`` cuts larger items into pieces (row blocks or flat ranges), so that
-    an item can be staged within a bounded buffer.
+    an item can be staged within a bounded buffer. ``cuda``: the CUDA runtime (a test's stand-in).
     """
     t0 = time.perf_counter()
     own: BaseException | None = None
@@ -111,6 +114,7 @@ def prepare(
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"metadata must be a JSON-serializable dict ({e})") from None
         local, slots = collect(state_dict, for_save=True)
+        comm.prefer_device(cuda_devices(cuda or TorchCuda(), (t.tensor for t in local)))
         specs = [t.spec for t in local]
         values = {v.key: v.value for v in slots}
         if comm.rank == 0:
@@ -139,6 +143,7 @@ def prepare(
 def write_and_commit(
     comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, mine: Sequence[ShardToWrite], *,
     chunk_size: int = DEFAULT_CHUNK_SIZE, on_written: Callable[[int], None] | None = None,
+    cuda: CudaApi | None = None,
 ) -> SaveResult:
     """Stream this rank's data file, gather the shard records, commit the manifest on rank 0."""
     own: BaseException | None = None
@@ -149,7 +154,7 @@ def write_and_commit(
         if mine:
             name = _data_name(comm.rank, prep.compression)
             records, size = write_data_file(storage, name, mine, compression=prep.compression, chunk_size=chunk_size,
-                                            on_written=on_written)
+                                            on_written=on_written, cuda=cuda)
             files[name] = size
             result.files.append(name)
             result.bytes_written += size
@@ -184,10 +189,12 @@ def run_save(
     metadata: dict[str, Any] | None,
     overwrite: bool,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    cuda: CudaApi | None = None,
 ) -> SaveResult:
-    prep = prepare(comm, storage, state_dict, compression=compression, metadata=metadata, overwrite=overwrite)
+    prep = prepare(comm, storage, state_dict, compression=compression, metadata=metadata, overwrite=overwrite,
+                   cuda=cuda)
     mine = to_write(prep.items, prep.local)
-    return write_and_commit(comm, storage, prep, mine, chunk_size=chunk_size)
+    return write_and_commit(comm, storage, prep, mine, chunk_size=chunk_size, cuda=cuda)
 
 
 def _assemble(

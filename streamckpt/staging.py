@@ -32,12 +32,18 @@ class StagingArea:
     the oldest live copy, ``fail()`` wakes and stops every waiter (the upload died).
     """
 
-    def __init__(self, budget: int | None, pinned: bool = False) -> None:
+    def __init__(self, budget: int | None, gpu: torch.device | None = None) -> None:
         self.budget = budget
-        self.pinned = pinned
+        self.gpu = gpu  # the tensors' GPU: copies go to pinned memory, registered under it
         self.block: torch.Tensor | None = None
         if budget is not None:
-            self.block = torch.empty(budget, dtype=torch.uint8, pin_memory=pinned)
+            self.block = self._empty((budget,), torch.uint8)
+
+    def _empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        if self.gpu is None:
+            return torch.empty(shape, dtype=dtype)
+        with torch.cuda.device(self.gpu):  # pinning needs a context: the tensors' GPU, not GPU 0
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
         self._live: collections.deque[tuple[int, int]] = collections.deque()  # (start, end) in the block
         self._head = 0
         self._cond = threading.Condition()
@@ -70,7 +76,7 @@ class StagingArea:
         t = t.detach()
         nbytes = t.numel() * t.element_size()
         if self.block is None:
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pinned and t.device.type != "cpu")
+            out = self._empty(t.shape, t.dtype)
             out.copy_(t)
             return out
         n = _aligned(max(nbytes, 1))
@@ -90,7 +96,7 @@ class StagingArea:
             self._used += n
             self.peak = max(self.peak, self._used)
         if at < 0:
-            out = torch.empty(t.shape, dtype=t.dtype)
+            out = self._empty(t.shape, t.dtype)
         else:
             out = self.block[at:at + nbytes].view(t.dtype).view(t.shape)
         out.copy_(t)  # blocking: returns once the bytes are in host memory

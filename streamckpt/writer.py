@@ -4,8 +4,9 @@ Uncompressed files are valid safetensors files (one entry per shard, named
 ``key@offset`` plus ``#start-stop`` for flat ranges); the header is known
 before any byte is written, so the file streams. zstd files hold independent
 frames back to back (one per chunk) and no header: the manifest holds every
-frame's length. Only one chunk of one tensor is ever copied into host memory
-at a time (the tensor itself must be contiguous or is made so).
+frame's length. A CPU tensor is read in place, chunk by chunk; a GPU tensor's
+bytes come to the host through two reused pinned blocks (``device.DeviceToHost``):
+the next block's copy runs while the host checksums and uploads this one.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import zstandard
 
 from . import dtypes
 from .checksum import crc32c
+from .cudaapi import CudaApi, TorchCuda
+from .device import DeviceToHost
 from .manifest import Shard
 from .storage import Storage
 from .targets import TargetSpec
@@ -86,6 +89,31 @@ def _safetensors_header(items: Sequence[ShardToWrite]) -> tuple[bytes, list[int]
     return len(raw).to_bytes(8, "little") + raw, offsets
 
 
+class _HostBytes:
+    """A shard's bytes as host spans: in place for CPU tensors, staged for GPU ones."""
+
+    def __init__(self, cuda: CudaApi | None) -> None:
+        self.cuda = cuda
+        self.staging: dict[torch.device, DeviceToHost] = {}
+
+    def spans(self, t: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
+        dev = self.cuda.device_of(t) if self.cuda is not None else t.device
+        if dev.type == "cpu":
+            yield _bytes_of(t)
+            return
+        if dev.type != "cuda" or self.cuda is None:
+            yield _bytes_of(t).cpu()  # another accelerator: a plain copy
+            return
+        d2h = self.staging.get(dev)
+        if d2h is None:
+            d2h = self.staging[dev] = DeviceToHost(self.cuda, dev)
+        yield from d2h.spans(t, max(chunk, (d2h.block_bytes // chunk) * chunk))
+
+    def close(self) -> None:
+        for d2h in self.staging.values():
+            d2h.close()
+
+
 def write_data_file(
     storage: Storage,
     name: str,
@@ -93,6 +121,7 @@ def write_data_file(
     *,
     compression: str | None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    cuda: CudaApi | None = None,
     on_written: Callable[[int], None] | None = None,
 ) -> tuple[list[tuple[str, Shard]], int]:
     """Stream ``items`` into file ``name``; return ``(key, Shard)`` records and the file size.
@@ -101,38 +130,40 @@ def write_data_file(
     tensor is no longer read: a staged copy can be freed)."""
     records: list[tuple[str, Shard]] = []
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL) if compression == "zstd" else None
+    host = _HostBytes(cuda if cuda is not None else (TorchCuda() if torch.cuda.is_available() else None))
     size_hint = sum(it.spec.nbytes for it in items) + (1 << 20)  # zstd: at most about the raw size
-    with storage.open_write(name, size_hint=size_hint) as up:
-        if cctx is None:
-            head, _ = _safetensors_header(items)
-            up.write(head)
-        for i, it in enumerate(items):
-            start = up.bytes_written
-            data = _bytes_of(it.tensor)
-            chunk = chunk_size_for(data.numel(), chunk_size, cctx is not None)
-            crcs: list[int] = []
-            frames: list[int] = []
-            for lo in range(0, data.numel(), chunk):
-                piece = data[lo: lo + chunk]
-                if piece.device.type != "cpu":
-                    piece = piece.cpu()
-                mv = memoryview(piece.numpy())
-                if cctx is not None:
-                    mv = memoryview(cctx.compress(mv))
-                    frames.append(len(mv))
-                crcs.append(crc32c(mv))
-                up.write(mv)
-            spec = it.spec
-            records.append((spec.key, Shard(
-                offset=spec.offset, shape=spec.shape, file=name,
-                byte_offset=start, byte_length=up.bytes_written - start,
-                flat_range=spec.flat_range, codec="zstd" if cctx else "raw",
-                chunk_size=chunk, crc32c=tuple(crcs),
-                frame_lengths=tuple(frames) if cctx else None,
-            )))
-            if on_written is not None:
-                on_written(i)
-        size = up.bytes_written
+    try:
+        with storage.open_write(name, size_hint=size_hint) as up:
+            if cctx is None:
+                head, _ = _safetensors_header(items)
+                up.write(head)
+            for i, it in enumerate(items):
+                start = up.bytes_written
+                nbytes = it.tensor.numel() * it.tensor.element_size()
+                chunk = chunk_size_for(nbytes, chunk_size, cctx is not None)
+                crcs: list[int] = []
+                frames: list[int] = []
+                for span in host.spans(it.tensor, chunk):
+                    for lo in range(0, span.numel(), chunk):
+                        mv = memoryview(span[lo: lo + chunk].numpy())
+                        if cctx is not None:
+                            mv = memoryview(cctx.compress(mv))
+                            frames.append(len(mv))
+                        crcs.append(crc32c(mv))
+                        up.write(mv)
+                spec = it.spec
+                records.append((spec.key, Shard(
+                    offset=spec.offset, shape=spec.shape, file=name,
+                    byte_offset=start, byte_length=up.bytes_written - start,
+                    flat_range=spec.flat_range, codec="zstd" if cctx else "raw",
+                    chunk_size=chunk, crc32c=tuple(crcs),
+                    frame_lengths=tuple(frames) if cctx else None,
+                )))
+                if on_written is not None:
+                    on_written(i)
+            size = up.bytes_written
+    finally:
+        host.close()
     log.debug("wrote %s: %d shards, %d bytes", storage.describe(name), len(records), size)
     return records, size
 

@@ -1,0 +1,123 @@
+"""The CUDA calls streamckpt makes, behind one small interface.
+
+``device`` holds every ordering rule of the GPU path and calls CUDA only through a
+``CudaApi``; ``TorchCuda`` is the real one, a thin wrapper over ``torch.cuda``. Every
+call names its device and stream explicitly (nothing relies on the current device),
+so a recording stand-in (tests/fakecuda.py) can check the rules on a machine with no
+GPU. Nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import torch
+
+
+class CudaApi(Protocol):
+    """What the GPU path needs from CUDA: devices, streams, events, memory, copies."""
+
+    def device_count(self) -> int: ...
+
+    def current_device(self) -> int: ...
+
+    def device_of(self, t: torch.Tensor) -> torch.device:
+        """Where a tensor's memory lives."""
+
+    def current_stream(self, device: torch.device) -> Any:
+        """The caller's current stream on ``device`` (where its pending kernels run)."""
+
+    def new_stream(self, device: torch.device) -> Any: ...
+
+    def new_event(self, device: torch.device) -> Any: ...
+
+    def pinned(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Page-locked host bytes, allocated without touching any other GPU's context."""
+
+    def empty(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
+        """Device bytes from the caching allocator, in the order of ``stream``."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        """``dst.copy_(src)`` enqueued on ``stream`` (host memory: non-blocking, pinned)."""
+
+    def download(self, src: torch.Tensor, stream: Any) -> torch.Tensor:
+        """A host copy of device bytes, after ``stream``'s pending work (blocks the host)."""
+
+    def wait_stream(self, waiter: Any, waitee: Any) -> None:
+        """Work enqueued on ``waiter`` from now on runs after what ``waitee`` holds now."""
+
+    def record(self, event: Any, stream: Any) -> None: ...
+
+    def host_wait(self, event: Any) -> None:
+        """Block the host until the work before ``event`` is done."""
+
+    def stream_sync(self, stream: Any) -> None: ...
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        """Tell the allocator that ``stream`` uses ``t`` (no reuse before its work is done)."""
+
+    def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
+        """A grouped send/recv of device buffers was just posted (NCCL semantics)."""
+
+    def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor]) -> None:
+        """Its works were waited on: the current stream now follows the exchange."""
+
+
+class TorchCuda:
+    """The real CUDA runtime through ``torch.cuda``."""
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def device_of(self, t: torch.Tensor) -> torch.device:
+        return t.device
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device=device)
+
+    def new_event(self, device: torch.device) -> Any:
+        return torch.cuda.Event()  # an event takes the device of the stream it is recorded on
+
+    def pinned(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        with torch.cuda.device(device):  # pinning needs a context: this rank's GPU, not GPU 0
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def empty(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def download(self, src: torch.Tensor, stream: Any) -> torch.Tensor:
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            return src.to("cpu")
+
+    def wait_stream(self, waiter: Any, waitee: Any) -> None:
+        waiter.wait_stream(waitee)
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def host_wait(self, event: Any) -> None:
+        event.synchronize()
+
+    def stream_sync(self, stream: Any) -> None:
+        stream.synchronize()
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
+        """Nothing to do: ProcessGroupNCCL makes its stream wait on the current stream and
+        keeps the buffers alive for the allocator itself."""
+
+    def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor]) -> None:
+        """Nothing to do: ``work.wait()`` made the current stream wait on NCCL's stream."""

@@ -1,0 +1,394 @@
+"""Where a load's (or save's) bytes live, and in what order the GPU touches them.
+
+Every rule of the GPU path lives here, once:
+
+* **Backends.** A group's backend string may be ``"nccl"``, ``"gloo"``,
+  ``"cpu:gloo,cuda:nccl"`` or ``"undefined"`` (``init_process_group()`` without a
+  backend); ``parse_backends`` maps it to device type -> backend. Small collectives
+  (metadata, failure agreement) use host tensors when the group has a CPU backend;
+  the rounds' data goes over NCCL when the group has NCCL for CUDA tensors.
+* **Device choice** (``choose_device``): the group's bound device, else the targets'
+  device, else ``LOCAL_RANK``, else the current device; streams, events, pinned and
+  device buffers are all created on that one device, never on the current one.
+* **Arena reuse** (``DeviceStage.acquire``): nothing writes into a staging arena
+  (a fetch, a decode, a pack or a receive) before the host has waited on the event
+  recorded after that arena's last copies, in every round, reads or not.
+* **Caller's stream first** (``DeviceStage.begin``): the side stream waits on the
+  caller's current stream before any target write, so pending init kernels
+  (``to_empty`` + ``reset_parameters``, a ``fill_``) land before the loaded bytes;
+  at the end the caller's stream waits on the side stream.
+* **Allocator safety**: device scratch is allocated on the side stream that uses it;
+  receive buffers come from the current stream (NCCL's order) and are recorded on the
+  side stream that reads them.
+
+The CUDA calls go through a ``cudaapi.CudaApi``; ``HostStage`` is the CPU path with
+the same interface, so the executor has one code path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
+
+import torch
+
+from .cudaapi import CudaApi
+from .errors import CheckpointError, IncompatibleStateDictError
+from .plandata import ALIGN  # a piece keeps its address modulo this on the device
+
+log = logging.getLogger(__name__)
+
+CPU = torch.device("cpu")
+SAVE_BLOCK_BYTES = 32 << 20  # each of the two pinned blocks a save stages device bytes through
+
+
+# ------------------------------------------------------------------ backends and device choice
+
+
+_SINGLE = {"nccl": {"cuda": "nccl"}, "gloo": {"cpu": "gloo", "cuda": "gloo"}, "mpi": {"cpu": "mpi", "cuda": "mpi"}}
+
+
+def parse_backends(text: str) -> dict[str, str]:
+    """Device type -> backend for a backend string; ``{}`` when it says nothing ("undefined")."""
+    text = text.strip().lower()
+    if not text or text == "undefined":
+        return {}
+    if ":" not in text:
+        return dict(_SINGLE.get(text, {"cpu": text}))
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        dev, sep, backend = part.strip().partition(":")
+        if not sep or not dev or not backend:
+            raise CheckpointError(f"process group backend {text!r}: cannot read {part!r} (expected device:backend)")
+        out[dev.strip()] = backend.strip()
+    return out
+
+
+def group_backends(dist: Any, group: Any) -> dict[str, str]:
+    """The group's device type -> backend map, from torch's config when it has one."""
+    for ask in (getattr(dist, "get_backend_config", None), dist.get_backend):
+        if ask is None:
+            continue
+        try:
+            found = parse_backends(str(ask(group)))
+        except (RuntimeError, ValueError, AttributeError):
+            continue
+        if found:
+            return found
+    raise CheckpointError(
+        f"cannot tell which backend the process group uses (torch reports {dist.get_backend(group)!r}); "
+        f"pass backend='gloo', 'nccl' or 'cpu:gloo,cuda:nccl' to init_process_group"
+    )
+
+
+def bound_device(dist: Any, group: Any) -> torch.device | None:
+    """The device the group was bound to (``init_process_group(device_id=...)``), if any."""
+    for g in (group, getattr(dist.group, "WORLD", None)):
+        dev = getattr(g, "bound_device_id", None) if g is not None else None
+        if isinstance(dev, torch.device) and dev.type == "cuda":
+            return dev
+    return None
+
+
+def choose_device(
+    *,
+    bound: torch.device | None,
+    targets: Collection[torch.device],
+    local_rank: str | None,
+    current: int,
+    count: int,
+) -> torch.device:
+    """This rank's GPU: the group's bound device, else its targets' device, else
+    ``LOCAL_RANK`` (when it names a visible GPU), else the current device."""
+    if bound is not None and bound.type == "cuda" and bound.index is not None:
+        return bound
+    cuda = sorted({d for d in targets if d.type == "cuda"}, key=lambda d: d.index or 0)
+    if len(cuda) > 1:
+        raise IncompatibleStateDictError(
+            f"this rank's tensors are on {len(cuda)} GPUs ({', '.join(map(str, cuda))}); one rank loads into one GPU"
+        )
+    if cuda:
+        return cuda[0] if cuda[0].index is not None else torch.device("cuda", current)
+    try:
+        lr = int(local_rank) if local_rank is not None else -1
+    except ValueError:
+        lr = -1
+    if 0 <= lr < count:
+        return torch.device("cuda", lr)
+    return torch.device("cuda", current)
+
+
+@dataclass(frozen=True, slots=True)
+class Transport:
+    """Which tensors a group's collectives carry."""
+
+    control: torch.device  # metadata, failure agreement, barriers
+    data: torch.device  # the rounds' send/recv buffers
+
+
+def transport(backends: dict[str, str], gpu: Callable[[], torch.device]) -> Transport:
+    """Host tensors for small collectives when the group has a CPU backend, else this rank's
+    GPU; the rounds' data on this rank's GPU when CUDA tensors go over NCCL, else host
+    tensors. ``gpu`` (``choose_device``) is asked only when a GPU is used."""
+    control = CPU if "cpu" in backends else gpu()
+    data = (control if control.type == "cuda" else gpu()) if backends.get("cuda") == "nccl" else CPU
+    return Transport(control, data)
+
+
+def cuda_devices(api: CudaApi, tensors: Iterable[torch.Tensor]) -> set[torch.device]:
+    return {d for d in (api.device_of(t) for t in tensors) if d.type == "cuda"}
+
+
+# ------------------------------------------------------------------ placement of one load
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one rank's load stages its bytes: host only, or through one GPU."""
+
+    api: CudaApi
+    device: torch.device | None  # the GPU this rank stages through; None: host only
+    data_on_device: bool = False  # exchange buffers on ``device`` (NCCL), not in host arenas
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        return self.device is not None and self.api.device_of(t).type == "cuda"
+
+    def stage(self, sizes: Sequence[int]) -> "HostStage | DeviceStage":
+        if self.device is None:
+            return HostStage(sizes)
+        return DeviceStage(self.api, self.device, sizes)
+
+
+def place(api: CudaApi, tensors: Sequence[torch.Tensor], data_device: torch.device) -> Placement:
+    """This rank's placement; a conflict raises (before the ranks agree, so on every rank)."""
+    found = cuda_devices(api, tensors)
+    if len(found) > 1:
+        raise IncompatibleStateDictError(
+            f"this rank's tensors are on {len(found)} GPUs ({', '.join(sorted(map(str, found)))}); "
+            f"one rank loads into one GPU"
+        )
+    target = next(iter(found), None)
+    if data_device.type == "cuda":
+        if target is not None and target != data_device:
+            raise CheckpointError(
+                f"this rank's tensors are on {target} but its process group exchanges data on {data_device}; "
+                f"bind the group to the tensors' GPU (init_process_group(device_id=...)) or torch.cuda.set_device it"
+            )
+        return Placement(api, data_device, True)
+    return Placement(api, target, False)
+
+
+# ------------------------------------------------------------------ staging: the rules
+
+
+class HostStage:
+    """The CPU path: plain host arenas, every copy done on the spot."""
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        self.arenas = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+
+    def begin(self) -> None:
+        return None
+
+    def acquire(self, slot: int) -> None:
+        return None
+
+    def release(self, slot: int) -> None:
+        return None
+
+    def finish(self, failed: bool = False) -> None:
+        return None
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        return host
+
+    def download(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf
+
+    def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def realign(self, raw: torch.Tensor) -> torch.Tensor:
+        return raw.clone()
+
+
+class DeviceStage:
+    """Pinned arenas and a side stream on one GPU, with the ordering rules of the module doc.
+
+    Round k: ``acquire(k % 2)`` before any write into that arena; ``upload`` raw
+    spans to device scratch and ``write`` strided/permuted/cast pieces into targets,
+    all on the side stream; for NCCL, ``send_buffer``/``recv_buffer`` on the current
+    stream and ``received`` before reading them; ``release(k % 2)`` records the event
+    that the arena's next ``acquire`` waits on.
+    """
+
+    def __init__(self, api: CudaApi, device: torch.device, sizes: Sequence[int]) -> None:
+        self.api = api
+        self.device = device
+        self.arenas = [api.pinned(n, device) for n in sizes]
+        self.stream = api.new_stream(device)
+        self.events: list[Any] = [None] * len(self.arenas)
+
+    def _current(self) -> Any:
+        return self.api.current_stream(self.device)
+
+    def begin(self) -> None:
+        """The caller's pending work on its stream (init kernels on the targets) comes first."""
+        self.api.wait_stream(self.stream, self._current())
+
+    def acquire(self, slot: int) -> None:
+        """Block until the copies that last read arena ``slot`` are done: call before ANY write into it."""
+        ev = self.events[slot]
+        if ev is not None:
+            self.api.host_wait(ev)
+            self.events[slot] = None
+
+    def release(self, slot: int) -> None:
+        """Arena ``slot``'s round is enqueued: record the event its next ``acquire`` waits on."""
+        self.api.wait_stream(self.stream, self._current())  # NCCL send copies read the arena on the current stream
+        ev = self.api.new_event(self.device)
+        self.api.record(ev, self.stream)
+        self.events[slot] = ev
+
+    def finish(self, failed: bool = False) -> None:
+        """The caller's stream follows the load; the host returns once the side stream is done.
+
+        After a failure the host does not wait: the side stream may be stuck behind an NCCL
+        receive from a dead peer, and the error must reach the caller.
+        """
+        self.api.wait_stream(self._current(), self.stream)
+        if not failed:
+            self.api.stream_sync(self.stream)
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """Raw bytes of a pinned span on the device (side stream), at the same address modulo ALIGN."""
+        shift = host.data_ptr() % ALIGN
+        buf = self.api.empty(host.numel() + shift, self.device, self.stream)[shift:]
+        self.api.copy(buf, host, self.stream)
+        return buf
+
+    def download(self, dev: torch.Tensor) -> torch.Tensor:
+        """Device bytes on the host, for a CPU target fed from a device buffer (rare, blocking)."""
+        return self.api.download(dev, self.stream)
+
+    def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One piece into a target: view/stride/permute/cast run on the GPU, on the side stream."""
+        if self.api.device_of(dst).type == "cuda":
+            self.api.copy(dst, src, self.stream)
+        else:
+            dst.copy_(src)
+
+    def realign(self, raw: torch.Tensor) -> torch.Tensor:
+        """A misaligned piece's bytes moved to an aligned device buffer (side stream)."""
+        if self.api.device_of(raw).type != "cuda":
+            return raw.clone()
+        buf = self.api.empty(raw.numel(), self.device, self.stream)
+        self.api.copy(buf, raw, self.stream)
+        return buf
+
+    def send_buffer(self, host: torch.Tensor) -> torch.Tensor:
+        """A message for NCCL: copied on the current stream, which NCCL's stream waits on."""
+        cur = self._current()
+        buf = self.api.empty(host.numel(), self.device, cur)
+        self.api.copy(buf, host, cur)
+        return buf
+
+    def recv_buffer(self, nbytes: int) -> torch.Tensor:
+        """A receive buffer for NCCL, allocated in the current stream's order (NCCL's)."""
+        return self.api.empty(nbytes, self.device, self._current())
+
+    def posted(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
+        self.api.exchange_posted(self.device, sends, recvs)
+
+    def received(self, bufs: Sequence[torch.Tensor]) -> None:
+        """Received device buffers become readable on the side stream, and stay allocated until it is done."""
+        self.api.exchange_waited(self.device, bufs)
+        self.api.wait_stream(self.stream, self._current())
+        for b in bufs:
+            self.api.record_stream(b, self.stream)
+
+
+Stage = HostStage | DeviceStage
+
+
+@contextlib.contextmanager
+def finishing(stage: Stage) -> Iterator[None]:
+    """``stage.finish()`` on every exit; on a failing one its own error must not hide the first."""
+    try:
+        yield
+    except BaseException:
+        try:
+            stage.finish(failed=True)
+        except Exception as e:  # noqa: BLE001 - already failing
+            log.warning("finishing the device stage after a failure: %s", e)
+        raise
+    stage.finish()
+
+
+# ------------------------------------------------------------------ saves: device bytes to the host
+
+
+class DeviceToHost:
+    """A GPU tensor's bytes on the host through two reused pinned blocks gated by events.
+
+    Block i+1's copy runs on a side stream while the host checksums/compresses/
+    uploads block i; the host reuses a block only after it has consumed it, and
+    reads one only after waiting on the event recorded after its copy. The side
+    stream first waits on the caller's stream (pending writes to the tensor).
+    """
+
+    def __init__(self, api: CudaApi, device: torch.device, block_bytes: int = SAVE_BLOCK_BYTES) -> None:
+        self.api = api
+        self.device = device
+        self.block_bytes = block_bytes
+        self.stream = api.new_stream(device)
+        self.blocks: list[torch.Tensor] = []
+        self.events = [api.new_event(device), api.new_event(device)]
+
+    def _block(self, i: int, nbytes: int) -> torch.Tensor:
+        while len(self.blocks) <= i:
+            self.blocks.append(self.api.pinned(max(nbytes, self.block_bytes), self.device))
+        if self.blocks[i].numel() < nbytes:  # a chunk larger than a block (a custom chunk_size)
+            self.blocks[i] = self.api.pinned(nbytes, self.device)
+        return self.blocks[i][:nbytes]
+
+    def _contiguous_bytes(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s elements as flat uint8 on the device, ordered after the caller's stream."""
+        self.api.wait_stream(self.stream, self.api.current_stream(self.device))
+        t = t.detach()
+        if t.dim() == 0:
+            t = t.reshape(1)
+        if t.is_contiguous():
+            self.api.record_stream(t, self.stream)
+            return t.reshape(-1).view(torch.uint8)
+        nbytes = t.numel() * t.element_size()
+        buf = self.api.empty(nbytes, self.device, self.stream)
+        self.api.copy(buf.view(t.dtype).view(t.shape), t, self.stream)
+        return buf
+
+    def spans(self, t: torch.Tensor, step: int) -> Iterator[torch.Tensor]:
+        """Consecutive host spans of ``t``'s bytes, ``step`` bytes each but the last (a multiple
+        of the caller's chunk); a span stays valid until the next one is requested."""
+        data = self._contiguous_bytes(t)
+        step = max(1, step)
+        n = data.numel()
+        starts = list(range(0, n, step))
+
+        def issue(i: int) -> torch.Tensor:
+            lo = starts[i]
+            block = self._block(i % 2, min(step, n - lo))
+            self.api.copy(block, data[lo: lo + block.numel()], self.stream)
+            self.api.record(self.events[i % 2], self.stream)
+            return block
+
+        nxt = issue(0) if starts else None
+        for i in range(len(starts)):
+            block = nxt
+            nxt = issue(i + 1) if i + 1 < len(starts) else None  # the host is done with that block already
+            self.api.host_wait(self.events[i % 2])
+            yield block  # type: ignore[misc]
+
+    def close(self) -> None:
+        self.api.stream_sync(self.stream)

@@ -1,0 +1,363 @@
+"""A recording, lazily executing stand-in for CUDA: the only thing the GPU invariant tests fake.
+
+It implements ``streamckpt.cudaapi.CudaApi`` on a machine without a GPU. "Device"
+memory is host memory the fake knows as living on ``cuda:i`` (``place`` for tensors
+the test allocates, ``empty`` for the library's buffers). Work enqueued on a stream
+does not run when enqueued: it runs only when the host forces it (an event or stream
+synchronize, a download, an NCCL exchange, ``synchronize``) — in stream order, after
+the work the cross-stream waits made it depend on: the latest a real GPU could run it.
+So a missing wait shows up as wrong bytes, and as a recorded violation:
+
+* ``host-write``: a copy reading host (pinned) memory finds it changed between enqueue
+  and execution — the host wrote an arena before waiting on the event after its copies;
+* ``race``: two ops touch the same bytes, one writing, and neither is ordered before the
+  other (vector clocks over the stream waits) — e.g. a pending init kernel on the
+  caller's stream and a loaded piece on the side stream;
+* ``no-record-stream``: a device buffer used on a stream other than the one it was
+  allocated on without ``record_stream`` on that stream (NCCL's own use exempt: it
+  records its buffers itself);
+* ``device``: a stream, event, buffer or copy on another GPU than the one expected
+  (``expect_device``).
+
+NCCL is modelled as a stream of its own (``exchange_posted``): it waits on the caller's
+current stream, reads the send buffers and writes the receive buffers right away (the
+bytes themselves travel over the real gloo group), and ``exchange_waited`` makes the
+current stream wait on it, as ``ProcessGroupNCCL`` does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+
+@dataclass(eq=False)
+class FakeStream:
+    device: torch.device
+    name: str
+    sid: int
+    ops: list["Op"] = field(default_factory=list)
+    done: int = 0  # ops[:done] have run
+    clock: dict[int, int] = field(default_factory=dict)  # vector clock: stream id -> ops ordered before now
+
+    def __repr__(self) -> str:
+        return f"<stream {self.name} on {self.device}>"
+
+
+@dataclass(eq=False)
+class FakeEvent:
+    device: torch.device
+    stream: FakeStream | None = None
+    pos: int = 0
+    clock: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Op:
+    stream: FakeStream
+    pos: int  # 1-based position in its stream
+    clock: dict[int, int]
+    label: str
+    fn: Callable[[], None]
+    reads: list[tuple[int, int, int]]  # (storage ptr, lo, hi) byte spans
+    writes: list[tuple[int, int, int]]
+    host_reads: list[tuple[torch.Tensor, torch.Tensor]]  # (source view, its bytes at enqueue time)
+    writes_target: bool = False
+    ran: bool = False
+
+
+def _span(t: torch.Tensor) -> tuple[int, int, int]:
+    """The bytes a tensor view covers in its storage (a superset for strided views)."""
+    st = t.untyped_storage()
+    isz = t.element_size()
+    lo = t.storage_offset() * isz
+    if t.numel() == 0:
+        return st.data_ptr(), lo, lo
+    extent = sum((s - 1) * abs(d) for s, d in zip(t.shape, t.stride())) + 1
+    return st.data_ptr(), lo, lo + extent * isz
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).clone() if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _overlap(a: Sequence[tuple[int, int, int]], b: Sequence[tuple[int, int, int]]) -> bool:
+    return any(p == q and lo < hi2 and lo2 < hi for p, lo, hi in a for q, lo2, hi2 in b)
+
+
+@dataclass
+class _Block:
+    device: torch.device
+    stream: FakeStream | None  # allocation stream (None: placed by the test)
+    target: bool
+    recorded: set[int] = field(default_factory=set)
+    used_on: set[int] = field(default_factory=set)
+    label: str = ""
+
+
+class FakeCuda:
+    """See the module doc. ``current_device`` and ``device_count`` are what the fake reports."""
+
+    def __init__(self, *, current_device: int = 0, device_count: int = 8) -> None:
+        self._current = current_device
+        self._count = device_count
+        self._lock = threading.RLock()
+        self._sids = itertools.count(1)
+        self._default: dict[torch.device, FakeStream] = {}
+        self._nccl: dict[torch.device, FakeStream] = {}
+        self.streams: list[FakeStream] = []
+        self._blocks: dict[int, _Block] = {}  # storage ptr -> block, device memory only
+        self._pinned: set[int] = set()
+        self.violations: list[str] = []
+        self.devices_used: set[torch.device] = set()
+        self.counts: dict[str, int] = {}
+        self.expected: torch.device | None = None
+        self._freed_unrecorded: list[str] = []
+
+    # ------------------------------------------------------------------ test-side helpers
+
+    def expect_device(self, device: torch.device) -> None:
+        self.expected = device
+
+    def place(self, t: torch.Tensor, device: torch.device, *, target: bool = True) -> torch.Tensor:
+        """Declare a test-allocated host tensor to live on ``device`` (a state_dict tensor)."""
+        self._register(t, _Block(device, None, target, label="placed"))
+        return t
+
+    def launch(self, device: torch.device, fn: Callable[[], None], *, writes: Sequence[torch.Tensor] = (),
+               reads: Sequence[torch.Tensor] = (), label: str = "caller kernel") -> None:
+        """A kernel of the caller's, enqueued on its current stream (runs lazily like any other)."""
+        self._enqueue(self._caller_stream(device), fn, list(reads), list(writes), label)
+
+    def mark(self, device: torch.device) -> tuple[int, int]:
+        """(stream id, position) of the caller's current stream now: work before this must precede targets' writes."""
+        s = self._caller_stream(device)
+        return s.sid, len(s.ops)
+
+    def synchronize(self) -> None:
+        """Run everything, side streams before default ones (the order that exposes a missing wait)."""
+        with self._lock:
+            for s in sorted(self.streams, key=lambda s: s.name.startswith("default")):
+                self._flush(s, len(s.ops))
+
+    def target_writes(self) -> list[Op]:
+        return [op for s in self.streams for op in s.ops if op.writes_target]
+
+    def check_ordering(self, device: torch.device, mark: tuple[int, int]) -> list[str]:
+        """Every target write follows the caller's work before ``mark``, and the caller's stream
+        now follows every target write."""
+        out = []
+        sid, pos = mark
+        cur = self._caller_stream(device)
+        for op in self.target_writes():
+            if op.stream.sid != sid and op.clock.get(sid, 0) < pos:
+                out.append(f"order: {op.label} on {op.stream} is not ordered after the caller's stream "
+                           f"(position {pos})")
+            if cur.clock.get(op.stream.sid, 0) < op.pos:
+                out.append(f"order: the caller's stream does not follow {op.label} on {op.stream}")
+        return out
+
+    def check_record_stream(self) -> list[str]:
+        out = []
+        with self._lock:
+            for block in self._blocks.values():
+                missing = block.used_on - block.recorded
+                if block.stream is not None and missing:
+                    out.append(f"no-record-stream: {block.label} allocated on {block.stream} used on streams "
+                               f"{sorted(missing)} without record_stream")
+            out += self._freed_unrecorded
+        return out
+
+    # ------------------------------------------------------------------ CudaApi
+
+    def device_count(self) -> int:
+        return self._count
+
+    def current_device(self) -> int:
+        return self._current
+
+    def device_of(self, t: torch.Tensor) -> torch.device:
+        if t.device.type != "cpu":
+            return t.device
+        block = self._blocks.get(t.untyped_storage().data_ptr()) if t.untyped_storage().nbytes() else None
+        return block.device if block is not None else torch.device("cpu")
+
+    def current_stream(self, device: torch.device) -> FakeStream:
+        self._use(device, "current_stream")
+        return self._caller_stream(device)
+
+    def new_stream(self, device: torch.device) -> FakeStream:
+        with self._lock:
+            self._use(device, "new_stream")
+            return self._stream(device, f"side{next(self._sids)}:{device}")
+
+    def new_event(self, device: torch.device) -> FakeEvent:
+        self._use(device, "new_event")
+        return FakeEvent(device)
+
+    def pinned(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        self._use(device, "pinned")
+        t = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        with self._lock:
+            self._pinned.add(t.untyped_storage().data_ptr())
+        self._count_call("pinned")
+        return t[:nbytes]
+
+    def empty(self, nbytes: int, device: torch.device, stream: FakeStream) -> torch.Tensor:
+        self._use(device, "empty")
+        self._same_device(stream.device, device, "empty")
+        t = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        self._register(t, _Block(device, stream, False, label=f"buffer of {nbytes} bytes"))
+        self._count_call("empty")
+        return t[:nbytes]
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream) -> None:
+        for t in (dst, src):
+            d = self.device_of(t)
+            if d.type == "cuda":
+                self._same_device(stream.device, d, "copy")
+        self._count_call("copy")
+        self._enqueue(stream, lambda: dst.copy_(src), [src], [dst], f"copy {tuple(src.shape)}->{tuple(dst.shape)}")
+
+    def download(self, src: torch.Tensor, stream: FakeStream) -> torch.Tensor:
+        out = torch.empty(src.shape, dtype=src.dtype)
+        self._enqueue(stream, lambda: out.copy_(src), [src], [], "download")
+        self.stream_sync(stream)
+        return out
+
+    def wait_stream(self, waiter: FakeStream, waitee: FakeStream) -> None:
+        with self._lock:
+            self._same_device(waiter.device, waitee.device, "wait_stream")
+            for k, v in waitee.clock.items():
+                if waiter.clock.get(k, 0) < v:
+                    waiter.clock[k] = v
+
+    def record(self, event: FakeEvent, stream: FakeStream) -> None:
+        with self._lock:
+            self._same_device(event.device, stream.device, "record")
+            event.stream, event.pos, event.clock = stream, len(stream.ops), dict(stream.clock)
+
+    def host_wait(self, event: FakeEvent) -> None:
+        if event.stream is not None:
+            with self._lock:
+                self._flush(event.stream, event.pos)
+
+    def stream_sync(self, stream: FakeStream) -> None:
+        with self._lock:
+            self._flush(stream, len(stream.ops))
+
+    def record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
+        with self._lock:
+            block = self._blocks.get(t.untyped_storage().data_ptr())
+            if block is not None:
+                block.recorded.add(stream.sid)
+
+    def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
+        with self._lock:
+            nccl = self._nccl.get(device)
+            if nccl is None:
+                nccl = self._nccl[device] = self._stream(device, f"nccl:{device}")
+            self.wait_stream(nccl, self._caller_stream(device))
+            self._enqueue(nccl, lambda: None, list(sends), list(recvs), "nccl send/recv", nccl=True)
+            self._flush(nccl, len(nccl.ops))  # gloo moves the bytes now
+
+    def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor]) -> None:
+        with self._lock:
+            nccl = self._nccl.get(device)
+            if nccl is not None:
+                self.wait_stream(self._caller_stream(device), nccl)
+
+    # ------------------------------------------------------------------ internals
+
+    def _caller_stream(self, device: torch.device) -> FakeStream:
+        with self._lock:
+            if device not in self._default:
+                self._default[device] = self._stream(device, f"default:{device}")
+            return self._default[device]
+
+    def _stream(self, device: torch.device, name: str) -> FakeStream:
+        s = FakeStream(device, name, next(self._sids))
+        self.streams.append(s)
+        return s
+
+    def _count_call(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    def _use(self, device: torch.device, what: str) -> None:
+        if device.type != "cuda" or device.index is None:
+            self.violations.append(f"device: {what} on {device} (not a concrete GPU)")
+            return
+        self.devices_used.add(device)
+        if self.expected is not None and device != self.expected:
+            self.violations.append(f"device: {what} on {device}, expected {self.expected}")
+
+    def _same_device(self, a: torch.device, b: torch.device, what: str) -> None:
+        if a != b:
+            self.violations.append(f"device: {what} mixes {a} and {b}")
+
+    def _register(self, t: torch.Tensor, block: _Block) -> None:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        with self._lock:
+            self._blocks[ptr] = block
+        weakref.finalize(st, self._free, ptr, block)
+
+    def _free(self, ptr: int, block: _Block) -> None:
+        with self._lock:
+            if self._blocks.get(ptr) is block:
+                del self._blocks[ptr]
+            missing = block.used_on - block.recorded
+            if block.stream is not None and missing:
+                self._freed_unrecorded.append(
+                    f"no-record-stream: {block.label} allocated on {block.stream} was used on streams "
+                    f"{sorted(missing)} without record_stream")
+
+    def _enqueue(self, stream: FakeStream, fn: Callable[[], None], reads: list[torch.Tensor],
+                 writes: list[torch.Tensor], label: str, nccl: bool = False) -> None:
+        with self._lock:
+            stream.clock[stream.sid] = len(stream.ops) + 1
+            host_reads = []
+            for t in reads:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in self._blocks:  # host memory: must not change before the copy runs
+                    host_reads.append((t, _bytes(t)))
+            for t in reads + writes:
+                block = self._blocks.get(t.untyped_storage().data_ptr())
+                if block is not None and block.stream is not None and block.stream is not stream and not nccl:
+                    block.used_on.add(stream.sid)
+            writes_target = any(
+                (b := self._blocks.get(t.untyped_storage().data_ptr())) is not None and b.target for t in writes)
+            stream.ops.append(Op(stream, len(stream.ops) + 1, dict(stream.clock), label, fn,
+                                 [_span(t) for t in reads], [_span(t) for t in writes], host_reads, writes_target))
+
+    def _flush(self, stream: FakeStream, upto: int) -> None:
+        while stream.done < upto:
+            op = stream.ops[stream.done]
+            for s in self.streams:  # first what this op was made to wait for
+                need = op.clock.get(s.sid, 0)
+                if s is not stream and s.done < need:
+                    self._flush(s, need)
+            self._check_races(op)
+            for view, before in op.host_reads:
+                if not torch.equal(_bytes(view), before):
+                    self.violations.append(f"host-write: the host changed memory that {op.label} on {stream} "
+                                           f"reads before it ran (an arena written before waiting on its event)")
+            op.fn()
+            op.ran = True
+            stream.done += 1
+
+    def _check_races(self, op: Op) -> None:
+        for s in self.streams:
+            if s is op.stream:
+                continue
+            for other in s.ops[s.done:]:
+                if other.clock.get(op.stream.sid, 0) >= op.pos:
+                    continue  # ordered after op
+                if _overlap(op.writes, other.reads + other.writes) or _overlap(op.reads, other.writes):
+                    self.violations.append(f"race: {op.label} on {op.stream} and {other.label} on {s} touch the "
+                                           f"same bytes unordered")
