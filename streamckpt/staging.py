@@ -38,18 +38,18 @@ class StagingArea:
         self.block: torch.Tensor | None = None
         if budget is not None:
             self.block = self._empty((budget,), torch.uint8)
-
-    def _empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        if self.gpu is None:
-            return torch.empty(shape, dtype=dtype)
-        with torch.cuda.device(self.gpu):  # pinning needs a context: the tensors' GPU, not GPU 0
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
         self._live: collections.deque[tuple[int, int]] = collections.deque()  # (start, end) in the block
         self._head = 0
         self._cond = threading.Condition()
         self.failed = False
         self.peak = 0
         self._used = 0
+
+    def _empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        if self.gpu is None:
+            return torch.empty(shape, dtype=dtype)
+        with torch.cuda.device(self.gpu):  # pinning needs a context: the tensors' GPU, not GPU 0
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def reset(self) -> None:
         """Ready for the next save (nothing live)."""
