@@ -305,6 +305,14 @@ def preimport() -> None:
             pass
 
 
+def server_stats(endpoint: str) -> dict[str, Any]:
+    """The bench server's counters now (benchmarks/server.py; the stats request is not counted)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{endpoint}/__bench__/stats", timeout=10) as r:
+        return json.loads(r.read())
+
+
 def source_state_dict(bucket_dir: Path) -> dict[str, Any]:
     """The whole model as plain CPU tensors (a replica on every rank), from the local hf files."""
     import safetensors.torch
@@ -343,6 +351,8 @@ def run(spec_path: str, rank: int) -> dict[str, Any]:
             import torch.distributed as dist
 
             dist.barrier()  # every rank's part is committed before rank 0 reads back
+        if spec.get("counts") and rank == 0:  # the save's requests, before the read-back adds its own
+            result["server_stats"] = server_stats(spec["endpoint"])
         if spec.get("verify") and rank == 0:
             result["checked"], result["wrong"] = verify_saved(spec)
     except NotApplicable as e:

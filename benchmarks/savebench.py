@@ -86,7 +86,7 @@ def measure_save(h: "Harness", saver: str, world: int, rep: int) -> SaveSample:
     spec: dict[str, Any] = {
         "saver": saver, "world": world, "endpoint": h.server.endpoint, "model": data.spec_to_json(h.model),
         "fingerprints": str(h.fingerprints_path), "bucket_dir": str(h.bucket_dir), "target": f"{SAVES}/{tag}",
-        "verify": rep == 0,
+        "verify": rep == 0, "counts": h.server.counts,
     }
     h.server.reset()
     timeout = 90 if h.args.quick else max(240.0, 60 + 4 * world * h.size / (50 << 20))
@@ -100,6 +100,8 @@ def measure_save(h: "Harness", saver: str, world: int, rep: int) -> SaveSample:
             p.unlink()
     files = stored_files(folder) if folder.is_dir() else {}
     shutil.rmtree(folder, ignore_errors=True)
+    # rank 0's snapshot at the end of the save: the read-back check's GETs are not the save's
+    stats = next((r["server_stats"] for r in results if r.get("server_stats")), stats)
     return _sample(results, errors, stats, files, world)
 
 
