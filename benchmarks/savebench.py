@@ -166,7 +166,7 @@ def run_save_scenario(h: "Harness") -> None:
                     s = measure_save(h, saver, w, rep)
                 res[(saver, w)].append(s)
                 shown = s.na and "n/a: " + s.na or s.error and "ERROR " + s.error or \
-                    f"blocked {s.blocked:.2f} s, durable {s.durable:.2f} s"
+                    f"blocked {s.blocked:.3f} s, durable {s.durable:.3f} s"
                 print(f"  (s) rep {rep + 1}/{h.args.reps} {saver:24s} W={w} {shown}", flush=True)
     shutil.rmtree(h.bucket_dir / SAVES, ignore_errors=True)
 
