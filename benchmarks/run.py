@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import data
+from . import data, savebench
 from .server import BUCKET, BenchServer, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,7 +35,9 @@ SCENARIOS = {
     "d": "replicated load: 2 ranks (gloo) each need the whole model",
     "e": "the checkpoint zstd-compressed, full load, one process",
     "f": "the planner alone at 512/1024/4096 simulated ranks",
+    "s": "save: one process saving the whole model, side by side; then 2- and 4-rank DDP saves (gloo)",
 }
+LOAD_SCENARIOS = "abcde"
 WORLD = {"a": 1, "b": 1, "c": data.LOAD_COL_WORLD, "d": 2, "e": 1}
 # What each loader reads in each scenario (for bytes-needed and notes).
 DATASET = {
@@ -155,6 +157,7 @@ class Harness:
         self.metadata_rows: list[dict[str, Any]] = []
         self.metadata_note = ""
         self.profiles: dict[str, str] = {}
+        self.save_results: dict[tuple[str, int], list[savebench.SaveSample]] = {}
         self.load_start = os.getloadavg()[0]
 
     # -------------------------------------------------------------- data
@@ -168,6 +171,8 @@ class Harness:
         missing = data.saved_by_ranks_missing(self.bucket_dir, self.model)
         if quick:  # --quick runs streamckpt, naive and the ceiling only
             missing = [d for d in missing if d.startswith("sc_")]
+        if not set(self.args.scenarios) & set(LOAD_SCENARIOS):  # (s) and (f) need only the hf files
+            missing = []
         if missing:
             spec = {"world": data.SAVE_WORLD, "bucket_dir": str(self.bucket_dir), "model": data.spec_to_json(self.model),
                     "datasets": missing}
@@ -694,6 +699,7 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
         figures[sc] = figs
         lines += table
         lines.append("")
+    lines += savebench.render_save(h, SCENARIOS["s"])
     if "f" in h.args.scenarios:
         lines.append(f"## (f) {SCENARIOS['f']}")
         lines.append("")
@@ -725,19 +731,20 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
-    ap.add_argument("--scenario", default="all", help="a,b,c,d,e,f or all (comma-separated list allowed)")
+    ap.add_argument("--scenario", default="all", help="a,b,c,d,e,f,s or all (comma-separated list allowed)")
     ap.add_argument("--size", default="1GiB", help="model size, e.g. 16MiB, 256MiB, 1GiB")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="tiny data, 1 rep, streamckpt + naive + ceiling only")
+    ap.add_argument("--quick", action="store_true", help="tiny data, 1 rep, streamckpt + naive + ceiling only "
+                    "(s: streamckpt, its async, dcp-s3, naive, ceiling.obstore; DDP on 2 ranks)")
     ap.add_argument("--out", default="BENCHMARKS.md")
     ap.add_argument("--data-dir", default=str(REPO / "bench-data"))
-    ap.add_argument("--loaders", default="", help="comma-separated subset of loaders")
+    ap.add_argument("--loaders", default="", help="comma-separated subset of loaders (and of savers for s)")
     ap.add_argument("--server", default="auto", choices=["auto", "localbucket", "moto"])
     ap.add_argument("--profile", default="", help="scenarios (e.g. ab) where an extra streamckpt run is profiled by py-spy")
     ap.add_argument("--gpu-results", default="", help="text output of benchmarks/gpu.py to include")
     args = ap.parse_args(argv)
-    sc = "abcdef" if args.scenario == "all" else args.scenario.replace(",", "")
-    bad = set(sc) - set("abcdef")
+    sc = "abcdefs" if args.scenario == "all" else args.scenario.replace(",", "")
+    bad = set(sc) - set(SCENARIOS)
     if bad:
         ap.error(f"unknown scenario(s) {sorted(bad)}")
     args.scenarios = sc
@@ -756,16 +763,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data: {h.model} ({human(h.model.nbytes)}) under {h.root}", flush=True)
     h.prepare()
     print(f"data ready in {h.timing['prepare']:.1f} s", flush=True)
-    load_scenarios = [s for s in args.scenarios if s != "f"]
-    if load_scenarios:
+    load_scenarios = [s for s in args.scenarios if s in LOAD_SCENARIOS]
+    if load_scenarios or "s" in args.scenarios:
         h.server = BenchServer(h.root, kind=args.server).start()
         try:
             print(f"server: {h.server.kind} at {h.server.endpoint}", flush=True)
-            h.server.warm([f for ds in sorted(os.listdir(h.bucket_dir)) if (h.bucket_dir / ds).is_dir()
-                           for f in data.dataset_files(h.bucket_dir, ds)])
+            if load_scenarios:
+                h.server.warm([f for ds in sorted(os.listdir(h.bucket_dir)) if (h.bucket_dir / ds).is_dir()
+                               for f in data.dataset_files(h.bucket_dir, ds)])
             for sc in load_scenarios:
                 print(f"scenario ({sc}): {SCENARIOS[sc]}", flush=True)
                 h.run_scenario(sc)
+            if "s" in args.scenarios:
+                print(f"scenario (s): {SCENARIOS['s']}", flush=True)
+                savebench.run_save_scenario(h)
         finally:
             h.server.stop()
     if "f" in args.scenarios:

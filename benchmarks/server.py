@@ -4,7 +4,7 @@ Preferred: ``localbucket`` (PyPI) in its own process, serving a local folder as
 buckets. Its handler is subclassed here for two things: object bodies go out with
 ``os.sendfile`` (zero-copy, so the server takes as little of this 2-core machine's
 CPU as possible), and every request and body byte is counted, readable at
-``GET /__bench__/stats`` and cleared by ``POST /__bench__/reset``. That gives
+``GET /__bench__/stats`` (uploads: ``put_body_bytes``) and cleared by ``POST /__bench__/reset``. That gives
 bytes read and request counts for every loader, peers included, from the
 server's side.
 
@@ -178,12 +178,14 @@ def _make_handler():
     import localbucket
 
     lock = threading.Lock()
-    stats: dict[str, Any] = {"requests": {}, "get_body_bytes": 0, "ranged_gets": 0, "full_gets": 0}
+    stats: dict[str, Any] = {"requests": {}, "get_body_bytes": 0, "put_body_bytes": 0, "ranged_gets": 0,
+                             "full_gets": 0}
 
     def reset() -> None:
         with lock:
             stats["requests"] = {}
             stats["get_body_bytes"] = 0
+            stats["put_body_bytes"] = 0
             stats["ranged_gets"] = 0
             stats["full_gets"] = 0
 
@@ -212,6 +214,13 @@ def _make_handler():
             self.send_header("Content-Type", "application/json")
             self.end_headers()
             self.wfile.write(body)
+
+        def _read_body(self) -> bytes:
+            body = super()._read_body()
+            if self.command == "PUT":  # object and part bodies (POST bodies are multipart XML)
+                with lock:
+                    stats["put_body_bytes"] += len(body)
+            return body
 
         def _send_file(self, status, file, start, length, headers, include_body):  # noqa: ANN001
             self._send_headers(status, length, headers)

@@ -25,13 +25,16 @@ def _run_quick(tmp_path: Path, scenarios: str) -> str:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--quick", "--scenario", scenarios,
          "--data-dir", str(tmp_path / "data"), "--out", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=230,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=410 if scenarios == "all" else 230,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = out.read_text()
     assert f"python -m benchmarks.run --quick --scenario {scenarios}" in text
     assert "## Machine" in text and "cores" in text
-    for sc in "abcdef" if scenarios == "all" else scenarios.replace(",", ""):
+    for sc in "abcdefs" if scenarios == "all" else scenarios.replace(",", ""):
+        if sc == "s":
+            _check_save_section(text.split("## (s)", 1)[1].split("\n## ", 1)[0])
+            continue
         if sc == "f":
             section = text.split("## (f)", 1)[1].split("\n## ", 1)[0]
             assert "| 64 |" in section and "error" not in section, section
@@ -48,6 +51,20 @@ def _run_quick(tmp_path: Path, scenarios: str) -> str:
     return text
 
 
+def _check_save_section(section: str) -> None:
+    """(s): every --quick saver has a row; what ran saved a checkpoint that reads back right."""
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| saver")}
+    one = {k[0]: v for k, v in rows.items() if not k[1].isdigit()}
+    for saver in ("streamckpt", "streamckpt.async", "dcp-s3", "naive", "ceiling.obstore"):
+        assert saver in one, f"(s) has no {saver} row:\n{section}"
+        assert "error" not in one[saver], one[saver]
+    for saver in ("streamckpt", "naive"):
+        assert one[saver].rstrip(" |").endswith("yes"), one[saver]
+    ddp = rows.get(("streamckpt", "2"))
+    assert ddp is not None and ddp.rstrip(" |").endswith("yes"), section
+
+
 @pytest.mark.timeout(240)
 def test_quick_benchmark_single_rank_multi_rank_compressed_and_planner(tmp_path: Path) -> None:
     """(a) one process, (c) 4 saving ranks -> 2 loading ranks on gloo, (e) zstd, (f) the planner."""
@@ -55,6 +72,13 @@ def test_quick_benchmark_single_rank_multi_rank_compressed_and_planner(tmp_path:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_quick_benchmark_every_scenario(tmp_path: Path) -> None:
     _run_quick(tmp_path, "all")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_quick_benchmark_save(tmp_path: Path) -> None:
+    """(s) alone: sc.save, sc.async_save, dcp.save + S3StorageWriter, naive, the ceiling, DDP on 2 ranks."""
+    _run_quick(tmp_path, "s")
