@@ -319,7 +319,9 @@ def source_state_dict(bucket_dir: Path) -> dict[str, Any]:
 
     sd: dict[str, Any] = {}
     for fname in data.hf_file_names():
-        sd.update(safetensors.torch.load_file(str(bucket_dir / "hf" / fname)))
+        # cloned: tensors in anonymous memory, as a training job holds them (not pages of a
+        # mapped file that the save would fault in and count as its own RSS)
+        sd.update({k: v.clone() for k, v in safetensors.torch.load_file(str(bucket_dir / "hf" / fname)).items()})
     return sd
 
 
