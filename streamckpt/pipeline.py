@@ -250,7 +250,6 @@ class Executor:
             else:
                 base = lay.recv[(m.read_index, m.peer)]
                 buf = arena[base: base + size]
-            self.stats.bytes_received += size
             recvs.append(P2P(m.peer, buf, self.plan.reads[m.read_index].tag))
             landed.append((m, buf))
         if on_device:
@@ -287,7 +286,9 @@ class Executor:
                 self._apply(host, dev, c.offset, c)
 
     def _scatter_received(self, landed: Sequence[tuple[Message, torch.Tensor]]) -> None:
+        """Called once the round's receives have completed: only then do they count as received."""
         for m, buf in landed:
+            self.stats.bytes_received += buf.numel()
             host, dev = self._split(buf, 0, buf.numel(), (c.target for c in m.copies))
             for o, c in message_pieces(m.copies):
                 self._apply(host, dev, o, c)
