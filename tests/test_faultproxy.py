@@ -135,11 +135,12 @@ def test_persistent_outage_is_a_storage_error_in_bounded_time(
     assert "data/00000.bin" in str(ei.value) and "[100, 200)" in str(ei.value)
     assert elapsed < policy.total_timeout + policy.request_timeout
     # Both layers together made a bounded number of requests.
-    # GETs: our attempts times the client's; besides them at most one size probe (HEAD) per
-    # attempt, made when a failure could mean a truncated object.
+    # Our attempts times the client's, with slack of one request per attempt: a size probe
+    # (HEAD) where a failure could mean truncation, or the HTTP client resending a request it
+    # had put on a pooled connection the server closed (hyper does that on its own; a CI run
+    # under load saw 10 faulted requests for a bound of 8).
     bound = policy.max_attempts * policy.client_attempts
-    gets = [h for h in proxy.history if h[0] == "GET" and h[2] == "slowdown"]
-    assert len(gets) <= bound and proxy.counts["slowdown"] <= 2 * bound, proxy.history
+    assert proxy.counts["slowdown"] <= bound + policy.max_attempts, proxy.history
 
 
 def test_persistent_stall_times_out_with_storage_error(stored: tuple[str, bytes], proxy_factory: Any) -> None:
