@@ -15,7 +15,9 @@ items larger than a quarter of it are cut into row blocks or flat ranges first);
 when this rank's share is larger, ``async_save`` returns only once the rest has been
 staged, as buffers free up behind the upload — it then blocks for about the time it
 takes to upload ``share - staging_budget`` bytes. Uploads hold their own part buffers
-besides (``PARTS_IN_FLIGHT`` × ``PART_SIZE`` of ``streamckpt.storage.store``, 32 MiB).
+besides: ``PARTS_IN_FLIGHT`` × ``PART_SIZE`` of ``streamckpt.storage.store`` (32 MiB) for
+local files and s3fs; obstore's writer keeps up to 4 parts of 8 MiB in flight plus the
+one being filled (scenario (s) of BENCHMARKS.md measured budget + 55 MiB in all).
 
 A process that exits with a save in flight cancels it (an ``atexit`` hook): nothing is
 committed, and the uploader is stopped before the interpreter shuts down (a thread killed
@@ -229,8 +231,7 @@ def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, area: S
         if not uploader.is_alive() and uploader.ident is None:
             uploader.start()
     for shard in shards:
-        if not shard._ready.is_set():
-            shard.fail(RuntimeError("staging stopped after the upload failed"))
+        shard.fail(RuntimeError("staging stopped after the upload failed"))  # no-op for staged shards
     return SaveHandle(future, storage.describe("").rstrip("/"), cancel)
 
 

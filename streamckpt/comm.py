@@ -25,8 +25,10 @@ import torch
 
 from . import device as _device
 from . import errors as _errors
+from . import specwire
 from .cudaapi import CudaApi, TorchCuda
 from .errors import CheckpointError, PeerError
+from .targets import TargetSpec
 
 log = logging.getLogger(__name__)
 
@@ -291,3 +293,29 @@ def make_comm(process_group: Any | None) -> SoloComm | GroupComm:
     if comm.world_size == 1:
         return SoloComm()
     return comm
+
+
+def gather_targets(comm: SoloComm | GroupComm, specs: list[TargetSpec], own: BaseException | None) -> list[list[TargetSpec]]:
+    """Every rank's target specs, or an agreed failure.
+
+    Two all-gathers (``specwire``): fixed-size headers (an error, or each
+    section's digest and length), then every distinct section once, in parts
+    spread over the ranks holding it. Each rank receives and decodes about the
+    distinct layouts' bytes, not ranks × specs.
+    """
+    if isinstance(comm, SoloComm):
+        if own is not None:
+            raise own
+        return [specs]
+    enc: specwire.Encoded | None = None
+    if own is None:
+        try:
+            enc = specwire.encode(specs)
+        except CheckpointError as e:
+            own = e
+    head = enc.header() if enc is not None else b"E" + json.dumps(encode_error(own, comm.rank)).encode()
+    heads = comm.all_gather_bytes(head)
+    failures = [json.loads(h[1:]) for h in heads if h[:1] == b"E"]
+    if failures or enc is None:
+        raise_agreed(failures, own)
+    return specwire.exchange(enc, heads, comm.rank, comm.all_gather_bytes)

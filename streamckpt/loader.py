@@ -13,8 +13,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import manifest as mf
-from . import specwire
-from .comm import GroupComm, SoloComm, encode_error, raise_agreed
+from .comm import GroupComm, SoloComm, encode_error, gather_targets, raise_agreed
 from .cudaapi import CudaApi, TorchCuda
 from .device import Placement, cuda_devices, place
 from .errors import CheckpointError, MissingKeysError
@@ -23,7 +22,7 @@ from .pipeline import Destinations, Executor
 from .plan import IdentityView, LoadPlan, PlanOptions, build_plan, settle_rounds
 from .results import LoadResult
 from .storage import Storage
-from .targets import LocalTarget, TargetSpec, ValueSlot, collect
+from .targets import LocalTarget, ValueSlot, collect
 from .values import ValuePlan, plan_values
 
 log = logging.getLogger(__name__)
@@ -45,32 +44,6 @@ def share_manifest(comm: SoloComm | GroupComm, storage: Storage) -> mf.Manifest:
     if data[:1] == b"E":
         raise_agreed([json.loads(data[1:])], own)
     return mf.from_json(data[1:], where=storage.describe(mf.MANIFEST_NAME))
-
-
-def gather_targets(comm: SoloComm | GroupComm, specs: list[TargetSpec], own: BaseException | None) -> list[list[TargetSpec]]:
-    """Every rank's target specs, or an agreed failure.
-
-    Two all-gathers (``specwire``): fixed-size headers (an error, or each
-    section's digest and length), then every distinct section once, in parts
-    spread over the ranks holding it. Each rank receives and decodes about the
-    distinct layouts' bytes, not ranks × specs.
-    """
-    if isinstance(comm, SoloComm):
-        if own is not None:
-            raise own
-        return [specs]
-    enc: specwire.Encoded | None = None
-    if own is None:
-        try:
-            enc = specwire.encode(specs)
-        except CheckpointError as e:
-            own = e
-    head = enc.header() if enc is not None else b"E" + json.dumps(encode_error(own, comm.rank)).encode()
-    heads = comm.all_gather_bytes(head)
-    failures = [json.loads(h[1:]) for h in heads if h[:1] == b"E"]
-    if failures or enc is None:
-        raise_agreed(failures, own)
-    return specwire.exchange(enc, heads, comm.rank, comm.all_gather_bytes)
 
 
 @dataclass(slots=True)

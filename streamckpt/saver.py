@@ -17,11 +17,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 from . import manifest as mf
 from . import writeplan
-from .comm import GroupComm, SoloComm, encode_error, raise_agreed
+from .comm import GroupComm, SoloComm, encode_error, gather_targets, raise_agreed
 from .cudaapi import CudaApi, TorchCuda
 from .device import cuda_devices
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleStateDictError
-from .loader import gather_targets
 from .results import SaveResult
 from .storage import Storage
 from .targets import LocalTarget, TargetSpec, collect

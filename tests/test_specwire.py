@@ -4,7 +4,7 @@ Pure tests simulate every rank of the two all-gathers on random layouts: the
 decoded lists equal the originals exactly (field by field, types included), plans
 built from them equal plans built from the originals, and the bytes each rank
 receives follow the distinct blobs, not ranks × specs. One gloo spawn runs
-``loader.gather_targets`` for real (replicas, ZeRO slices, distinct layouts, an
+``comm.gather_targets`` for real (replicas, ZeRO slices, distinct layouts, an
 empty rank, failures on one rank).
 """
 
@@ -249,7 +249,7 @@ def _lists(world: int) -> dict[str, list[list[TargetSpec]]]:
 
 def _gather(rank: int, world: int, name: str, own: BaseException | None = None) -> list[list[list]]:
     from streamckpt.comm import make_comm
-    from streamckpt.loader import gather_targets
+    from streamckpt.comm import gather_targets
 
     specs = _lists(world)[name][rank] if name in _lists(world) else [TargetSpec("w", "F32", (4, 4), (0,), (4, 4))]
     got = gather_targets(make_comm(None), specs, own)

@@ -16,6 +16,19 @@ def _offset(area: StagingArea, t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size() - area.block.data_ptr()
 
 
+def _copy_soon(area: StagingArea, t: torch.Tensor, seconds: float = 5.0) -> torch.Tensor:
+    """``area.copy(t)``, failing (not hanging) when it does not return in time."""
+    out: list[torch.Tensor | None] = []
+    worker = threading.Thread(target=lambda: out.append(area.copy(t)), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if not out:
+        area.fail()
+        raise AssertionError("copy still waiting for room that should be free")
+    assert out[0] is not None
+    return out[0]
+
+
 def test_copies_are_exact_views_of_one_block_and_wrap_around() -> None:
     area = StagingArea(1024)
     src = [torch.arange(64, dtype=torch.int32), torch.full((50,), 2.5, dtype=torch.float64),
@@ -28,7 +41,7 @@ def test_copies_are_exact_views_of_one_block_and_wrap_around() -> None:
     assert got[0].sum().item() == sum(range(64))  # a copy: the caller may change its tensor
     area.release()  # the oldest copies (offsets 0 and 256) are written
     area.release()
-    d = area.copy(torch.ones(75, dtype=torch.int32))  # 300 bytes: no room after 768, wraps to 0
+    d = _copy_soon(area, torch.ones(75, dtype=torch.int32))  # 300 bytes: no room after 768, wraps to 0
     assert _offset(area, d) == 0 and torch.equal(got[2], src[2]) and area.peak <= 1024
 
 

@@ -11,10 +11,12 @@ import asyncio
 import base64
 import http.client
 from datetime import datetime
-from typing import Any
+from typing import Any, Awaitable, TypeVar
 
 from .backend import (Backend, BackendError, Fetched, NotFound, ObjectInfo, PartSink, Permanent, RangeNotSatisfiable,
                       Stalled, TooLarge, Transient, WorkerThreads)
+
+T = TypeVar("T")
 
 _TRANSIENT_WORDS = (
     "slowdown", "slow down", "reduce your request rate", "serviceunavailable", "service unavailable",
@@ -129,6 +131,16 @@ def _md5_etag(info: dict[str, Any]) -> str | None:
     return tag if isinstance(tag, str) else None
 
 
+async def classified(path: str, call: Awaitable[T], timeout: float | None = None) -> T:
+    """Await a client call (stall-bounded by ``timeout``), its failure as a policy kind."""
+    try:
+        return await (asyncio.wait_for(call, timeout) if timeout else call)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - classified
+        raise classify(e, path) from None
+
+
 def mtime(info: dict[str, Any]) -> float | None:
     """The modification time in an fsspec ``info`` dict, whatever the backend calls it."""
     for key in ("LastModified", "mtime", "updated", "last_modified", "created"):
@@ -158,15 +170,9 @@ class FsspecBackend(Backend):
 
     async def _do(self, path: str, name: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """``fs.<name>`` (the coroutine ``fs._<name>`` on an async filesystem), errors classified."""
-        try:
-            if self.is_async:
-                coro = getattr(self.fs, f"_{name}")(*args, **kwargs)
-                return await (asyncio.wait_for(coro, timeout) if timeout else coro)
-            return await self.threads.run(lambda: getattr(self.fs, name)(*args, **kwargs))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - classified
-            raise classify(e, path) from None
+        if self.is_async:
+            return await classified(path, getattr(self.fs, f"_{name}")(*args, **kwargs), timeout)
+        return await classified(path, self.threads.run(lambda: getattr(self.fs, name)(*args, **kwargs)))
 
     async def fetch(self, path: str, start: int, buf: memoryview, *, want_meta: bool = False) -> Fetched:
         n = len(buf)
@@ -249,10 +255,7 @@ class StreamSink(PartSink):
 
     async def _blocking(self, fn: Any) -> Any:
         # fsspec's file objects drive the filesystem's loop themselves: never call them on it.
-        try:
-            return await self._backend.threads.run(fn)
-        except Exception as e:  # noqa: BLE001 - classified
-            raise classify(e, self._path) from None
+        return await classified(self._path, self._backend.threads.run(fn))
 
     async def put_whole(self, data: memoryview) -> None:
         await self._blocking(lambda: self._backend.fs.pipe_file(self._path, bytes(data)))

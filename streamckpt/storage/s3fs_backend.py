@@ -14,7 +14,7 @@ import hashlib
 from typing import Any
 
 from .backend import Fetched, NotFound, PartSink, TooLarge, Transient
-from .fsspec_backend import FsspecBackend, classify
+from .fsspec_backend import FsspecBackend, classified
 
 MIN_PART = 5 << 20  # S3's smallest multipart part (all but the last)
 
@@ -51,13 +51,7 @@ class S3fsBackend(FsspecBackend):
 
     async def call_s3(self, path: str, method: str, **kwargs: Any) -> Any:
         bucket, key, _ = self.fs.split_path(path)
-        try:
-            return await asyncio.wait_for(self.fs._call_s3(method, Bucket=bucket, Key=key, **kwargs),
-                                          self.request_timeout)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - classified
-            raise classify(e, path) from None
+        return await classified(path, self.fs._call_s3(method, Bucket=bucket, Key=key, **kwargs), self.request_timeout)
 
     async def fetch(self, path: str, start: int, buf: memoryview, *, want_meta: bool = False) -> Fetched:
         """A ranged GET streamed straight into ``buf``; the client's chunks are the only copy."""
@@ -79,16 +73,11 @@ class S3fsBackend(FsspecBackend):
     async def _read_body(self, path: str, body: Any, buf: memoryview) -> int:
         """Read a response body into ``buf`` (stall-checked per chunk); returns bytes read."""
         got = 0
-        try:
-            while got < len(buf):
-                k = await asyncio.wait_for(body.readinto(buf[got:]), self.request_timeout)
-                if not k:
-                    break
-                got += k
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - classified
-            raise classify(e, path) from None
+        while got < len(buf):
+            k = await classified(path, body.readinto(buf[got:]), self.request_timeout)
+            if not k:
+                break
+            got += k
         return got
 
     async def get_whole(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
@@ -118,14 +107,9 @@ class S3fsBackend(FsspecBackend):
         """s3fs lists a missing bucket as empty: ask the bucket itself."""
         bucket = path.split("/", 1)[0]
         try:
-            await asyncio.wait_for(self.fs._call_s3("head_bucket", Bucket=bucket), self.request_timeout)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - classified
-            err = classify(e, path)
-            if isinstance(err, NotFound):
-                raise NotFound(str(err), bucket=bucket) from None
-            raise err from None
+            await classified(path, self.fs._call_s3("head_bucket", Bucket=bucket), self.request_timeout)
+        except NotFound as e:
+            raise NotFound(str(e), bucket=bucket) from None
 
     def invalidate(self, path: str) -> None:
         self.fs.invalidate_cache(path)
