@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from . import data
 from .server import BUCKET, KEY, REGION, SECRET
-from .worker import NotApplicable, peak_rss
+from .worker import NotApplicable, peak_rss, report_and_exit
 
 PIECE = 8 << 20  # the ceilings' part / object size
 CEILING_CONCURRENCY = 8
@@ -375,12 +375,7 @@ def run(spec_path: str, rank: int) -> dict[str, Any]:
 
 def main() -> None:
     spec_path, rank = sys.argv[1], int(sys.argv[2])
-    result = run(spec_path, rank)
-    out = json.loads(Path(spec_path).read_text())["out"]
-    Path(f"{out}.{rank}.json").write_text(json.dumps(result))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip teardown: native clients sometimes abort there (see worker.main)
+    report_and_exit(spec_path, rank, run(spec_path, rank))
 
 
 if __name__ == "__main__":

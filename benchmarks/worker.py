@@ -433,9 +433,8 @@ def run(spec_path: str, rank: int) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
-    spec_path, rank = sys.argv[1], int(sys.argv[2])
-    result = run(spec_path, rank)
+def report_and_exit(spec_path: str, rank: int, result: dict[str, Any]) -> None:
+    """Write this rank's result where the parent looks for it, and leave at once."""
     out = json.loads(Path(spec_path).read_text())["out"]
     Path(f"{out}.{rank}.json").write_text(json.dumps(result))
     sys.stdout.flush()
@@ -443,6 +442,11 @@ def main() -> None:
     # Skip interpreter teardown: native clients (Rust/C++ runtimes) sometimes abort
     # there, which would turn a finished measurement into a failed one.
     os._exit(0)
+
+
+def main() -> None:
+    spec_path, rank = sys.argv[1], int(sys.argv[2])
+    report_and_exit(spec_path, rank, run(spec_path, rank))
 
 
 if __name__ == "__main__":
