@@ -52,11 +52,11 @@ class SaveSample:
 # ------------------------------------------------------------------ measuring
 
 
-_RANK_OF = (re.compile(r"^data/0*(\d+)\."), re.compile(r"^__(\d+)_\d+\.distcp$"))
+_RANK_OF = (re.compile(r"^data/0*(\d+)[-.]"), re.compile(r"^__(\d+)_\d+\.distcp$"))
 
 
 def rank_of(rel: str) -> int | None:
-    """The writing rank from a data file's name: streamckpt ``data/00001.safetensors``,
+    """The writing rank from a data file's name: streamckpt ``data/00001-0003.safetensors``,
     DCP ``__1_0.distcp``; None for metadata and other objects."""
     for pat in _RANK_OF:
         m = pat.match(rel)
@@ -283,7 +283,7 @@ def targets(h: "Harness", mbps: dict[str, float], balance: dict[tuple[str, int],
         out.append(f"- `sc.save` ≥ 0.8× the raw upload ceiling ({best}): {r:.2f}× — {'met' if r >= 0.8 else 'MISSED'}")
     a, d = med("streamckpt.async", "blocked"), med("dcp-s3.async", "blocked")
     if a is not None and d is not None:
-        out.append(f"- `sc.async_save` blocks ≤ `dcp.async_save`: {a:.2f} s vs {d:.2f} s — {'met' if a <= d else 'MISSED'}")
+        out.append(f"- `sc.async_save` blocks ≤ `dcp.async_save`: {a:.3f} s vs {d:.3f} s — {'met' if a <= d else 'MISSED'}")
     for saver, frac in (("streamckpt.async", None), ("streamckpt.async.budget", BUDGET_FRACTION)):
         delta = med(saver, "rss_delta")
         if delta is None:
@@ -333,7 +333,7 @@ def render_save(h: "Harness", title: str) -> list[str]:
     if len(ddp) > 2:
         lines += ["DDP: every rank holds the whole model (replicated plain tensors) and saves it collectively (gloo). "
                   "wall: the slowest rank's durable seconds; bytes written per rank: sizes of each rank's data files "
-                  "(streamckpt `data/<rank>.*`, DCP `__<rank>_*.distcp`), first repetition.", ""] + ddp + [""]
+                  "(streamckpt `data/<rank>-*`, DCP `__<rank>_*.distcp`), first repetition.", ""] + ddp + [""]
     checks = targets(h, mbps, balance)
     if checks:
         lines += ["Targets (issue 13):", ""] + checks + [""]

@@ -14,10 +14,8 @@ Memory: with ``staging_budget`` set, staged copies live in one block of that man
 items larger than a quarter of it are cut into row blocks or flat ranges first);
 when this rank's share is larger, ``async_save`` returns only once the rest has been
 staged, as buffers free up behind the upload — it then blocks for about the time it
-takes to upload ``share - staging_budget`` bytes. Uploads hold their own part buffers
-besides: ``PARTS_IN_FLIGHT`` × ``PART_SIZE`` of ``streamckpt.storage.store`` (32 MiB) for
-local files and s3fs; obstore's writer keeps up to 4 parts of 8 MiB in flight plus the
-one being filled (scenario (s) of BENCHMARKS.md measured budget + 55 MiB in all).
+takes to upload ``share - staging_budget`` bytes. Uploads hold their own buffers
+besides: ``writer.UploadShape`` (4 × 8 MiB by default).
 
 A process that exits with a save in flight cancels it (an ``atexit`` hook): nothing is
 committed, and the uploader is stopped before the interpreter shuts down (a thread killed

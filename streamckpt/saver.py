@@ -1,7 +1,8 @@
-"""One ``save`` on one rank: decide who writes what, stream data files, commit.
+"""One ``save`` on one rank: decide who writes what, upload data files, commit.
 
 Each distinct stored region is written once, by one of the ranks holding it,
-balanced by bytes (``writeplan``); every writing rank streams its own data file; rank 0 gathers the shard records,
+balanced by bytes (``writeplan``); every writing rank uploads its share as data files of a
+bounded size, several at once (``writer.write_data_files``); rank 0 gathers the shard records,
 validates the whole manifest (shards must tile every tensor exactly) and writes
 ``manifest.json`` last. Every step ends in failure agreement, so ``save``
 returns on every rank only after the commit, or raises on every rank.
@@ -24,15 +25,15 @@ from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointErr
 from .results import SaveResult
 from .storage import Storage
 from .targets import LocalTarget, TargetSpec, collect
-from .writer import DEFAULT_CHUNK_SIZE, ShardToWrite, write_data_file
+from .writer import DEFAULT_CHUNK_SIZE, ShardToWrite, UploadShape, write_data_files
 
 log = logging.getLogger(__name__)
 
 COMPRESSIONS = (None, "zstd")
 
 
-def _data_name(rank: int, compression: str | None) -> str:
-    return f"data/{rank:05d}.{'zst' if compression else 'safetensors'}"
+def _data_name(rank: int, index: int, compression: str | None) -> str:
+    return f"data/{rank:05d}-{index:04d}.{'zst' if compression else 'safetensors'}"
 
 
 def _check_layout(holders: dict[TargetSpec, list[int]]) -> None:
@@ -80,6 +81,7 @@ class Prepared:
     values: dict[str, Any]
     metadata: dict[str, Any]
     compression: str | None
+    upload: UploadShape
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -96,11 +98,13 @@ def prepare(
 ) -> Prepared:
     """Validate, gather every rank's specs and assign writers; raises the agreed error on every rank.
 
-    ``max_item_bytes`` cuts larger items into pieces (row blocks or flat ranges), so that
-    an item can be staged within a bounded buffer. ``cuda``: the CUDA runtime (a test's stand-in).
+    Items larger than a data file (``UploadShape.object_bytes``) or ``max_item_bytes`` are cut
+    into pieces (row blocks or flat ranges), so that each fits one upload buffer (and a
+    bounded staging buffer). ``cuda``: the CUDA runtime (a test's stand-in).
     """
     t0 = time.perf_counter()
     own: BaseException | None = None
+    upload = UploadShape()
     specs: list[TargetSpec] = []
     local: list[LocalTarget] = []
     values: dict[str, Any] = {}
@@ -112,6 +116,10 @@ def prepare(
                 json.dumps(metadata, allow_nan=False)
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"metadata must be a JSON-serializable dict ({e})") from None
+        try:
+            upload = UploadShape.from_env()
+        except ValueError as e:
+            raise CheckpointError(f"upload settings: {e}") from None
         local, slots = collect(state_dict, for_save=True)
         comm.prefer_device(cuda_devices(cuda or TorchCuda(), (t.tensor for t in local)))
         specs = [t.spec for t in local]
@@ -131,12 +139,12 @@ def prepare(
     try:
         _check_layout(writeplan.holders_of(all_specs))  # before any upload: a bad layout leaves no orphans
         items = writeplan.assign(all_specs)[comm.rank]
-        if max_item_bytes is not None:
-            items = [piece for it in items for piece in writeplan.split_item(it, max_item_bytes)]
+        cap = min(upload.object_bytes, max_item_bytes or upload.object_bytes)
+        items = [piece for it in items for piece in writeplan.split_item(it, cap)]
     except CheckpointError as e:
         own = e
     comm.agree(own)
-    return Prepared(all_specs, items, local, values, metadata or {}, compression, t0)
+    return Prepared(all_specs, items, local, values, metadata or {}, compression, upload, t0)
 
 
 def write_and_commit(
@@ -144,19 +152,18 @@ def write_and_commit(
     chunk_size: int = DEFAULT_CHUNK_SIZE, on_written: Callable[[int], None] | None = None,
     cuda: CudaApi | None = None,
 ) -> SaveResult:
-    """Stream this rank's data file, gather the shard records, commit the manifest on rank 0."""
+    """Upload this rank's data files, gather the shard records, commit the manifest on rank 0."""
     own: BaseException | None = None
     result = SaveResult(uri=storage.describe(""))
     records: list[tuple[str, mf.Shard]] = []
     files: dict[str, int] = {}
     try:
         if mine:
-            name = _data_name(comm.rank, prep.compression)
-            records, size = write_data_file(storage, name, mine, compression=prep.compression, chunk_size=chunk_size,
-                                            on_written=on_written, cuda=cuda)
-            files[name] = size
-            result.files.append(name)
-            result.bytes_written += size
+            records, files = write_data_files(
+                storage, lambda i: _data_name(comm.rank, i, prep.compression), mine, compression=prep.compression,
+                shape=prep.upload, chunk_size=chunk_size, on_written=on_written, cuda=cuda)
+            result.files.extend(files)
+            result.bytes_written += sum(files.values())
     except CheckpointError as e:
         own = e
     doc = {"files": files, "records": [[k, json.loads(json.dumps(mf._shard_doc(s)))] for k, s in records]}

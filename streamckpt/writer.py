@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 import zstandard
@@ -48,6 +49,8 @@ def chunk_size_for(nbytes: int, max_chunk: int, compressed: bool) -> int:
     pow2 = 1 << (target.bit_length() - 1)
     return max(min(floor, max_chunk), min(max_chunk, pow2))
 ZSTD_LEVEL = 3
+OBJECT_BYTES = 8 << 20  # a data file's size on upload (items are cut to fit): one request each
+UPLOAD_BUFFERS = 4  # data files being filled or in flight at once, per rank
 
 
 @dataclass(slots=True)
@@ -114,6 +117,71 @@ class _HostBytes:
             d2h.close()
 
 
+class _Sink(Protocol):
+    bytes_written: int
+
+    def write(self, data: memoryview) -> None: ...
+
+
+class _Body:
+    """One object's bytes assembled in a reused upload buffer."""
+
+    def __init__(self, buf: bytearray) -> None:
+        self.buf = buf
+        self.bytes_written = 0
+
+    def write(self, data: memoryview) -> None:
+        end = self.bytes_written + len(data)
+        if end > len(self.buf):  # zstd frames a little larger than their input
+            self.buf = self.buf[:self.bytes_written] + bytearray(max(end - self.bytes_written, len(self.buf) // 8))
+        self.buf[self.bytes_written:end] = data
+        self.bytes_written = end
+
+
+@dataclass
+class _Encoder:
+    """Writes shards' bytes into a sink chunk by chunk (CRC32C per chunk, a zstd frame per
+    chunk when compressing) and makes their manifest records."""
+
+    compression: str | None
+    chunk_size: int
+    host: _HostBytes
+
+    def __post_init__(self) -> None:
+        self.cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL) if self.compression == "zstd" else None
+
+    def header(self, items: Sequence[ShardToWrite]) -> bytes:
+        return b"" if self.cctx is not None else _safetensors_header(items)[0]
+
+    def shard(self, sink: _Sink, name: str, it: ShardToWrite) -> Shard:
+        cctx = self.cctx
+        start = sink.bytes_written
+        nbytes = it.tensor.numel() * it.tensor.element_size()
+        chunk = chunk_size_for(nbytes, self.chunk_size, cctx is not None)
+        crcs: list[int] = []
+        frames: list[int] = []
+        for span in self.host.spans(it.tensor, chunk):
+            for lo in range(0, span.numel(), chunk):
+                mv = memoryview(span[lo: lo + chunk].numpy())
+                if cctx is not None:
+                    mv = memoryview(cctx.compress(mv))
+                    frames.append(len(mv))
+                crcs.append(crc32c(mv))
+                sink.write(mv)
+        spec = it.spec
+        return Shard(
+            offset=spec.offset, shape=spec.shape, file=name,
+            byte_offset=start, byte_length=sink.bytes_written - start,
+            flat_range=spec.flat_range, codec="zstd" if cctx else "raw",
+            chunk_size=chunk, crc32c=tuple(crcs),
+            frame_lengths=tuple(frames) if cctx else None,
+        )
+
+
+def _host_for(cuda: CudaApi | None) -> _HostBytes:
+    return _HostBytes(cuda if cuda is not None else (TorchCuda() if torch.cuda.is_available() else None))
+
+
 def write_data_file(
     storage: Storage,
     name: str,
@@ -124,48 +192,113 @@ def write_data_file(
     cuda: CudaApi | None = None,
     on_written: Callable[[int], None] | None = None,
 ) -> tuple[list[tuple[str, Shard]], int]:
-    """Stream ``items`` into file ``name``; return ``(key, Shard)`` records and the file size.
+    """Stream ``items`` into one file ``name`` (a multipart upload when large); return
+    ``(key, Shard)`` records and the file size.
 
     ``on_written(i)`` is called once item ``i``'s bytes have been handed to the upload (its
     tensor is no longer read: a staged copy can be freed)."""
     records: list[tuple[str, Shard]] = []
-    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL) if compression == "zstd" else None
-    host = _HostBytes(cuda if cuda is not None else (TorchCuda() if torch.cuda.is_available() else None))
+    enc = _Encoder(compression, chunk_size, _host_for(cuda))
     size_hint = sum(it.spec.nbytes for it in items) + (1 << 20)  # zstd: at most about the raw size
     try:
         with storage.open_write(name, size_hint=size_hint) as up:
-            if cctx is None:
-                head, _ = _safetensors_header(items)
-                up.write(head)
+            up.write(enc.header(items))
             for i, it in enumerate(items):
-                start = up.bytes_written
-                nbytes = it.tensor.numel() * it.tensor.element_size()
-                chunk = chunk_size_for(nbytes, chunk_size, cctx is not None)
-                crcs: list[int] = []
-                frames: list[int] = []
-                for span in host.spans(it.tensor, chunk):
-                    for lo in range(0, span.numel(), chunk):
-                        mv = memoryview(span[lo: lo + chunk].numpy())
-                        if cctx is not None:
-                            mv = memoryview(cctx.compress(mv))
-                            frames.append(len(mv))
-                        crcs.append(crc32c(mv))
-                        up.write(mv)
-                spec = it.spec
-                records.append((spec.key, Shard(
-                    offset=spec.offset, shape=spec.shape, file=name,
-                    byte_offset=start, byte_length=up.bytes_written - start,
-                    flat_range=spec.flat_range, codec="zstd" if cctx else "raw",
-                    chunk_size=chunk, crc32c=tuple(crcs),
-                    frame_lengths=tuple(frames) if cctx else None,
-                )))
+                records.append((it.spec.key, enc.shard(up, name, it)))
                 if on_written is not None:
                     on_written(i)
             size = up.bytes_written
     finally:
-        host.close()
+        enc.host.close()
     log.debug("wrote %s: %d shards, %d bytes", storage.describe(name), len(records), size)
     return records, size
+
+
+@dataclass(frozen=True, slots=True)
+class UploadShape:
+    """How a rank's share goes up: data files of about ``object_bytes`` (items are cut to fit
+    before), each one request, up to ``buffers`` of them being filled or in flight. The
+    save's upload memory is ``buffers`` × ``object_bytes``. Environment:
+    ``STREAMCKPT_UPLOAD_OBJECT_BYTES``, ``STREAMCKPT_UPLOAD_BUFFERS``."""
+
+    object_bytes: int = OBJECT_BYTES
+    buffers: int = UPLOAD_BUFFERS
+
+    @classmethod
+    def from_env(cls) -> "UploadShape":
+        def num(var: str, default: int, low: int) -> int:
+            raw = os.environ.get(var)
+            try:
+                value = int(raw) if raw else default
+            except ValueError:
+                raise ValueError(f"{var}={raw!r} is not a whole number") from None
+            if value < low:
+                raise ValueError(f"{var}={value} is below the minimum {low}")
+            return value
+
+        return cls(num("STREAMCKPT_UPLOAD_OBJECT_BYTES", OBJECT_BYTES, 1 << 20),
+                   num("STREAMCKPT_UPLOAD_BUFFERS", UPLOAD_BUFFERS, 1))
+
+
+def pack(sizes: Sequence[int], limit: int) -> list[range]:
+    """Consecutive items grouped into files of at most ``limit`` bytes (an item larger than
+    that gets a file of its own)."""
+    groups: list[range] = []
+    start, total = 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and total + n > limit:
+            groups.append(range(start, i))
+            start, total = i, 0
+        total += n
+    if start < len(sizes):
+        groups.append(range(start, len(sizes)))
+    return groups
+
+
+def write_data_files(
+    storage: Storage,
+    name_of: Callable[[int], str],
+    items: Sequence[ShardToWrite],
+    *,
+    compression: str | None,
+    shape: UploadShape | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    cuda: CudaApi | None = None,
+    on_written: Callable[[int], None] | None = None,
+) -> tuple[list[tuple[str, Shard]], dict[str, int]]:
+    """Write ``items`` as data files ``name_of(0)``, ``name_of(1)``, … of about
+    ``shape.object_bytes`` each, uploaded several at once, one request per file; return the
+    ``(key, Shard)`` records and every file's size. The caller's thread encodes (copy +
+    CRC32C, or zstd) into a free upload buffer while earlier files are in flight; a tensor
+    is read once. ``on_written`` as in ``write_data_file``. On failure the files already
+    written are deleted (best effort) and the error raised."""
+    shape = shape or UploadShape.from_env()
+    enc = _Encoder(compression, chunk_size, _host_for(cuda))
+    queue = storage.open_objects(buffers=shape.buffers, buffer_bytes=shape.object_bytes + (64 << 10))
+    records: list[tuple[str, Shard]] = []
+    sizes: dict[str, int] = {}
+    try:
+        for f, group in enumerate(pack([it.spec.nbytes for it in items], shape.object_bytes)):
+            name = name_of(f)
+            mine = [items[i] for i in group]
+            head = enc.header(mine)
+            body = _Body(queue.buffer(len(head) + sum(it.spec.nbytes for it in mine)))
+            body.write(memoryview(head))
+            for i, it in zip(group, mine):
+                records.append((it.spec.key, enc.shard(body, name, it)))
+                if on_written is not None:
+                    on_written(i)
+            queue.submit(name, body.buf, body.bytes_written)
+            sizes[name] = body.bytes_written
+        queue.finish()
+    except BaseException:
+        queue.abort()
+        raise
+    finally:
+        enc.host.close()
+    log.debug("wrote %d data files under %s: %d shards, %d bytes", len(sizes), storage.describe("data"),
+              len(records), sum(sizes.values()))
+    return records, sizes
 
 
 def check_tensor_bytes(spec: TargetSpec, tensor: torch.Tensor) -> None:

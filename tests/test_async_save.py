@@ -96,13 +96,13 @@ def test_upload_fault_raises_on_every_rank_and_commits_nothing(
 ) -> None:
     """Rank 1's data file can never be uploaded: both ranks' result() raise, no manifest."""
     with FaultProxy(local_s3.endpoint_url, faults=["slowdown"], rate=1.0, methods=("PUT",), max_repeats=10**9,
-                    match=lambda m, p: "00001.safetensors" in p) as proxy:
+                    match=lambda m, p: "00001-0000.safetensors" in p) as proxy:
         opts = {**proxy.storage_options}
         ranks = run_ranks(2, async_fault_worker, kwargs={"uri": s3_uri, "opts": opts}, timeout=150,
                           env={"STREAMCKPT_MAX_ATTEMPTS": "2", "STREAMCKPT_TOTAL_TIMEOUT": "3"})
     errors = [r.value for r in ranks]
     assert all(r.ok for r in ranks), [r.error for r in ranks]
-    assert errors[1]["error"] == "StorageError" and "data/00001.safetensors" in errors[1]["msg"]
+    assert errors[1]["error"] == "StorageError" and "data/00001-0000.safetensors" in errors[1]["msg"]
     assert errors[0]["error"] in ("StorageError", "PeerError") and "rank 1" in errors[0]["msg"]
     assert not Storage(s3_uri, s3_opts).exists("manifest.json")
 
@@ -128,7 +128,7 @@ def test_two_rank_async_save_round_trip_balanced(s3_uri: str, s3_opts: dict[str,
     values = [r.value for r in ranks]
     assert all(v["ok"] and v["reduced"] == 2.0 for v in values)
     st = Storage(s3_uri, s3_opts)
-    sizes = [st.size(f"data/0000{r}.safetensors") for r in range(2)]
+    sizes = [st.size(f"data/0000{r}-0000.safetensors") for r in range(2)]
     assert max(sizes) / (sum(sizes) / 2) <= 1.1, sizes
 
 

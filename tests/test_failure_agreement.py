@@ -142,7 +142,7 @@ def corrupt_data_object(ctx: Ctx, rank: int, world: int) -> dict[str, Any]:
     sd = {"w": sharded(full("w"), 0, world, rank)[0], "b": full("b").clone(), "step": 3}
     sc.save(sd, ctx.uri("corrupt"), storage_options=ctx.opts)
     if rank == 0:
-        _flip_byte(ctx, "corrupt", "data/00001.safetensors", "w")
+        _flip_byte(ctx, "corrupt", "data/00001-0000.safetensors", "w")
     dist.barrier()
     sd, expect = targets(rank, world)
     sc.load(sd, ctx.uri("corrupt"), storage_options=ctx.opts)
@@ -158,7 +158,7 @@ def data_file_deleted(ctx: Ctx, rank: int, world: int) -> dict[str, Any]:
     sd = {"w": sharded(full("w"), 0, world, rank)[0], "b": full("b").clone()}
     sc.save(sd, ctx.uri("deleted"), storage_options=ctx.opts)
     if rank == 0:
-        s3fs.S3FileSystem(skip_instance_cache=True, **ctx.opts).rm(f"{ctx.uri('deleted')}/data/00002.safetensors")
+        s3fs.S3FileSystem(skip_instance_cache=True, **ctx.opts).rm(f"{ctx.uri('deleted')}/data/00002-0000.safetensors")
     dist.barrier()
     sd, expect = targets(rank, world)
     sc.load(sd, ctx.uri("deleted"), storage_options=ctx.opts, strict=False)
@@ -312,7 +312,7 @@ def test_corrupted_data_object_raises_corrupt_on_reader_and_error_everywhere(run
     readers = [r for r, e in enumerate(errs) if not e.msg.startswith("rank ")]
     assert readers, [str(e) for e in errs]
     for r, e in enumerate(errs):
-        assert "data/00001.safetensors" in e.msg and "bytes [" in e.msg, e
+        assert "data/00001-0000.safetensors" in e.msg and "bytes [" in e.msg, e
         if r not in readers:
             assert e.msg.startswith(f"rank {readers[0]} failed"), e
 
@@ -320,7 +320,7 @@ def test_corrupted_data_object_raises_corrupt_on_reader_and_error_everywhere(run
 def test_deleted_data_object_raises_everywhere(runs: ScenarioResults) -> None:
     # a committed checkpoint missing a listed object is corrupt (not "not found"), on every rank
     errs = assert_all_raise(runs, "data_file_deleted", own={}, others="CorruptCheckpointError")
-    assert any("data/00002.safetensors" in e.msg for e in errs), [str(e) for e in errs]
+    assert any("data/00002-0000.safetensors" in e.msg for e in errs), [str(e) for e in errs]
 
 
 def test_save_with_bad_value_on_one_rank_raises_everywhere(runs: ScenarioResults, root: str, opts: dict[str, Any]) -> None:

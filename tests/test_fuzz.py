@@ -65,7 +65,7 @@ def valid_docs(draw: st.DrawFn) -> dict[str, Any]:
     files: dict[str, int] = {}
     tensors: dict[str, Any] = {}
     pos = 8
-    fname = "data/00000.safetensors"
+    fname = "data/00000-0000.safetensors"
     for ti in range(draw(st.integers(1, 3))):
         shape = draw(st.lists(st.integers(0, 5), min_size=0, max_size=3))
         code = draw(st.sampled_from(sorted(DTYPES)))
@@ -120,7 +120,7 @@ NASTY = st.one_of(
     st.sampled_from([-1, 0, 1, 2**31, 2**32, 2**63, 2**64, 10**30]),
     st.floats(allow_nan=False, allow_infinity=False),
     st.sampled_from(["", "..", "../x", "/etc/passwd", "s3://other/x", "//b/x", "a/../../b", "F32", "zstd",
-                     "raw", "C:x", "x\x00", "\u2025", "data/00000.safetensors"]),
+                     "raw", "C:x", "x\x00", "\u2025", "data/00000-0000.safetensors"]),
     st.text(max_size=8),
     st.lists(st.integers(-3, 2**40), max_size=5),
     st.dictionaries(st.text(max_size=4), st.integers(), max_size=3),

@@ -86,7 +86,7 @@ def test_every_dtype_nested_keys_and_values_round_trip(gcs_uri: str, gcs_opts: d
     sd: dict[str, Any] = {"t": dict(tensors), "scalar": torch.tensor(2.5, dtype=torch.float64),
                           "empty": torch.zeros(0, 3), "step": 42, "sched": {"lr": 0.5, "milestones": [3, 9]}}
     res = sc.save(sd, gcs_uri, storage_options=gcs_opts, metadata={"run": "gcs"})
-    assert res.files == ["data/00000.safetensors", "manifest.json"] and res.bytes_written > 0
+    assert res.files == ["data/00000-0000.safetensors", "manifest.json"] and res.bytes_written > 0
 
     out: dict[str, Any] = {"t": {k: torch.zeros_like(v) for k, v in tensors.items()},
                            "scalar": torch.tensor(0.0, dtype=torch.float64), "empty": torch.ones(0, 3),
@@ -174,7 +174,7 @@ def test_latest_returns_newest_committed(gcs_uri: str, gcs_opts: dict[str, Any])
     sc.save({"x": torch.ones(3)}, f"{gcs_uri}/step-1", storage_options=gcs_opts)
     sc.save({"x": torch.ones(3) * 2}, f"{gcs_uri}/step-2", storage_options=gcs_opts)
     # step-3 died before its commit: data but no manifest
-    Storage(f"{gcs_uri}/step-3", gcs_opts).write_bytes("data/00000.safetensors", b"partial")
+    Storage(f"{gcs_uri}/step-3", gcs_opts).write_bytes("data/00000-0000.safetensors", b"partial")
     newest = sc.latest(gcs_uri, storage_options=gcs_opts)
     assert newest == f"{gcs_uri}/step-2"
     assert sc.load_full(newest, storage_options=gcs_opts)["x"].tolist() == [2.0, 2.0, 2.0]
@@ -194,8 +194,8 @@ def test_missing_checkpoint_and_object_are_not_found(gcs_uri: str, gcs_opts: dic
         st.read_bytes("manifest.json")
     # A committed checkpoint whose data file is gone is broken, not absent: the error names the file.
     sc.save({"a": torch.ones(4)}, gcs_uri, storage_options=gcs_opts)
-    st.delete("data/00000.safetensors")
-    with pytest.raises(CorruptCheckpointError, match="data/00000.safetensors does not exist, but the checkpoint"):
+    st.delete("data/00000-0000.safetensors")
+    with pytest.raises(CorruptCheckpointError, match="data/00000-0000.safetensors does not exist, but the checkpoint"):
         sc.load({"a": torch.zeros(4)}, gcs_uri, storage_options=gcs_opts)
 
 
@@ -335,7 +335,7 @@ def test_saved_by_4_ranks_loaded_by_3_in_other_layouts(local_gcs: LocalGCS, gcs_
     saved = [r.unwrap() for r in run_ranks(4, save4_worker, kwargs={"uri": gcs_uri, "opts": gcs_opts},
                                            env=local_gcs.env, timeout=180)]
     assert [[f for f in s["files"] if f.startswith("data/")] for s in saved] == [
-        [f"data/{i:05d}.safetensors"] for i in range(4)
+        [f"data/{i:05d}-0000.safetensors"] for i in range(4)
     ]
     info = sc.inspect(gcs_uri, storage_options=gcs_opts)
     assert info.tensors["rep"].shards == 1  # replicated on 4 ranks, stored once

@@ -584,7 +584,7 @@ def _saved(w4: ScenarioResults, name: str) -> None:
 def test_save_rows_by_4_ranks_writes_one_file_per_rank(w4: ScenarioResults, root: str, opts: dict[str, Any]) -> None:
     res = w4.values("save_rows4")
     assert [[f for f in r["files"] if f.startswith("data/")] for r in res] == [
-        [f"data/{i:05d}.safetensors"] for i in range(4)
+        [f"data/{i:05d}-0000.safetensors"] for i in range(4)
     ]
     assert "manifest.json" in res[0]["files"] and all(r["bytes_written"] > 0 for r in res)
     info = sc.inspect(f"{root}/rows4", storage_options=opts)
@@ -626,8 +626,8 @@ def test_rows_and_dtensor_into_mesh2x2(w4: ScenarioResults) -> None:
 def test_w2_checkpoint_loaded_by_3_ranks_through_subgroups(w4: ScenarioResults) -> None:
     saved = w4.values("save_w2_subgroup")
     assert saved[0] is None and saved[1] is None and all(saved[i]["bytes_written"] > 0 for i in G2)
-    assert saved[2]["files"] == ["data/00000.safetensors", "manifest.json"]
-    assert saved[3]["files"] == ["data/00001.safetensors"]
+    assert saved[2]["files"] == ["data/00000-0000.safetensors", "manifest.json"]
+    assert saved[3]["files"] == ["data/00001-0000.safetensors"]
     stats = w4.values("load_w2_into_w3_subgroup")
     assert stats[0] is None
     need = math.prod(W2[0]) * 4
@@ -646,7 +646,7 @@ def test_replicated_tensor_saved_by_2_ranks_is_written_once(
     manifest = json.loads(fs.cat(f"{root}/rep2/manifest.json"))
     rep_shards = manifest["tensors"]["rep"]["shards"]
     assert len(rep_shards) == 1, rep_shards
-    assert rep_shards[0]["file"] == "data/00000.safetensors"
+    assert rep_shards[0]["file"] == "data/00000-0000.safetensors"
     assert len(manifest["tensors"]["own"]["shards"]) == 2
     rep_bytes = math.prod(REP[0]) * 4
     own_half = math.prod(OWN[0]) * 4 // 2
@@ -655,7 +655,7 @@ def test_replicated_tensor_saved_by_2_ranks_is_written_once(
     assert own_half <= res[3]["bytes_written"] < own_half + 4096  # group rank 1
     assert res[2]["bytes_written"] >= rep_bytes + own_half
     sizes = {k: v["size"] for k, v in manifest["files"].items()}
-    assert sizes["data/00001.safetensors"] < rep_bytes
+    assert sizes["data/00001-0000.safetensors"] < rep_bytes
     assert sorted(fs.ls(f"{root}/rep2/data", detail=False)) == sorted(
         f"{root}/rep2/{k}".removeprefix("s3://") for k in sizes
     )
@@ -874,12 +874,12 @@ def test_overwrite_by_fewer_ranks_removes_stale_files(w4: ScenarioResults, root:
     res = w4.values("overwrite_by_fewer_ranks")
     assert res[0] is None and res[1] is None
     info = sc.inspect(f"{root}/ow", storage_options=opts)
-    assert sorted(k for k in info.files if k.startswith("data/")) == ["data/00000.safetensors", "data/00001.safetensors"]
+    assert sorted(k for k in info.files if k.startswith("data/")) == ["data/00000-0000.safetensors", "data/00001-0000.safetensors"]
     import s3fs
 
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
     listed = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/ow/data", detail=False, refresh=True))
-    assert listed == ["00000.safetensors", "00001.safetensors"], listed
+    assert listed == ["00000-0000.safetensors", "00001-0000.safetensors"], listed
     check_equal("w", sc.load_full(f"{root}/ow", storage_options=opts)["w"], full("w") * 2)
 
 

@@ -159,7 +159,7 @@ def test_latest_ignores_uncommitted(s3_uri, s3_opts):
     sc.save({"x": torch.ones(3)}, f"{root}/step-1", storage_options=s3_opts)
     sc.save({"x": torch.ones(3) * 2}, f"{root}/step-2", storage_options=s3_opts)
     st = Storage(f"{root}/step-3", s3_opts)
-    st.write_bytes("data/00000.safetensors", b"partial upload")  # no manifest: uncommitted
+    st.write_bytes("data/00000-0000.safetensors", b"partial upload")  # no manifest: uncommitted
     assert sc.latest(root, storage_options=s3_opts) == f"{root}/step-2"
     assert sc.latest(f"{root}/nothing-here", storage_options=s3_opts) is None
 
@@ -220,5 +220,5 @@ def test_data_files_are_valid_safetensors(tmp_path):
 
     t = torch.randn(30, 4)
     sc.save({"w": t, "v": torch.arange(5)}, str(tmp_path / "c"))
-    loaded = load_file(str(tmp_path / "c" / "data" / "00000.safetensors"))
+    loaded = load_file(str(tmp_path / "c" / "data" / "00000-0000.safetensors"))
     assert torch.equal(loaded["w@0,0"], t) and torch.equal(loaded["v@0"], torch.arange(5))

@@ -17,7 +17,7 @@ from streamckpt.manifest import MAX_MANIFEST_BYTES, from_json
 from streamckpt.storage import Storage
 from streamckpt.testing import FaultProxy, LocalS3
 
-DATA = "data/00000.safetensors"
+DATA = "data/00000-0000.safetensors"
 
 
 def _doc() -> dict[str, Any]:

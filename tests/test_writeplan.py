@@ -166,8 +166,8 @@ def test_ddp_save_on_two_ranks_splits_the_bytes(s3_uri: str, s3_opts: dict[str, 
     assert all(r.ok for r in ranks), [r.error for r in ranks]
     values = [r.value for r in ranks]
     assert all(v["equal"] for v in values)
-    assert [v["files"][0] for v in values] == ["data/00000.safetensors", "data/00001.safetensors"]
+    assert [v["files"][0] for v in values] == ["data/00000-0000.safetensors", "data/00001-0000.safetensors"]
     st = Storage(s3_uri, s3_opts)
-    written = [st.size("data/00000.safetensors"), st.size("data/00001.safetensors")]
+    written = [st.size("data/00000-0000.safetensors"), st.size("data/00001-0000.safetensors")]
     assert values[1]["bytes"] == written[1]
     assert max(written) / (sum(written) / 2) <= 1.1, written

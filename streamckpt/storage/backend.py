@@ -96,7 +96,8 @@ class PartSink(abc.ABC):
 
     @abc.abstractmethod
     async def put_whole(self, data: memoryview) -> None:
-        """Write the object in one request (it fits in one part)."""
+        """Write the object in one request (it fits in one part); ``data`` is the caller's
+        again once this returns (a sink keeps no reference to it)."""
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -338,7 +338,8 @@ class ObstoreSink(PartSink):
         import obstore
 
         store = self._b.store(self._bucket, writes=True)
-        await self._call(lambda: obstore.put(store, self._key, bytes(data), use_multipart=False))
+        # No copy: ``put`` returns only once the request is done with the caller's buffer.
+        await self._call(lambda: obstore.put(store, self._key, data, use_multipart=False))
 
     async def start(self) -> None:
         import obstore

@@ -30,7 +30,7 @@ from .obstore_backend import ObstoreBackend
 from .policy import Describer, RetryPolicy, not_found_message
 from .reads import RangeRead, Reader
 from .s3fs_backend import S3fsBackend, s3fs_options
-from .uploads import Upload
+from .uploads import ObjectQueue, Upload
 
 log = logging.getLogger(__name__)
 
@@ -308,8 +308,18 @@ class Storage:
 
     def write_bytes(self, name: str, data: bytes | bytearray | memoryview) -> None:
         """Write a small object whole (one request where the store allows it)."""
+        self.write_bytes_async(name, data).result()
+
+    def write_bytes_async(self, name: str, data: bytes | bytearray | memoryview) -> "cf.Future[None]":
+        """``write_bytes`` in the background, retried under the policy: ``data`` must stay
+        unchanged until the future is done."""
         sink = self._write_backend.sink(self.path(name))
-        self._call(f"writing {self.describe(name)}", sink.put_whole, memoryview(data).cast("B"))
+        coro = self._reader.call(f"writing {self.describe(name)}", sink.put_whole, memoryview(data).cast("B"))
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def open_objects(self, *, buffers: int, buffer_bytes: int) -> ObjectQueue:
+        """Whole objects uploaded several at once from ``buffers`` reused buffers (see ``ObjectQueue``)."""
+        return ObjectQueue(self.write_bytes_async, self.delete, buffers=buffers, buffer_bytes=buffer_bytes)
 
     def delete(self, name: str, *, recursive: bool = False) -> None:
         try:

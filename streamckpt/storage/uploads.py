@@ -146,3 +146,83 @@ class Upload:
         self._buf = bytearray()
         self._free.clear()
 
+
+
+class ObjectQueue:
+    """Whole objects uploaded in the background, several at once, from a bounded set of
+    reused buffers: one request per object (no multipart round trips or server-side
+    concatenation), each retried whole under the policy.
+
+    The saving thread asks for a buffer (``buffer``), fills it and hands it back with
+    ``submit``; when all ``buffers`` are busy, ``buffer`` waits for the oldest upload and
+    reuses its buffer. Memory: at most ``buffers`` buffers of about ``buffer_bytes``.
+    ``finish`` waits for every upload and raises the first failure; after a failure the
+    objects already written are deleted (best effort), so a failed save leaves little behind.
+    """
+
+    def __init__(self, put: Callable[[str, memoryview], "cf.Future[Any]"], delete: Callable[[str], None], *,
+                 buffers: int, buffer_bytes: int) -> None:
+        self._put = put
+        self._delete = delete
+        self.buffers = max(1, buffers)
+        self.buffer_bytes = max(1, buffer_bytes)
+        self._sending: collections.deque[tuple[str, cf.Future[Any], bytearray]] = collections.deque()
+        self._free: list[bytearray] = []
+        self._made = 0
+        self._written: list[str] = []
+
+    def buffer(self, nbytes: int) -> bytearray:
+        """A buffer of at least ``nbytes`` that no upload is reading."""
+        if not self._free and self._made >= self.buffers:
+            self._wait_oldest()
+        buf = self._free.pop() if self._free else None
+        if buf is None:
+            self._made += 1
+        if buf is None or len(buf) < nbytes:
+            buf = bytearray(max(nbytes, self.buffer_bytes))  # a fresh one: the old may still be exported
+        return buf
+
+    def submit(self, name: str, buf: bytearray, nbytes: int) -> None:
+        """Upload ``buf[:nbytes]`` as object ``name``; ``buf`` is the queue's until that ends."""
+        self._sending.append((name, self._put(name, memoryview(buf)[:nbytes]), buf))
+
+    def finish(self) -> list[str]:
+        """Wait for every upload; the names written (raises the first failure)."""
+        try:
+            while self._sending:
+                self._wait_oldest()
+        except BaseException:
+            self.abort()
+            raise
+        self._free.clear()
+        return list(self._written)
+
+    def abort(self) -> None:
+        """Wait for the uploads in flight, then delete what this queue wrote (best effort)."""
+        for name, fut, _ in self._sending:
+            try:
+                fut.result()
+                self._written.append(name)
+            except BaseException:  # noqa: BLE001 - the save is failing anyway
+                pass
+        self._sending.clear()
+        self._free.clear()
+        for name in self._written:
+            try:
+                self._delete(name)
+            except Exception as e:  # noqa: BLE001 - best effort on an already failing path
+                log.warning("could not delete %s after a failed save: %s", name, e)
+        self._written.clear()
+
+    def _wait_oldest(self) -> None:
+        name, fut, buf = self._sending.popleft()
+        try:
+            fut.result()
+        except CheckpointError:
+            self._sending.appendleft((name, fut, buf))  # abort() sees it as failed
+            raise
+        except Exception as e:  # noqa: BLE001 - a sink failing outside the policy's kinds
+            self._sending.appendleft((name, fut, buf))
+            raise StorageError(f"writing {name} failed: {type(e).__name__}: {e}") from None
+        self._written.append(name)
+        self._free.append(buf)
