@@ -11,7 +11,8 @@ save's.
 
 Memory: with ``staging_budget`` set, staged copies live in one block of that many bytes
 (``staging``: a ring, pinned for CUDA tensors, kept for the next save on the group;
-items larger than a quarter of it are cut into row blocks or flat ranges first);
+items larger than a quarter of it are cut into row blocks or flat ranges first; without
+a budget the block is the share's size, kept for the next save that fits in it);
 when this rank's share is larger, ``async_save`` returns only once the rest has been
 staged, as buffers free up behind the upload — it then blocks for about the time it
 takes to upload ``share - staging_budget`` bytes. Uploads hold their own buffers
@@ -120,9 +121,11 @@ class _Session:
     last: SaveHandle | None = None
     area: StagingArea | None = None  # kept for the next save with the same budget
 
-    def staging(self, budget: int | None, gpu: torch.device | None) -> StagingArea:
-        if self.area is None or self.area.budget != budget or self.area.gpu != gpu:
-            self.area = StagingArea(budget, gpu)
+    def staging(self, budget: int | None, gpu: torch.device | None, share: int) -> StagingArea:
+        """The staging area for a save of ``share`` bytes (``StagingArea.needed``), reused when it fits."""
+        if self.area is None or not self.area.fits(budget, gpu, share):
+            self.area = None  # the old block goes before the new one is made
+            self.area = StagingArea(budget, gpu, size=share if budget is None else None)
         self.area.reset()
         return self.area
 
@@ -179,7 +182,8 @@ def async_save(
         storage.close()
         raise
     gpu = next((t.tensor.device for t in prep.local if t.tensor.device.type == "cuda"), None)
-    handle = _start(session.comm, storage, prep, session.staging(staging_budget, gpu))
+    share = StagingArea.needed(it.spec.nbytes for it in prep.items)
+    handle = _start(session.comm, storage, prep, session.staging(staging_budget, gpu, share))
     session.last = handle
     return handle
 

@@ -84,3 +84,21 @@ def test_without_a_budget_every_copy_is_its_own() -> None:
     got = area.copy(torch.arange(10))
     assert torch.equal(got, torch.arange(10))
     area.release()
+
+
+def test_without_a_budget_the_share_sized_block_is_reused() -> None:
+    sizes = [4000, 64, 1]
+    share = StagingArea.needed(sizes)
+    assert share == 4032 + 64 + 64  # each copy 64-byte aligned
+    area = StagingArea(None, size=share)
+    assert area.block is not None and area.block.numel() == share
+    first = [area.copy(torch.full((n,), i + 1, dtype=torch.uint8)) for i, n in enumerate(sizes)]
+    assert [_offset(area, t) for t in first] == [0, 4032, 4096]  # all live at once, in one block
+    assert all(torch.equal(t, torch.full((n,), i + 1, dtype=torch.uint8)) for i, (t, n) in enumerate(zip(first, sizes)))
+    for _ in sizes:
+        area.release()
+    assert area.fits(None, None, share) and area.fits(None, None, share - 100)
+    assert not area.fits(None, None, share + 1) and not area.fits(share, None, share)
+    area.reset()
+    again = area.copy(torch.full((100,), 9, dtype=torch.uint8))
+    assert _offset(area, again) == 0 and torch.equal(again, torch.full((100,), 9, dtype=torch.uint8))
