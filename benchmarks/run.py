@@ -44,6 +44,7 @@ DATASET = {
     "streamckpt": {"a": "hf", "b": "hf", "c": "sc_rows4", "d": "hf", "e": "sc_rows4_zstd"},
     "streamckpt.s3fs": {"a": "hf", "b": "hf", "c": "sc_rows4", "d": "hf", "e": "sc_rows4_zstd"},
     "streamckpt.load_full": {"a": "hf", "e": "sc_rows4_zstd"},
+    "streamckpt.dcp": {"a": "dcp_full", "b": "dcp_full"},
     "naive": {"a": "hf", "b": "hf", "c": "naive_rows4", "d": "hf", "e": "naive_zst"},
     "dcp-fsspec": {"a": "dcp_full", "b": "dcp_full", "c": "dcp_rows4", "d": "dcp_full", "e": "dcp_rows4_zstd"},
     "s3torchconnector": {"a": "dcp_full", "b": "dcp_full", "c": "dcp_rows4", "d": "dcp_full", "e": "dcp_rows4_zstd"},
@@ -391,7 +392,8 @@ class Harness:
         elif self.args.quick:
             base = ["streamckpt", "naive", "ceiling"]
         else:
-            base = ["streamckpt", "streamckpt.s3fs", "streamckpt.load_full", *PEERS, "ceiling", "ceiling.obstore"]
+            base = ["streamckpt", "streamckpt.s3fs", "streamckpt.load_full", "streamckpt.dcp", *PEERS, "ceiling",
+                    "ceiling.obstore"]
         return [b for b in base if b.startswith("ceiling") or scenario in DATASET.get(b, {}) or b == "runai"]
 
     def run_scenario(self, scenario: str) -> None:
@@ -627,6 +629,33 @@ def targets_check(h: Harness, figures: dict[str, dict[str, float]]) -> list[str]
     return out
 
 
+def targets_16(h: Harness, figures: dict[str, dict[str, float]]) -> list[str]:
+    """Issue 16's goals from this run: speed-ups over the best peer of the scenario (any
+    peer, whatever format it reads), the full-GET fraction, and the metadata path at scale."""
+    out = []
+    for sc, loader, what, goal in (("a", "streamckpt", "full HF load", 2.0), ("a", "streamckpt.dcp", "full DCP load", 2.0),
+                                   ("b", "streamckpt", "HF TP slice", 3.0), ("b", "streamckpt.dcp", "DCP TP slice", 3.0)):
+        g = figures.get(sc, {})
+        peers = [(p, g[p]) for p in PEERS if p in g]
+        if loader in g and peers:
+            name, best = max(peers, key=lambda x: x[1])
+            r = g[loader] / best
+            out.append(f"- ({sc}) {what} (`{loader}`) ≥ {goal}× the best peer ({name}): {r:.2f}× — "
+                       f"{'met' if r >= goal else 'MISSED'}")
+    g = figures.get("a", {})
+    if "streamckpt" in g and "curl" in g:
+        r = g["streamckpt"] / g["curl"]
+        out.append(f"- (a) full HF load ≥ 0.35 of curl's full GETs: {r:.2f} — {'met' if r >= 0.35 else 'MISSED'}")
+    for row in h.metadata_rows:
+        if row.get("ranks") == 4096 and row.get("path") == "specwire":
+            mib, total = row.get("received MiB/rank"), row.get("metadata + plan s")
+            if mib is not None and total is not None:
+                ok = mib <= 4 and total < 1.5
+                out.append(f"- (f) 4096 ranks: received ≤ 4 MiB and metadata + plan < 1.5 s per rank: {mib} MiB, "
+                           f"{total} s — {'met' if ok else 'MISSED'}")
+    return out
+
+
 def render(h: Harness, argv: list[str], wall: float) -> str:
     v = versions()
     m = h.model
@@ -683,7 +712,8 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
         "through obstore (Rust) to show whether the Python client is the limit. × curl: ÷ curl full GETs of the objects holding "
         "those bytes (8 in parallel).",
         "- `streamckpt` reads through its default client (obstore, when installed and the options map onto it); "
-        "`streamckpt.s3fs` is the same loader on its s3fs fallback (`STREAMCKPT_S3_BACKEND=s3fs`).",
+        "`streamckpt.s3fs` is the same loader on its s3fs fallback (`STREAMCKPT_S3_BACKEND=s3fs`); "
+        "`streamckpt.dcp` is `sc.load` reading the DCP checkpoint `dcp_full` in place (the peers' own input).",
         "- read ampl.: body bytes the server sent (its own counter) ÷ the unique bytes needed; requests: every request "
         "the server answered (HEAD, LIST, GET) during the load.",
         "- peak RSS: the OS's high-water mark of each rank's resident set (`VmHWM`; max over ranks); Δ RSS: peak minus the RSS just before the load "
@@ -713,6 +743,9 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
     checks = targets_check(h, figures)
     if checks:
         lines += ["## Targets (issue 6)", ""] + checks + [""]
+    checks = targets_16(h, figures)
+    if checks:
+        lines += ["## Targets (issue 16)", ""] + checks + [""]
     for sc, text in h.profiles.items():
         lines += [f"## Profile of streamckpt in ({sc}) (py-spy, rank 0, an extra run not counted in the table, all threads, CPU samples)",
                   "", "```", text.rstrip(), "```", ""]

@@ -127,7 +127,7 @@ def load_streamckpt(spec: dict[str, Any], model: data.ModelSpec, rank: int, worl
             r0, r1 = rows_range(t)
             local = _empty(t, (r1 - r0,) + t.shape[1:])
             sd[t.name] = sc.ShardedTensor(local, t.shape, (r0,) + (0,) * (len(t.shape) - 1))
-        uri = _uri("hf")
+        uri = _uri(spec.get("dataset") or "hf")
     elif scen == "c":
         sd = dtensor_cols(model, world)
         uri = _uri("sc_rows4")
@@ -136,7 +136,7 @@ def load_streamckpt(spec: dict[str, Any], model: data.ModelSpec, rank: int, worl
         uri = _uri(spec.get("dataset") or "sc_rows4_zstd")
     else:  # a, d
         sd = targets_full(model)
-        uri = _uri("hf")
+        uri = _uri(spec.get("dataset") or "hf")
     with clock:
         res = sc.load(sd, uri, storage_options=opts, **spec.get("load_kwargs", {}))
     return {k: local_of(v) for k, v in sd.items()}, {**_sc_stats(res), "backend": _read_backend(uri, opts)}
@@ -328,6 +328,7 @@ LOADERS: dict[str, Callable[..., Any]] = {
     "streamckpt": load_streamckpt,
     "streamckpt.s3fs": _with_s3fs(load_streamckpt),
     "streamckpt.load_full": load_streamckpt_full,
+    "streamckpt.dcp": lambda spec, *a: load_streamckpt({**spec, "dataset": "dcp_full"}, *a),
     "naive": load_naive,
     "dcp-fsspec": load_dcp_fsspec,
     "s3torchconnector": load_s3torch,
