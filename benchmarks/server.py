@@ -346,7 +346,7 @@ def main() -> None:
     ap.add_argument("--root", type=Path, required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--bandwidth-cap", default="off",
-                    help="total body bandwidth of all connections, e.g. 200MB/s, 100MiB/s, 200000000 (bytes/s); default off")
+                    help="total body bandwidth of all connections: 200MB/s, 100MiB/s, 200000000 (B/s); default off")
     args = ap.parse_args()
     serve(args.root, args.port, parse_rate(args.bandwidth_cap))
 
