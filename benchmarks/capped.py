@@ -30,7 +30,7 @@ CAPPED_GOALS = {"g1": 3.0, "g2": 2.0}  # issue 16: streamckpt ÷ the best peer, 
 # peer. --loaders adds them. --quick has no peers installed: naive stands in.
 CAPPED_LOADERS = ["streamckpt", "streamckpt.no_read_once", "s3torchconnector", "runai"]
 CAPPED_QUICK = ["streamckpt", "streamckpt.no_read_once", "naive"]
-CAPPED_REPS_IN_ALL = 2  # (g) with 3 reps took ~8 min here: in `--scenario all` it runs at most 2
+CAPPED_REPS_IN_ALL = 2  # (g) with 3 reps took 4.5 min here (256 MiB): `--scenario all` runs at most 2
 
 
 def base_of(scenario: str) -> str:
