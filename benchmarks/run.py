@@ -25,6 +25,9 @@ from typing import Any
 
 from . import data, savebench
 from .server import BUCKET, BenchServer, free_port
+from .capped import (CAPPED, CAPPED_LOADERS, CAPPED_QUICK, CAPPED_REPS_IN_ALL, CAPPED_TITLES, CAPPED_WORLD, base_of,
+                     cap_lines, capped_note, capped_targets, run_capped)
+from .throttle import parse_rate
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS = ["naive", "dcp-fsspec", "s3torchconnector", "runai"]
@@ -36,9 +39,10 @@ SCENARIOS = {
     "e": "the checkpoint zstd-compressed, full load, one process",
     "f": "the planner alone at 512/1024/4096 simulated ranks",
     "s": "save: one process saving the whole model, side by side; then 2- and 4-rank DDP saves (gloo)",
+    "g": "under a bandwidth cap on the S3 server: a replicated load on 4 ranks (g1) and the reshard of (c) (g2)",
 }
-LOAD_SCENARIOS = "abcde"
-WORLD = {"a": 1, "b": 1, "c": data.LOAD_COL_WORLD, "d": 2, "e": 1}
+LOAD_SCENARIOS = "abcdeg"
+WORLD = {"a": 1, "b": 1, "c": data.LOAD_COL_WORLD, "d": 2, "e": 1, "g1": CAPPED_WORLD, "g2": data.LOAD_COL_WORLD}
 # What each loader reads in each scenario (for bytes-needed and notes).
 DATASET = {
     "streamckpt": {"a": "hf", "b": "hf", "c": "sc_rows4", "d": "hf", "e": "sc_rows4_zstd"},
@@ -49,7 +53,15 @@ DATASET = {
     "dcp-fsspec": {"a": "dcp_full", "b": "dcp_full", "c": "dcp_rows4", "d": "dcp_full", "e": "dcp_rows4_zstd"},
     "s3torchconnector": {"a": "dcp_full", "b": "dcp_full", "c": "dcp_rows4", "d": "dcp_full", "e": "dcp_rows4_zstd"},
     "runai": {"a": "hf", "b": "hf", "d": "hf"},
+    "streamckpt.no_read_once": {},  # (g) only: the same loader with read_once=False
 }
+for _sets in DATASET.values():
+    _sets.update({g: _sets[b] for g, b in CAPPED.items() if b in _sets})
+DATASET["streamckpt.no_read_once"] = {g: DATASET["streamckpt"][b] for g, b in CAPPED.items()}
+
+
+def title(scenario: str) -> str:
+    return CAPPED_TITLES.get(scenario) or SCENARIOS[scenario]
 PEER_MODULE = {
     "dcp-fsspec": "torch", "s3torchconnector": "s3torchconnector", "runai": "runai_model_streamer",
     "naive": "safetensors", "ceiling.obstore": "obstore",
@@ -238,16 +250,16 @@ class Harness:
         return errors
 
     def _views(self, scenario: str) -> list[str]:
-        if scenario == "b":
+        if base_of(scenario) == "b":
             return [f"rows{data.TP_RANK}of{data.TP_WORLD}"]
-        if scenario == "c":
+        if base_of(scenario) == "c":
             return [f"cols{r}of{data.LOAD_COL_WORLD}" for r in range(data.LOAD_COL_WORLD)]
         return ["full"] * WORLD[scenario]
 
     def measure(self, scenario: str, loader: str, rep: int) -> Sample:
         world = 1 if loader.startswith("ceiling") else WORLD[scenario]
         spec: dict[str, Any] = {
-            "loader": loader, "scenario": scenario, "world": world, "endpoint": self.server.endpoint,
+            "loader": loader, "scenario": base_of(scenario), "world": world, "endpoint": self.server.endpoint,
             "model": data.spec_to_json(self.model), "fingerprints": str(self.fingerprints_path),
             "views": self._views(scenario),
         }
@@ -268,6 +280,8 @@ class Harness:
             return self._ceiling_here(spec)
         tag = f"{scenario}-{loader}-{'profile' if rep < 0 else rep}"
         timeout = 60 if self.args.quick else max(180.0, 60 + 3 * self.size / (50 << 20))
+        if self.server.bandwidth_cap:  # every rank may read everything through the cap
+            timeout += 3 * world * self.size / self.server.bandwidth_cap
         errors = self._spawn("worker", spec, world, tag, timeout, wrap0)
         if wrap0 and prof.is_file():
             self.profiles[scenario] = summarize_pyspy(prof)
@@ -330,6 +344,7 @@ class Harness:
         return [f for f in keep if not f.endswith((".json", ".metadata"))] or files
 
     def ceiling_dataset(self, scenario: str) -> str:
+        scenario = base_of(scenario)
         if scenario in ("a", "b", "d"):
             return "hf"
         if scenario == "c":
@@ -338,6 +353,7 @@ class Harness:
 
     def ceiling_ranges(self, scenario: str) -> list[tuple[str, int, int]]:
         """The needed bytes as (object, start, stop): data sections, or TP row blocks for (b)."""
+        scenario = base_of(scenario)
         ds = self.ceiling_dataset(scenario)
         out: list[tuple[str, int, int]] = []
         if ds == "hf":
@@ -360,6 +376,7 @@ class Harness:
 
     def needed_bytes(self, scenario: str, loader: str) -> int:
         """Unique stored bytes the scenario needs (the denominator of GB/s and amplification)."""
+        scenario = base_of(scenario)
         if scenario == "b":
             return self.model.nbytes // data.TP_WORLD
         if scenario == "e":
@@ -389,6 +406,8 @@ class Harness:
     def loaders_for(self, scenario: str) -> list[str]:
         if self.args.loaders:
             base = [x for x in self.args.loaders.split(",") if x]
+        elif scenario in CAPPED:
+            base = CAPPED_QUICK if self.args.quick else CAPPED_LOADERS
         elif self.args.quick:
             base = ["streamckpt", "naive", "ceiling"]
         else:
@@ -544,7 +563,7 @@ def summarize(h: Harness, scenario: str) -> tuple[list[str], dict[str, float]]:
             gbps[loader] = h.needed_bytes(scenario, loader) / med_s[loader] / 1e9
     curl = h.curl.get(scenario, [])
     curl_gbps = statistics.median(b / t / 1e9 for t, b in curl) if curl else None
-    lines = [
+    lines = cap_lines(h, scenario) + [
         "| loader | wall s, median (min–max) | GB/s | × ceiling | × curl | read ampl. | requests | peak RSS / rank | Δ RSS / rank | correct |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -575,6 +594,8 @@ def summarize(h: Harness, scenario: str) -> tuple[list[str], dict[str, float]]:
                      f"{curl_gbps:.2f} | | | | | | | |")
     if "streamckpt" in med_s:
         vs = [f"{med_s[p] / med_s['streamckpt']:.2f}× {p}" for p in PEERS if p in med_s]
+        if "streamckpt.no_read_once" in med_s:
+            vs.append(f"{med_s['streamckpt.no_read_once'] / med_s['streamckpt']:.2f}× itself with read_once=False")
         if vs:
             lines.append("")
             lines.append("streamckpt speed-up (peer wall ÷ streamckpt wall): " + ", ".join(vs))
@@ -609,6 +630,7 @@ def targets_check(h: Harness, figures: dict[str, dict[str, float]]) -> list[str]
         if "streamckpt" in g and bp:
             r = g["streamckpt"] / bp[1]
             out.append(f"- ({sc}) ≥ {goal}× the best peer ({bp[0]}): {r:.2f}× — {'met' if r >= goal else 'MISSED'}")
+    out += capped_targets(h, figures, best_peer)
     for sc, res in h.results.items():
         for s in res.get("streamckpt", [])[:1]:
             if s.seconds and s.bytes_read is not None:
@@ -619,7 +641,7 @@ def targets_check(h: Harness, figures: dict[str, dict[str, float]]) -> list[str]
         good = [s for s in res.get("streamckpt", []) if s.seconds]
         if good:
             world = WORLD.get(sc, 1)
-            need_rank = h.needed_bytes(sc, "streamckpt") / (world if sc == "c" else 1)
+            need_rank = h.needed_bytes(sc, "streamckpt") / (world if base_of(sc) == "c" else 1)
             if sc == "e":
                 need_rank = h.model.nbytes
             delta = statistics.median(s.rss_delta for s in good)
@@ -721,9 +743,13 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
         "- correct: every loaded tensor's crc32c equals the crc32c of the expected slice of the generated data.",
         "",
     ]
+    if "g" in h.args.scenarios:
+        lines[-1:-1] = [capped_note(h)]
     figures: dict[str, dict[str, float]] = {}
     for sc in h.results:
-        lines.append(f"## ({sc}) {SCENARIOS[sc]}")
+        if sc == next(iter(CAPPED)):
+            lines += [f"## (g) {SCENARIOS['g']}", ""]
+        lines.append(f"{'###' if sc in CAPPED else '##'} ({sc}) {title(sc)}")
         lines.append("")
         table, figs = summarize(h, sc)
         figures[sc] = figs
@@ -764,7 +790,7 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
-    ap.add_argument("--scenario", default="all", help="a,b,c,d,e,f,s or all (comma-separated list allowed)")
+    ap.add_argument("--scenario", default="all", help="a,b,c,d,e,f,g,s or all (comma-separated list allowed)")
     ap.add_argument("--size", default="1GiB", help="model size, e.g. 16MiB, 256MiB, 1GiB")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="tiny data, 1 rep, streamckpt + naive + ceiling only "
@@ -775,14 +801,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--server", default="auto", choices=["auto", "localbucket", "moto"])
     ap.add_argument("--profile", default="", help="scenarios (e.g. ab) where an extra streamckpt run is profiled by py-spy")
     ap.add_argument("--gpu-results", default="", help="text output of benchmarks/gpu.py to include")
+    ap.add_argument("--bandwidth-cap", default="200MB/s",
+                    help="(g): the server's total body bandwidth, e.g. 200MB/s, 100MiB/s (default 200MB/s)")
+    ap.add_argument("--capped-reps", type=int, default=0,
+                    help=f"(g): repetitions (default: --reps; at most {CAPPED_REPS_IN_ALL} under --scenario all)")
     args = ap.parse_args(argv)
-    sc = "abcdefs" if args.scenario == "all" else args.scenario.replace(",", "")
+    try:
+        parse_rate(args.bandwidth_cap)
+    except ValueError as e:
+        ap.error(str(e))
+    sc = "abcdefgs" if args.scenario == "all" else args.scenario.replace(",", "")
     bad = set(sc) - set(SCENARIOS)
     if bad:
         ap.error(f"unknown scenario(s) {sorted(bad)}")
     args.scenarios = sc
     if args.quick:
         args.reps = 1
+        args.capped_reps = 1
         if args.size == "1GiB":
             args.size = "4MiB"
     return args
@@ -805,6 +840,9 @@ def main(argv: list[str] | None = None) -> int:
                 h.server.warm([f for ds in sorted(os.listdir(h.bucket_dir)) if (h.bucket_dir / ds).is_dir()
                                for f in data.dataset_files(h.bucket_dir, ds)])
             for sc in load_scenarios:
+                if sc == "g":
+                    run_capped(h)
+                    continue
                 print(f"scenario ({sc}): {SCENARIOS[sc]}", flush=True)
                 h.run_scenario(sc)
             if "s" in args.scenarios:

@@ -6,7 +6,10 @@ buckets. Its handler is subclassed here for two things: object bodies go out wit
 CPU as possible), and every request and body byte is counted, readable at
 ``GET /__bench__/stats`` (uploads: ``put_body_bytes``) and cleared by ``POST /__bench__/reset``. That gives
 bytes read and request counts for every loader, peers included, from the
-server's side.
+server's side. A total bandwidth cap (``--bandwidth-cap 200MB/s``, or at run time
+``POST /__bench__/cap`` with ``{"bytes_per_s": N or null}``) paces GET and PUT bodies of
+all connections together through one token bucket (benchmarks/throttle.py); with no
+cap, bodies go out exactly as before.
 
 Fallback (``localbucket`` not installed, e.g. in the package's own venv): moto's
 threaded server via ``streamckpt.testing``; it has no counters and slices the
@@ -27,6 +30,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .throttle import CHUNK, TokenBucket, format_rate, parse_rate
 
 BUCKET = "bench"
 KEY = "bench-key"
@@ -53,6 +58,7 @@ class BenchServer:
     root: Path
     kind: str = "auto"  # "localbucket" | "moto" | "auto"
     port: int = 0
+    bandwidth_cap: float | None = None  # bytes/s for all connections together; None: no cap
     _proc: subprocess.Popen | None = None
     _moto: Any = None
     notes: list[str] = field(default_factory=list)
@@ -93,6 +99,8 @@ class BenchServer:
     def _start_localbucket(self) -> None:
         self.port = free_port()
         cmd = [sys.executable, "-m", "benchmarks.server", "--root", str(self.root), "--port", str(self.port)]
+        if self.bandwidth_cap:
+            cmd += ["--bandwidth-cap", f"{self.bandwidth_cap:.0f}"]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -154,6 +162,16 @@ class BenchServer:
             req = urllib.request.Request(f"{self.endpoint}/__bench__/reset", method="POST", data=b"")
             urllib.request.urlopen(req, timeout=10).read()
 
+    def set_cap(self, bytes_per_s: float | None) -> bool:
+        """Cap (or uncap, with None) the server's total body bandwidth now; False where it cannot (moto)."""
+        if not self.counts:
+            return False
+        body = json.dumps({"bytes_per_s": bytes_per_s}).encode()
+        req = urllib.request.Request(f"{self.endpoint}/__bench__/cap", method="POST", data=body)
+        urllib.request.urlopen(req, timeout=10).read()
+        self.bandwidth_cap = bytes_per_s
+        return True
+
     def stats(self) -> dict[str, Any] | None:
         if not self.counts:
             return None
@@ -174,9 +192,40 @@ class BenchServer:
 # ---------------------------------------------------------------- the server process
 
 
-def _make_handler():
+class _PacedReader:
+    """A request body stream whose reads take tokens first (PUT bodies under the cap)."""
+
+    def __init__(self, raw: Any, bucket: TokenBucket) -> None:
+        self._raw = raw
+        self._bucket = bucket
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            data = self._raw.read()
+            self._bucket.take(len(data))
+            return data
+        parts = []
+        while n > 0:
+            step = min(n, CHUNK)
+            self._bucket.take(step)
+            got = self._raw.read(step)
+            parts.append(got)
+            if len(got) < step:
+                break
+            n -= step
+        return b"".join(parts)
+
+    def readline(self, *args: Any) -> bytes:  # chunk-size lines of a chunked body: tiny, charged after
+        line = self._raw.readline(*args)
+        self._bucket.take(len(line))
+        return line
+
+
+def _make_handler(bandwidth_cap: float | None = None):
     import localbucket
 
+    # the cap in force: replaced whole by POST /__bench__/cap, read once per request
+    pace: dict[str, TokenBucket | None] = {"bucket": TokenBucket(bandwidth_cap) if bandwidth_cap else None}
     lock = threading.Lock()
     stats: dict[str, Any] = {"requests": {}, "get_body_bytes": 0, "put_body_bytes": 0, "ranged_gets": 0,
                              "full_gets": 0}
@@ -206,6 +255,11 @@ def _make_handler():
             if self.path.startswith("/__bench__/reset"):
                 reset()
                 body = b"{}"
+            elif self.path.startswith("/__bench__/cap"):
+                length = int(self.headers.get("Content-Length") or 0)
+                rate = json.loads(self.rfile.read(length) or b"{}").get("bytes_per_s")
+                pace["bucket"] = TokenBucket(float(rate)) if rate else None
+                body = json.dumps({"cap": format_rate(rate or None)}).encode()
             else:
                 with lock:
                     body = json.dumps(stats).encode()
@@ -216,7 +270,15 @@ def _make_handler():
             self.wfile.write(body)
 
         def _read_body(self) -> bytes:
-            body = super()._read_body()
+            bucket = pace["bucket"]
+            if bucket is None or self.command != "PUT":
+                body = super()._read_body()
+            else:
+                raw, self.rfile = self.rfile, _PacedReader(self.rfile, bucket)
+                try:
+                    body = super()._read_body()
+                finally:
+                    self.rfile = raw
             if self.command == "PUT":  # object and part bodies (POST bodies are multipart XML)
                 with lock:
                     stats["put_body_bytes"] += len(body)
@@ -229,6 +291,9 @@ def _make_handler():
             with lock:
                 stats["get_body_bytes"] += length
                 stats["ranged_gets" if status == 206 else "full_gets"] += 1
+            bucket = pace["bucket"]
+            if bucket is not None:
+                return self._send_paced(file, start, length, bucket)
             out = self.connection.fileno()
             sent = 0
             while sent < length:
@@ -238,15 +303,29 @@ def _make_handler():
                     return
                 sent += n
 
+        def _send_paced(self, file, start: int, length: int, bucket: TokenBucket) -> None:  # noqa: ANN001
+            """sendfile in CHUNK pieces, each after taking its tokens from the shared bucket."""
+            out = self.connection.fileno()
+            sent = 0
+            while sent < length:
+                stop = min(length, sent + CHUNK)
+                bucket.take(stop - sent)
+                while sent < stop:
+                    n = os.sendfile(out, file.fileno(), start + sent, stop - sent)
+                    if n == 0:
+                        self.close_connection = True
+                        return
+                    sent += n
+
     return Handler
 
 
-def serve(root: Path, port: int) -> None:
+def serve(root: Path, port: int, bandwidth_cap: float | None = None) -> None:
     from http.server import ThreadingHTTPServer
 
     root = root.resolve()
     (root / BUCKET).mkdir(parents=True, exist_ok=True)
-    Handler = _make_handler()
+    Handler = _make_handler(bandwidth_cap)
     Handler.data_root = root
     class Server(ThreadingHTTPServer):
         # socketserver's default listen backlog is 5: a burst of 32 concurrent connects
@@ -266,8 +345,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="localbucket with counters and sendfile")
     ap.add_argument("--root", type=Path, required=True)
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--bandwidth-cap", default="off",
+                    help="total body bandwidth of all connections: 200MB/s, 100MiB/s, 200000000 (B/s); default off")
     args = ap.parse_args()
-    serve(args.root, args.port)
+    serve(args.root, args.port, parse_rate(args.bandwidth_cap))
 
 
 if __name__ == "__main__":

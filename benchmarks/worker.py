@@ -324,9 +324,19 @@ def _with_s3fs(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def _with_load_kwargs(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+    """The same streamckpt loader with extra ``sc.load`` arguments (e.g. ``read_once=False``)."""
+
+    def run(spec: dict[str, Any], *args: Any) -> Any:
+        return fn(dict(spec, load_kwargs={**spec.get("load_kwargs", {}), **kwargs}), *args)
+
+    return run
+
+
 LOADERS: dict[str, Callable[..., Any]] = {
     "streamckpt": load_streamckpt,
     "streamckpt.s3fs": _with_s3fs(load_streamckpt),
+    "streamckpt.no_read_once": _with_load_kwargs(load_streamckpt, read_once=False),
     "streamckpt.load_full": load_streamckpt_full,
     "streamckpt.dcp": lambda spec, *a: load_streamckpt({**spec, "dataset": "dcp_full"}, *a),
     "naive": load_naive,
