@@ -106,6 +106,6 @@ def capped_targets(h: Any, figures: dict[str, dict[str, float]],
         bp = best_peer(sc)
         if "streamckpt" in g and bp:
             r = g["streamckpt"] / bp[1]
-            out.append(f"- ({sc}, issue 16) {under}, ≥ {goal}× the best peer ({bp[0]}): {r:.2f}× — "
+            out.append(f"- ({sc}) {under}, ≥ {goal}× the best peer ({bp[0]}): {r:.2f}× — "
                        f"{'met' if r >= goal else 'MISSED'}")
     return out
