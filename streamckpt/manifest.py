@@ -218,6 +218,8 @@ class _Parser:
             raise self.fail(path, f"must be a list of integers, got {type(v).__name__}")
         if max_len is not None and len(v) > max_len:
             raise self.fail(path, f"has {len(v)} entries, more than {max_len}")
+        if all(type(x) is int for x in v) and (not v or min(v) >= 0):  # the common case, in C loops
+            return tuple(v)
         return tuple(self.int_(x, f"{path}[{i}]") for i, x in enumerate(v))
 
     def tensor(self, t: Any, path: str) -> TensorMeta:
@@ -361,7 +363,7 @@ def _validate_bytes(m: Manifest, s: Shard, raw: int, sp: str, where: str) -> Non
             f"{where}: {sp}.crc32c must list {nchunks} checksums "
             f"({raw} bytes in chunks of {s.chunk_size}), got {len(s.crc32c or ())}"
         )
-    if any(c >= 1 << 32 for c in s.crc32c):
+    if s.crc32c and max(s.crc32c) >= 1 << 32:
         raise CorruptCheckpointError(f"{where}: {sp}.crc32c holds a value wider than 32 bits")
     if s.codec == "zstd":
         if s.frame_lengths is None or len(s.frame_lengths) != nchunks:
