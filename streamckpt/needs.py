@@ -17,7 +17,7 @@ from typing import Iterable, Mapping, Sequence
 from . import dtypes
 from .errors import TransformError
 from .manifest import Manifest, Shard
-from .plandata import ChunkRun, Copy, IdentityView, PlanOptions, Read, Segment, ViewLike
+from .plandata import ChunkRun, Copy, IdentityView, PlanOptions, Read, Segment, Target, ViewLike
 from .regions import (
     Box,
     CoalesceOptions,
@@ -299,9 +299,11 @@ def _aligned_cuts(start: int, stop: int, step: int, align: int) -> list[tuple[in
 
 
 def coalesce_needs(
-    needs: list[Need], options: PlanOptions, offsets: "FrameOffsets", targets_needers: list[tuple[int, ...]],
+    needs: list[Need], options: PlanOptions, offsets: "FrameOffsets", targets: Sequence[Target],
     barriers: Mapping[str, list[tuple[int, int]]] | None = None,
 ) -> list[Read]:
+    """Merge each (owner, file)'s needs into reads; ``owner`` -1 (shared needs) merges
+    across gaps only between needs of targets the same ranks hold, never across ``barriers``."""
     groups: dict[tuple[int, str], list[int]] = {}
     for i, n in enumerate(needs):
         groups.setdefault((n.owner, n.file), []).append(i)
@@ -311,7 +313,7 @@ def coalesce_needs(
         ranges = [(needs[i].fetch_start, needs[i].fetch_stop) for i in idxs]
         # gaps are bridged only between ranges the same ranks need: a rank's private
         # rows are not read by a peer just because they sit next to shared ones
-        keys: list[object] = [targets_needers[needs[i].copy.target] if owner < 0 else () for i in idxs]
+        keys: list[object] = [targets[needs[i].copy.target].needers if owner < 0 else () for i in idxs]
         # bytes planned elsewhere (private targets' shards) are never read through
         fence = (barriers or {}).get(file, ())
         for lo, hi in fence:

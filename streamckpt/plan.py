@@ -116,43 +116,33 @@ def _build_plan(
     view = view or IdentityView(manifest)
     world = len(targets_by_rank)
     targets, rank_targets = _dedupe(targets_by_rank)
+    census = _census(targets, view)
     missing: list[list[str]] = [[] for _ in range(world)]
-    live: list[int] = []
-    checked: set[tuple[str, str, tuple[int, ...]]] = set()
-    transformed = getattr(view, "transformed", True)
-    for uid, t in enumerate(targets):
-        spec = t.spec
-        vt = view.tensors.get(spec.key)
-        if vt is None:
-            for r in t.needers:
-                missing[r].append(spec.key)
-            continue
-        if (spec.key, spec.dtype, spec.global_shape) not in checked:
-            _check_target(spec, vt, transformed, t.needers)
-            checked.add((spec.key, spec.dtype, spec.global_shape))
-        live.append(uid)
-    if len(live) < len(targets):
-        alive = [False] * len(targets)
-        for u in live:
-            alive[u] = True
+    for u in census.dead:
+        for r in targets[u].needers:
+            missing[r].append(targets[u].spec.key)
+    if census.dead:
+        alive = [True] * len(targets)
+        for u in census.dead:
+            alive[u] = False
         rank_targets = [[u if alive[u] else -1 for u in mine] for mine in rank_targets]
-    wanted = {targets[u].spec.key for u in live}
-    unexpected = sorted(k for k in view.tensors if k not in wanted)
+    unexpected = sorted(k for k in view.tensors if k not in census.by_key)
 
     ctx = _Ctx(manifest, view, options, targets)
     focus = set(range(world)) if rank is None else {rank}
+    private_keys = _private_keys(census, view) if options.read_once else set()
     if options.read_once:
-        private_keys = _private_keys(targets, live, view)
-        shared_uids = [u for u in live if targets[u].spec.key not in private_keys]
-        private_uids = [u for u in live if targets[u].spec.key in private_keys]
-        if rank is not None:
-            private_uids = _closure(rank, private_uids, rank_targets[rank], ctx)
+        shared_uids = census.uids(k for k in census.by_key if k not in private_keys)
+        if rank is None:
+            private_uids = census.uids(private_keys)
+        else:
+            private_uids = _closure(rank, census.by_key, private_keys, rank_targets[rank], ctx)
         own, edges = _plan_private(private_uids, focus, ctx)
     else:
         shared_uids = []
-        mine = live if rank is None else sorted({u for u in rank_targets[rank] if u >= 0})
+        mine = census.uids(census.by_key) if rank is None else sorted({u for u in rank_targets[rank] if u >= 0})
         own, edges = _plan_owned(mine, ctx, focus), []
-    shared = _plan_shared(shared_uids, ctx, world, private_keys if options.read_once else set())
+    shared = _plan_shared(shared_uids, ctx, world, private_keys)
     rounds = _Rounds(world, options.round_cap)
     for i, r in enumerate(shared):
         r.tag = i
@@ -162,7 +152,8 @@ def _build_plan(
     for r in edges:
         r.tag = _edge_tag(r)
     if rank is not None:
-        shared = [r for r in shared if _involves(r, rank, targets)]
+        held = set(rank_targets[rank])
+        shared = [r for r in shared if r.reader == rank or any(c.target in held for c in r.copies)]
     plan = LoadPlan(world, targets, shared + own + edges, 0, rank_targets, missing, unexpected, options,
                     rank=rank, base_rounds=rounds.count(focus), edge_reads=edges)
     plan.edge_degree = _degree(edges, focus, targets)
@@ -201,6 +192,53 @@ def _dedupe(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> tuple[list[Targe
     return [Target(s, n) for s, n in zip(uid_of, needers)], rank_targets
 
 
+@dataclass(slots=True)
+class _Census:
+    """The live targets by key, and what the plan needs to know of each key."""
+
+    by_key: dict[str, list[int]]  # live target ids, keys in first-seen order, ids ascending
+    dead: list[int]  # targets of keys the view lacks
+    replicated: set[str]  # keys with a live target that several ranks hold
+
+    def uids(self, keys: Iterable[str]) -> list[int]:
+        """The live targets of ``keys``, ascending."""
+        by_key = self.by_key
+        return sorted(u for k in keys for u in by_key[k])
+
+
+def _census(targets: list[Target], view: ViewLike) -> _Census:
+    """One pass over the distinct targets: group them by key, check each distinct
+    (key, dtype, global shape) against the view once (the first failing target, in
+    id order, raises), and note the keys several ranks hold."""
+    tensors = view.tensors
+    transformed = getattr(view, "transformed", True)
+    by_key: dict[str, list[int]] = {}
+    combos: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    dead: list[int] = []
+    replicated: set[str] = set()
+    for uid, t in enumerate(targets):
+        spec = t.spec
+        key = spec[0]
+        uids = by_key.get(key)
+        if uids is None:
+            vt = tensors.get(key)
+            if vt is None:
+                dead.append(uid)
+                continue
+            _check_target(spec, vt, transformed, t.needers)
+            by_key[key] = uids = []
+            combos[key] = [(spec[1], spec[2])]
+        else:
+            seen = combos[key]
+            if (spec[1] != seen[0][0] or spec[2] != seen[0][1]) and (spec[1], spec[2]) not in seen:
+                _check_target(spec, tensors[key], transformed, t.needers)
+                seen.append((spec[1], spec[2]))
+        uids.append(uid)
+        if len(t.needers) > 1:
+            replicated.add(key)
+    return _Census(by_key, dead, replicated)
+
+
 def _check_target(spec: TargetSpec, vt: Any, transformed: bool, needers: Sequence[int] = ()) -> None:
     err = TransformError if transformed else IncompatibleStateDictError
     who = f" (rank {', '.join(map(str, needers[:8]))}{', ...' if len(needers) > 8 else ''})" if len(needers) else ""
@@ -235,51 +273,91 @@ def _assign_readers(reads: list[Read], needs_world: int, targets: list[Target]) 
 
 class _Rounds:
     """Greedy round packing: a read goes to the earliest round (at or after each
-    involved rank's current one) where every involved rank still has room."""
+    involved rank's current one) where every involved rank still has room.
+
+    Each rank's state is one integer, ``round << 64 | bytes used in it``, so that
+    the busiest of a read's ranks is one ``max`` away: the round a read needs from
+    a set of ranks that all take the same cost is the one the greatest of their
+    states needs (a later round wins, and in the same round the fuller rank).
+    """
 
     def __init__(self, world: int, cap: int) -> None:
         self.cap = cap
-        self.cur = [0] * world
-        self.used = [0] * world
-        self.touched = [False] * world
+        self.state = [0] * world
+        self.touched: set[int] = set()
+
+    def _needs(self, state: int, cost: int) -> int:
+        """The earliest round a rank in ``state`` can take ``cost`` more bytes in."""
+        used = state & _USED
+        return (state >> _SHIFT) + (1 if used and used + cost > self.cap else 0)
 
     def place(self, r: Read, targets: list[Target]) -> None:
-        cap, cur, used = self.cap, self.cur, self.used
+        state = self.state
         if r.private:
             reader = r.reader
             cost = read_cost(r)
-            if used[reader] > 0 and used[reader] + cost > cap:
-                cur[reader] += 1
-                used[reader] = 0
-            used[reader] += cost
-            self.touched[reader] = True
-            r.round = cur[reader]
+            rnd = self._needs(state[reader], cost)
+            base = rnd << _SHIFT
+            s = state[reader]
+            state[reader] = (s if s >= base else base) + cost
+            self.touched.add(reader)
+            r.round = rnd
             return
-        costs = costs_of(r, targets)
-        rnd = 0
+        uniform = _uniform_costs(r, targets)
+        if uniform is None:
+            self._place(r, costs_of(r, targets))
+            return
+        ranks, size, reader_cost = uniform
+        reader = r.reader
+        rnd = max(self._needs(state[reader], reader_cost), self._needs(max(map(state.__getitem__, ranks)), size))
+        base = rnd << _SHIFT
+        s = state[reader]
+        for x in ranks:
+            y = state[x]
+            state[x] = (y if y >= base else base) + size
+        state[reader] = (s if s >= base else base) + reader_cost
+        self.touched.update(ranks)
+        self.touched.add(reader)
+        r.round = rnd
+
+    def _place(self, r: Read, costs: dict[int, int]) -> None:
+        state = self.state
+        rnd = max(self._needs(state[rank], c) for rank, c in costs.items())
+        base = rnd << _SHIFT
         for rank, c in costs.items():
-            u = used[rank]
-            x = cur[rank] + 1 if u and u + c > cap else cur[rank]
-            if x > rnd:
-                rnd = x
-        touched = self.touched
-        for rank, c in costs.items():
-            if cur[rank] < rnd:
-                cur[rank] = rnd
-                used[rank] = c
-            else:
-                used[rank] += c
-            touched[rank] = True
+            s = state[rank]
+            state[rank] = (s if s >= base else base) + c
+        self.touched.update(costs)
         r.round = rnd
 
     def count(self, ranks: Iterable[int]) -> int:
         """Rounds used by the busiest of ``ranks`` so far."""
-        return max((self.cur[r] + 1 for r in ranks if self.touched[r]), default=0)
+        return max(((self.state[r] >> _SHIFT) + 1 for r in ranks if r in self.touched), default=0)
 
 
-def _involves(r: Read, rank: int, targets: list[Target]) -> bool:
-    return r.reader == rank or any(rank in targets[c.target].needers for c in r.copies)
+_SHIFT = 64  # a rank's round sits above its bytes used in _Rounds.state (used < 2**63)
+_USED = (1 << _SHIFT) - 1
 
+
+def _uniform_costs(r: Read, targets: list[Target]) -> tuple[list[int], int, int] | None:
+    """``costs_of`` for a read whose copies all go to one set of ranks (a replicated
+    box), as (those ranks, what each but the reader takes, what the reader takes);
+    None when the copies' ranks differ, or when the reader would take less than the
+    others (``_Rounds`` bounds the reader by the others' maximum then)."""
+    copies = r.copies
+    first = targets[copies[0].target].needers
+    for c in copies:
+        if targets[c.target].needers is not first:
+            return None
+    reader = r.reader
+    others = len(first) - (1 if reader in first else 0)
+    if not others:
+        return first, 0, read_cost(r)
+    size = message_layout(copies)[1]
+    reader_cost = read_cost(r) + (size * others if is_packed(copies) else 0)
+    if reader_cost < size:
+        return None
+    return first, size, reader_cost
 
 
 def _degree(edges: list[Read], focus: set[int], targets: list[Target]) -> int:
@@ -300,7 +378,7 @@ def _edge_tag(r: Read) -> int:
 # ------------------------------------------------------------------ private targets
 
 
-def _private_keys(targets: list[Target], live: Sequence[int], view: ViewLike) -> set[str]:
+def _private_keys(census: _Census, view: ViewLike) -> set[str]:
     """Tensors every live target of which one rank alone holds: planned near their ranks.
 
     Only with the identity view: under transforms one stored tensor can feed
@@ -308,14 +386,7 @@ def _private_keys(targets: list[Target], live: Sequence[int], view: ViewLike) ->
     """
     if not isinstance(view, IdentityView):
         return set()
-    shared: set[str] = set()
-    keys: set[str] = set()
-    for u in live:
-        t = targets[u]
-        keys.add(t.spec.key)
-        if len(t.needers) > 1:
-            shared.add(t.spec.key)
-    return keys - shared
+    return {k for k in census.by_key if k not in census.replicated}
 
 
 def _rows(box: Box, flat: tuple[int, int] | None) -> tuple[int, int]:
@@ -343,7 +414,8 @@ def _meets(a: Box, ra: tuple[int, int], b: Box, rb: tuple[int, int]) -> bool:
     return True
 
 
-def _closure(rank: int, private_uids: Sequence[int], mine: Sequence[int], ctx: _Ctx) -> list[int]:
+def _closure(rank: int, by_key: dict[str, list[int]], private_keys: set[str], mine: Sequence[int],
+             ctx: _Ctx) -> list[int]:
     """Private targets whose needs can share a stored shard with ``rank``'s own.
 
     Every target that meets a shard one of the rank's targets meets is in it,
@@ -352,15 +424,12 @@ def _closure(rank: int, private_uids: Sequence[int], mine: Sequence[int], ctx: _
     """
     targets = ctx.targets
     own = {u for u in mine if u >= 0}
-    by_key: dict[str, list[int]] = {}
-    for u in private_uids:
-        by_key.setdefault(targets[u].spec.key, []).append(u)
+    own_keys = {targets[u].spec.key for u in own}
     out: list[int] = []
     for key, uids in by_key.items():
-        mine_here = [u for u in uids if u in own]
-        if not mine_here:
+        if key not in own_keys or key not in private_keys:
             continue
-        regions = [(targets[u].spec.box, _rows(targets[u].spec.box, targets[u].spec.flat_range)) for u in uids]
+        regions = [(s.box, _rows(s.box, s.flat_range)) for s in (targets[u].spec for u in uids)]
         shards = [(s.box, _rows(s.box, s.flat_range)) for s in ctx.manifest.tensors[key].shards]
         touched = [
             sb for sb in shards
@@ -394,7 +463,7 @@ def _plan_shared(uids: Sequence[int], ctx: _Ctx, world: int, private_keys: set[s
             fences.setdefault(sh.file, []).append((sh.byte_offset, sh.byte_offset + sh.byte_length))
     files = {n.file for n in needs}
     barriers = {f: _merge_ranges(fences[f]) for f in files if f in fences}
-    reads = coalesce_needs(needs, ctx.options, ctx.offsets, [tuple(t.needers) for t in ctx.targets], barriers)
+    reads = coalesce_needs(needs, ctx.options, ctx.offsets, ctx.targets, barriers)
     _assign_readers(reads, world, ctx.targets)
     return reads
 
