@@ -91,6 +91,7 @@ class Checker:
     def __init__(self, new: Any, ref: Any) -> None:
         self.new, self.ref = new, ref
         self.plans = 0
+        self.raised = 0  # inputs both planners rejected with the same error
         self.failures: list[str] = []
         self.seconds = {"new": 0.0, "ref": 0.0}
 
@@ -132,7 +133,7 @@ class Checker:
             print(self.failures[-1], flush=True)
             return
         if errors[0] is not None:
-            self.plans += 1
+            self.raised += 1
             return
         self.same(f"{what} all ranks", *self._both(lambda m: plan(m, None)))
         pairs = [self._both(lambda m: plan(m, r)) for r in (ranks if ranks is not None else range(len(targets)))]
@@ -178,9 +179,22 @@ def random_cases(check: Checker, examples: int, seed: int) -> None:
             code = manifest.tensors["w"].dtype
             make = tp._make_targets if kind == "replicated" else tp._zero_targets
             targets = make(rng, shape, world, code)
+        _spoil(rng, targets, shape)
         opts = {"memory_budget": rng.choice([256, 512, 1024, 2048, 1 << 20]),
                 "max_gap_bytes": rng.choice([0, 16, 1 << 20]), "read_once": kind != "replicated" or rng.random() < 0.7}
         check.case(f"{kind} seed {s}", manifest, targets, opts)
+
+
+def _spoil(rng: random.Random, targets: list, shape: tuple[int, ...]) -> None:
+    """Now and then: keys the checkpoint lacks, and a dtype or shape it does not have."""
+    from streamckpt.targets import TargetSpec
+
+    spec = TargetSpec("w", "F32", shape, (0,) * len(shape), shape)
+    for bad in (spec._replace(key="absent"), spec._replace(key="gone", flat_range=(0, 1)),
+                spec._replace(dtype="F64"), spec._replace(global_shape=shape + (1,))):
+        if rng.random() < (0.2 if bad.key != "w" else 0.05):
+            for r in rng.sample(range(len(targets)), rng.randint(1, len(targets))):
+                targets[r].insert(rng.randint(0, len(targets[r])), bad)
 
 
 def gpu_cases(check: Checker, examples: int, seed: int) -> None:
@@ -229,7 +243,8 @@ def main() -> int:
             bench_job(check, n, args.layers)
         random_cases(check, args.examples, args.seed)
         gpu_cases(check, args.gpu_cases, args.seed)
-    print(f"{check.plans} plans compared, {len(check.failures)} differ; planning s: new "
+    print(f"{check.plans} plans compared, {len(check.failures)} differ, {check.raised} inputs rejected alike; "
+          f"planning s: new "
           f"{check.seconds['new']:.1f}, ref {check.seconds['ref']:.1f}")
     return 1 if check.failures else 0
 

@@ -44,6 +44,7 @@ class SourcePart:
     frame: Box
     base: int  # element offset of the frame's first element in the shard's raw bytes
     shard: Shard
+    strides: tuple[int, ...]  # the frame's row-major element strides
 
 
 class TensorIndex:
@@ -54,10 +55,10 @@ class TensorIndex:
         for s in shards:
             if s.flat_range is None:
                 if not s.box.is_empty():
-                    parts.append(SourcePart(s.box, s.box, 0, s))
+                    parts.append(SourcePart(s.box, s.box, 0, s, row_major_strides(s.shape)))
             else:
                 for flat_start, b in flat_range_boxes(s.box, *s.flat_range):
-                    parts.append(SourcePart(b, b, flat_start - s.flat_range[0], s))
+                    parts.append(SourcePart(b, b, flat_start - s.flat_range[0], s, row_major_strides(b.shape)))
         self.scalar = bool(parts) and parts[0].box.ndim == 0
         parts.sort(key=lambda p: p.box.offset[0] if p.box.ndim else 0)
         self.parts = parts
@@ -92,9 +93,13 @@ class TensorIndex:
                     break
                 yield sh
 
-    def query(self, box: Box) -> Iterable[SourcePart]:
+    def meets(self, box: Box) -> Iterable[tuple[SourcePart, Box]]:
+        """The parts that meet ``box``, each with the intersection (a scalar part whole)."""
         if self.scalar or not box[1]:
-            yield from self.parts
+            for p in self.parts:
+                inter = intersect(p.box, box) if p.box[1] else p.box
+                if inter is not None:
+                    yield p, inter
             return
         q0 = box[0][0]
         q1 = q0 + box[1][0]
@@ -102,8 +107,10 @@ class TensorIndex:
         hi = bisect.bisect_left(self.starts, q1)
         for p in self.parts[lo:hi]:
             pb = p.box
-            if pb[0][0] + pb[1][0] > q0 and intersect(pb, box) is not None:
-                yield p
+            if pb[0][0] + pb[1][0] > q0:
+                inter = intersect(pb, box)
+                if inter is not None:
+                    yield p, inter
 
 
 # ------------------------------------------------------------------ needs and reads
@@ -149,6 +156,7 @@ def needs_for_target(
         if fast is not None:
             yield from fast
             return
+    max_piece, max_gap_bytes = options.max_piece_bytes, options.max_gap_bytes
     for part_box, dst_base, dst_frame in _target_parts(spec):
         frame_origin = part_box.offset if dst_base is not None else spec.offset
         for seg in view.map_box(spec.key, part_box):
@@ -159,15 +167,14 @@ def needs_for_target(
             if index is None:
                 index = indexes[seg.source_key] = TensorIndex(meta.shards)
             isz = dtypes.itemsize(meta.dtype)
-            max_elems = max(1, options.max_piece_bytes // isz)
-            for sp in index.query(seg.source_box):
-                inter = intersect(sp.box, seg.source_box) if sp.box.ndim else sp.box
-                if inter is None:
-                    continue
-                align = sp.shard.chunk_size // isz if sp.shard.chunk_size % isz == 0 else 0
+            max_elems = max(1, max_piece // isz)
+            to_dst = _to_target(seg, frame_origin)
+            for sp, inter in index.meets(seg.source_box):
+                cs = sp.shard.chunk_size
+                align = cs // isz if cs % isz == 0 else 0
                 max_e = max(max_elems, align)
-                for piece in _pieces(sp.frame, inter, options.max_gap_bytes // isz, max_e, sp.base, align):
-                    yield _need(uid, piece, sp, seg, meta.dtype, isz, frame_origin, dst_base, dst_frame, offsets)
+                for piece in _pieces(sp, inter, max_gap_bytes // isz, max_e, align):
+                    yield _need(uid, piece, sp, to_dst, seg.perm, meta.dtype, isz, dst_base, dst_frame, offsets)
 
 
 def _is_identity(view: ViewLike, name: str) -> bool:
@@ -177,46 +184,41 @@ def _is_identity(view: ViewLike, name: str) -> bool:
     return bool(check(name)) if check is not None else False
 
 
-def _pieces(frame: Box, inter: Box, gap_elems: int, max_elems: int, base: int, align: int) -> Iterable[Box]:
+def _pieces(sp: SourcePart, inter: Box, gap_elems: int, max_elems: int, align: int) -> Iterable[Box]:
     """Cut an intersection where gaps are too wide, then bound each span (on chunk boundaries)."""
-    cut = 0
-    while cut < inter.ndim - 1 and max_gap(frame, inter, cut) > gap_elems:
+    frame = sp.frame
+    ndim = len(inter[1])
+    if ndim < 2 or max_gap(frame, inter, 0, sp.strides) <= gap_elems:
+        first, stop = span(frame, inter)
+        if stop - first <= max_elems:
+            return (inter,)  # what split_aligned returns for a span that fits
+        return split_aligned(frame, inter, max_elems, sp.base, align)
+    cut = 1
+    while cut < ndim - 1 and max_gap(frame, inter, cut, sp.strides) > gap_elems:
         cut += 1
-    for p in cut_pieces(frame, inter, cut):
-        yield from split_aligned(frame, p, max_elems, base, align)
+    return [q for p in cut_pieces(frame, inter, cut) for q in split_aligned(frame, p, max_elems, sp.base, align)]
 
 
-def _map_to_target(seg: Segment, box: Box) -> Box:
+def _to_target(seg: Segment, frame_origin: tuple[int, ...]) -> tuple[int, ...]:
+    """Per dim (in target order): what turns a source offset into one in the destination frame."""
     if seg.perm is None:
-        delta = [t - s for t, s in zip(seg.target_box.offset, seg.source_box.offset)]
-        return box.shifted(delta)
-    offset = tuple(
-        seg.target_box.offset[d] + box.offset[p] - seg.source_box.offset[p] for d, p in enumerate(seg.perm)
-    )
-    return Box(offset, tuple(box.shape[p] for p in seg.perm))
+        return tuple(t - s - f for t, s, f in zip(seg.target_box[0], seg.source_box[0], frame_origin))
+    return tuple(seg.target_box[0][d] - seg.source_box[0][p] - frame_origin[d] for d, p in enumerate(seg.perm))
 
 
 def _need(
-    uid: int, piece: Box, sp: SourcePart, seg: Segment, src_dtype: str, isz: int,
-    frame_origin: tuple[int, ...], dst_base: int | None, dst_frame: tuple[int, ...] | None,
-    offsets: "FrameOffsets",
+    uid: int, piece: Box, sp: SourcePart, to_dst: tuple[int, ...], perm: tuple[int, ...] | None, src_dtype: str,
+    isz: int, dst_base: int | None, dst_frame: tuple[int, ...] | None, offsets: "FrameOffsets",
 ) -> Need:
-    first, stop = span(sp.frame, piece) if piece.ndim else (0, 1)
+    first, stop = span(sp.frame, piece)
     raw_start = (sp.base + first) * isz
     raw_stop = (sp.base + stop) * isz
-    tbox = _map_to_target(seg, piece)
-    copy = Copy(
-        target=uid,
-        offset=-1,
-        length=raw_stop - raw_start,
-        src_dtype=src_dtype,
-        src_shape=piece.shape,
-        src_strides=row_major_strides(sp.frame.shape),
-        dst_box=tbox.relative_to(Box(frame_origin, tbox.shape)),
-        dst_base=dst_base,
-        dst_frame=dst_frame,
-        perm=seg.perm,
-    )
+    offset, shape = piece
+    if perm is None:
+        dst = Box(tuple(o + d for o, d in zip(offset, to_dst)), shape)
+    else:
+        dst = Box(tuple(offset[p] + d for p, d in zip(perm, to_dst)), tuple(shape[p] for p in perm))
+    copy = Copy(uid, -1, raw_stop - raw_start, src_dtype, shape, sp.strides, dst, dst_base, dst_frame, perm)
     return need_bytes(sp.shard, raw_start, raw_stop, copy, isz, offsets)
 
 
@@ -330,6 +332,15 @@ def make_read(
     file: str, start: int, stop: int, members: list[Need], owner: int, offsets: "FrameOffsets",
 ) -> Read:
     """Lay out one read: merged chunk runs per shard, decoded layout, copy offsets."""
+    if len(members) == 1 and members[0].shard.codec != "zstd":  # most reads: one raw piece
+        n = members[0]
+        s = n.shard
+        runs: tuple[ChunkRun, ...] = ()
+        if n.chunk_hi > n.chunk_lo:
+            runs = (ChunkRun(s, n.raw_total, n.chunk_lo, n.chunk_hi, offsets.of(s, n.chunk_lo), 0),)
+        copy = n.copy
+        copy.offset = s.byte_offset + n.raw_start - start
+        return Read(file, start, stop, owner, runs, False, stop - start, [copy], owner >= 0)
     per_shard: dict[int, tuple[Need, list[tuple[int, int]]]] = {}
     for n in members:
         if n.chunk_hi > n.chunk_lo:
@@ -347,14 +358,14 @@ def make_read(
                 lo, hi = a, b
         spans.append((offsets.of(n.shard, lo), n, lo, hi))
     spans.sort(key=lambda x: x[0])
-    runs: list[ChunkRun] = []
+    chunk_runs: list[ChunkRun] = []
     run_of: dict[int, list[ChunkRun]] = {}
     out = 0
     for file_start, n, lo, hi in spans:
         run = ChunkRun(n.shard, n.raw_total, lo, hi, file_start, out)
         if zstd:
             out += min(hi * n.shard.chunk_size, n.raw_total) - lo * n.shard.chunk_size
-        runs.append(run)
+        chunk_runs.append(run)
         run_of.setdefault(id(n.shard), []).append(run)
     copies = []
     for n in members:
@@ -365,7 +376,7 @@ def make_read(
             base = n.shard.byte_offset + n.raw_start - start
         copies.append(_with_offset(n.copy, base))
     return Read(
-        file=file, start=start, stop=stop, reader=owner, runs=tuple(runs), zstd=zstd,
+        file=file, start=start, stop=stop, reader=owner, runs=tuple(chunk_runs), zstd=zstd,
         staging=out if zstd else stop - start, copies=copies, private=owner >= 0,
     )
 

@@ -179,17 +179,28 @@ class _Ctx:
 
 
 def _dedupe(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> tuple[list[Target], list[list[int]]]:
-    """Distinct target specs (ids in first-seen order) and the ranks holding each."""
+    """Distinct target specs (ids in first-seen order) and the ranks holding each.
+
+    The targets one rank alone holds share one holder list per rank (none is
+    ever appended to): at scale they are most targets, and fewer live objects
+    make the collection after the plan cheaper.
+    """
     uid_of: dict[TargetSpec, int] = {}
     seen = uid_of.setdefault
     rank_targets = [[seen(s, len(uid_of)) for s in specs] for specs in targets_by_rank]
-    needers: list[list[int]] = [[] for _ in range(len(uid_of))]
+    needers: list[Any] = [None] * len(uid_of)
     for r, mine in enumerate(rank_targets):
+        alone = [r]
         for u in mine:
             held = needers[u]
-            if not held or held[-1] != r:
-                held.append(r)
-    return [Target(s, n) for s, n in zip(uid_of, needers)], rank_targets
+            if held is None:
+                needers[u] = alone
+            elif held[-1] != r:
+                if len(held) == 1:
+                    needers[u] = [held[0], r]  # a shared one-rank list: copied, never appended to
+                else:
+                    held.append(r)
+    return list(map(Target, uid_of, needers)), rank_targets
 
 
 @dataclass(slots=True)
@@ -212,31 +223,26 @@ def _census(targets: list[Target], view: ViewLike) -> _Census:
     id order, raises), and note the keys several ranks hold."""
     tensors = view.tensors
     transformed = getattr(view, "transformed", True)
-    by_key: dict[str, list[int]] = {}
-    combos: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    info: dict[str, tuple[list[int], str, tuple[int, ...], list[tuple[str, tuple[int, ...]]]]] = {}
     dead: list[int] = []
     replicated: set[str] = set()
     for uid, t in enumerate(targets):
-        spec = t.spec
-        key = spec[0]
-        uids = by_key.get(key)
-        if uids is None:
+        key, dtype, shape = t.spec[:3]
+        got = info.get(key)
+        if got is None:
             vt = tensors.get(key)
             if vt is None:
                 dead.append(uid)
                 continue
-            _check_target(spec, vt, transformed, t.needers)
-            by_key[key] = uids = []
-            combos[key] = [(spec[1], spec[2])]
-        else:
-            seen = combos[key]
-            if (spec[1] != seen[0][0] or spec[2] != seen[0][1]) and (spec[1], spec[2]) not in seen:
-                _check_target(spec, tensors[key], transformed, t.needers)
-                seen.append((spec[1], spec[2]))
-        uids.append(uid)
+            _check_target(t.spec, vt, transformed, t.needers)
+            got = info[key] = ([], dtype, shape, [(dtype, shape)])
+        elif (dtype != got[1] or shape != got[2]) and (dtype, shape) not in got[3]:
+            _check_target(t.spec, tensors[key], transformed, t.needers)
+            got[3].append((dtype, shape))
+        got[0].append(uid)
         if len(t.needers) > 1:
             replicated.add(key)
-    return _Census(by_key, dead, replicated)
+    return _Census({k: v[0] for k, v in info.items()}, dead, replicated)
 
 
 def _check_target(spec: TargetSpec, vt: Any, transformed: bool, needers: Sequence[int] = ()) -> None:
