@@ -47,8 +47,8 @@ class SourcePart:
     strides: tuple[int, ...]  # the frame's row-major element strides
 
 
-class TensorIndex:
-    """Source parts of one tensor sorted by dim-0 start for range queries."""
+class _Parts:
+    """Every shard cut into contiguous boxes, sorted by dim-0 start for range queries."""
 
     def __init__(self, shards: Sequence[Shard]) -> None:
         parts: list[SourcePart] = []
@@ -64,48 +64,66 @@ class TensorIndex:
         self.parts = parts
         self.starts = [p.box.offset[0] if p.box.ndim else 0 for p in parts]
         self.max_extent = max((p.box.shape[0] if p.box.ndim else 1 for p in parts), default=0)
+
+
+class TensorIndex:
+    """One tensor's shards: as parts for box queries (built on the first query: the
+    flat fast path alone never needs them) and grouped by box for 1-D lookups."""
+
+    def __init__(self, shards: Sequence[Shard]) -> None:
+        self.shards = shards
+        self._parts: _Parts | None = None
         # shards grouped by box, flat ranges sorted: the flat fast path's 1-D lookups
         groups: dict[Box, list[Shard]] = {}
         for s in shards:
             groups.setdefault(s.box, []).append(s)
-        self.boxes: list[tuple[Box, list[int], list[Shard]]] = []
+        # per box: its inner dims (offset, shape after dim 0), stops and shards
+        self.boxes: list[tuple[Box, Box, list[int], list[Shard]]] = []
         for b, group in groups.items():
             group.sort(key=lambda sh: sh.flat_range[0] if sh.flat_range else 0)
-            self.boxes.append((b, [sh.flat_range[1] if sh.flat_range else math.prod(b.shape) for sh in group], group))
+            stops = [sh.flat_range[1] if sh.flat_range else math.prod(b.shape) for sh in group]
+            self.boxes.append((b, Box(b.offset[1:], b.shape[1:]), stops, group))
         self.boxes.sort(key=lambda x: x[0].offset[0] if x[0].ndim else 0)
 
-    def shards_in_rows(self, band: Box, r0: int, r1: int, lo: int, hi: int) -> Iterable[Shard]:
+    def shards_in_rows(self, band: Box, r0: int, r1: int, lo: int, hi: int) -> list[Shard] | None:
         """Shards whose box meets rows ``[r0, r1)`` of the row band ``band`` and whose
-        elements, in the band's flattening, meet ``[lo, hi)``. A shard whose box is not
-        a row band like ``band`` is yielded as is (the caller falls back)."""
-        inner = math.prod(band.shape[1:])
-        for b, stops, group in self.boxes:
-            if not b.ndim or b.offset[0] >= r1 or b.offset[0] + b.shape[0] <= r0:
+        elements, in the band's flattening, meet ``[lo, hi)``; None when a shard box
+        meeting those rows is not a row band like ``band`` (the caller falls back)."""
+        offset, shape = band
+        tail = (offset[1:], shape[1:])
+        inner = math.prod(tail[1])
+        out: list[Shard] = []
+        for b, b_tail, stops, group in self.boxes:
+            b_off, b_shape = b
+            if not b_shape or b_off[0] >= r1 or b_off[0] + b_shape[0] <= r0:
                 continue
-            if b.offset[1:] != band.offset[1:] or b.shape[1:] != band.shape[1:]:
-                yield group[0]
-                continue
-            d = (b.offset[0] - band.offset[0]) * inner
+            if b_tail != tail:
+                return None
+            d = (b_off[0] - offset[0]) * inner
             i = bisect.bisect_right(stops, lo - d)  # first shard ending after lo
             for sh in group[i:]:
                 start = sh.flat_range[0] if sh.flat_range else 0
                 if start + d >= hi:
                     break
-                yield sh
+                out.append(sh)
+        return out
 
     def meets(self, box: Box) -> Iterable[tuple[SourcePart, Box]]:
         """The parts that meet ``box``, each with the intersection (a scalar part whole)."""
-        if self.scalar or not box[1]:
-            for p in self.parts:
+        index = self._parts
+        if index is None:
+            index = self._parts = _Parts(self.shards)
+        if index.scalar or not box[1]:
+            for p in index.parts:
                 inter = intersect(p.box, box) if p.box[1] else p.box
                 if inter is not None:
                     yield p, inter
             return
         q0 = box[0][0]
         q1 = q0 + box[1][0]
-        lo = bisect.bisect_left(self.starts, q0 - self.max_extent + 1)
-        hi = bisect.bisect_left(self.starts, q1)
-        for p in self.parts[lo:hi]:
+        lo = bisect.bisect_left(index.starts, q0 - index.max_extent + 1)
+        hi = bisect.bisect_left(index.starts, q1)
+        for p in index.parts[lo:hi]:
             pb = p.box
             if pb[0][0] + pb[1][0] > q0:
                 inter = intersect(pb, box)
@@ -143,38 +161,50 @@ def _target_parts(spec: TargetSpec) -> list[tuple[Box, int | None, tuple[int, ..
     ]
 
 
-def needs_for_target(
-    uid: int, spec: TargetSpec, view: ViewLike, manifest: Manifest,
-    indexes: dict[str, TensorIndex], options: PlanOptions, offsets: "FrameOffsets",
-) -> Iterable[Need]:
-    if spec.flat_range is not None and _is_identity(view, spec.key):
-        meta = manifest.tensors[spec.key]
-        index = indexes.get(spec.key)
+class NeedFinder:
+    """Turns targets into needs. Holds what one plan's targets share: the
+    per-tensor indexes (built on first use), the frame offsets, the limits."""
+
+    def __init__(self, manifest: Manifest, view: ViewLike, options: PlanOptions, offsets: "FrameOffsets") -> None:
+        self.manifest = manifest
+        self.view = view
+        self.offsets = offsets
+        self.indexes: dict[str, TensorIndex] = {}
+        self.max_piece = options.max_piece_bytes
+        self.max_gap = options.max_gap_bytes
+        self.identity = isinstance(view, IdentityView)
+
+    def index(self, key: str) -> TensorIndex:
+        index = self.indexes.get(key)
         if index is None:
-            index = indexes[spec.key] = TensorIndex(meta.shards)
-        fast = _flat_fast_path(uid, spec, meta.dtype, index, options, offsets)
-        if fast is not None:
-            yield from fast
-            return
-    max_piece, max_gap_bytes = options.max_piece_bytes, options.max_gap_bytes
-    for part_box, dst_base, dst_frame in _target_parts(spec):
-        frame_origin = part_box.offset if dst_base is not None else spec.offset
-        for seg in view.map_box(spec.key, part_box):
-            meta = manifest.tensors.get(seg.source_key)
-            if meta is None:
-                raise TransformError(f"{spec.key}: source tensor {seg.source_key!r} is not in the checkpoint")
-            index = indexes.get(seg.source_key)
-            if index is None:
-                index = indexes[seg.source_key] = TensorIndex(meta.shards)
-            isz = dtypes.itemsize(meta.dtype)
-            max_elems = max(1, max_piece // isz)
-            to_dst = _to_target(seg, frame_origin)
-            for sp, inter in index.meets(seg.source_box):
-                cs = sp.shard.chunk_size
-                align = cs // isz if cs % isz == 0 else 0
-                max_e = max(max_elems, align)
-                for piece in _pieces(sp, inter, max_gap_bytes // isz, max_e, align):
-                    yield _need(uid, piece, sp, to_dst, seg.perm, meta.dtype, isz, dst_base, dst_frame, offsets)
+            index = self.indexes[key] = TensorIndex(self.manifest.tensors[key].shards)
+        return index
+
+    def __call__(self, uid: int, spec: TargetSpec) -> list[Need]:
+        """The needs of target ``uid``."""
+        if spec[5] is not None and (self.identity or _is_identity(self.view, spec[0])):
+            fast = _flat_fast_path(uid, spec, self.manifest.tensors[spec[0]].dtype, self.index(spec[0]),
+                                   self.max_piece, self.offsets)
+            if fast is not None:
+                return fast
+        out: list[Need] = []
+        for part_box, dst_base, dst_frame in _target_parts(spec):
+            frame_origin = part_box.offset if dst_base is not None else spec.offset
+            for seg in self.view.map_box(spec.key, part_box):
+                meta = self.manifest.tensors.get(seg.source_key)
+                if meta is None:
+                    raise TransformError(f"{spec.key}: source tensor {seg.source_key!r} is not in the checkpoint")
+                isz = dtypes.itemsize(meta.dtype)
+                max_elems = max(1, self.max_piece // isz)
+                gap_elems = self.max_gap // isz
+                to_dst = _to_target(seg, frame_origin)
+                for sp, inter in self.index(seg.source_key).meets(seg.source_box):
+                    cs = sp.shard.chunk_size
+                    align = cs // isz if cs % isz == 0 else 0
+                    for piece in _pieces(sp, inter, gap_elems, max(max_elems, align), align):
+                        out.append(_need(uid, piece, sp, to_dst, seg.perm, meta.dtype, isz, dst_base, dst_frame,
+                                         self.offsets))
+        return out
 
 
 def _is_identity(view: ViewLike, name: str) -> bool:
@@ -240,7 +270,7 @@ def need_bytes(s: Shard, raw_start: int, raw_stop: int, copy: Copy, isz: int, of
 
 
 def _flat_fast_path(
-    uid: int, spec: TargetSpec, dtype: str, index: TensorIndex, options: PlanOptions, offsets: "FrameOffsets",
+    uid: int, spec: TargetSpec, dtype: str, index: TensorIndex, max_piece: int, offsets: "FrameOffsets",
 ) -> list[Need] | None:
     """A flat-range target over row bands: 1-D interval overlap, no box decomposition.
 
@@ -249,25 +279,25 @@ def _flat_fast_path(
     a part is contiguous both in its shard and in the target's flattening. Returns
     None when it does not apply.
     """
-    box = spec.box
-    if box.ndim == 0 or spec.flat_range is None:
+    offset, shape, flat = spec[3:]
+    if not shape or flat is None:
         return None
-    a, b = spec.flat_range
+    a, b = flat
     if a == b:
         return []
-    inner = math.prod(box.shape[1:])
+    inner = math.prod(shape[1:])
     if inner == 0:
         return []
-    r0 = box.offset[0] + a // inner
-    r1 = box.offset[0] + -(-b // inner)
+    row0 = offset[0]
+    shards = index.shards_in_rows(Box(offset, shape), row0 + a // inner, row0 + -(-b // inner), a, b)
+    if shards is None:
+        return None  # a shard there is not a row band of the target box: use the general path
     isz = dtypes.itemsize(dtype)
-    max_elems = max(1, options.max_piece_bytes // isz)
+    max_elems = max(1, max_piece // isz)
     out: list[Need] = []
-    for sh in index.shards_in_rows(box, r0, r1, a, b):
-        if sh.shape[1:] != box.shape[1:] or sh.offset[1:] != box.offset[1:]:
-            return None  # not a row band of the target box: use the general path
+    for sh in shards:
         # a row band's flattening is the target's flattening shifted by d elements
-        d = (sh.offset[0] - box.offset[0]) * inner
+        d = (sh.offset[0] - row0) * inner
         s0, s1 = sh.flat_range if sh.flat_range is not None else (0, math.prod(sh.shape))
         lo = max(a, s0 + d)
         hi = min(b, s1 + d)

@@ -26,16 +26,15 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from . import dtypes
 from .errors import IncompatibleStateDictError, TransformError
-from .manifest import Manifest
+from .manifest import Manifest, Shard
 from .needs import (
     FrameOffsets,
     Need,
-    TensorIndex,
+    NeedFinder,
     coalesce_needs,
     fresh_copy,
     make_read,
     need_bytes,
-    needs_for_target,
 )
 from .plandata import (
     ALIGN,
@@ -170,12 +169,14 @@ class _Ctx:
     view: ViewLike
     options: PlanOptions
     targets: list[Target]
-    indexes: dict[str, TensorIndex] = field(default_factory=dict)  # per source tensor, built on first use
     offsets: FrameOffsets = field(default_factory=FrameOffsets)
+    finder: NeedFinder = field(init=False)
 
-    def needs(self, uid: int) -> Iterable[Need]:
-        return needs_for_target(uid, self.targets[uid].spec, self.view, self.manifest, self.indexes,
-                                 self.options, self.offsets)
+    def __post_init__(self) -> None:
+        self.finder = NeedFinder(self.manifest, self.view, self.options, self.offsets)
+
+    def needs(self, uid: int) -> list[Need]:
+        return self.finder(uid, self.targets[uid].spec)
 
 
 def _dedupe(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> tuple[list[Target], list[list[int]]]:
@@ -408,6 +409,12 @@ def _rows(box: Box, flat: tuple[int, int] | None) -> tuple[int, int]:
     return r0 + flat[0] // inner, r0 + -(-flat[1] // inner)
 
 
+def _region(s: TargetSpec | Shard) -> tuple[Box, tuple[int, int]]:
+    """A target's or shard's bounding box and the dim-0 rows it covers."""
+    box = Box(s.offset, s.shape)
+    return box, _rows(box, s.flat_range)
+
+
 def _meets(a: Box, ra: tuple[int, int], b: Box, rb: tuple[int, int]) -> bool:
     """Whether two regions given by bounding box and row range may share elements."""
     if a.ndim == 0 or b.ndim == 0:
@@ -435,13 +442,12 @@ def _closure(rank: int, by_key: dict[str, list[int]], private_keys: set[str], mi
     for key, uids in by_key.items():
         if key not in own_keys or key not in private_keys:
             continue
-        regions = [(s.box, _rows(s.box, s.flat_range)) for s in (targets[u].spec for u in uids)]
-        shards = [(s.box, _rows(s.box, s.flat_range)) for s in ctx.manifest.tensors[key].shards]
-        touched = [
-            sb for sb in shards
-            if any(_meets(regions[i][0], regions[i][1], *sb) for i, u in enumerate(uids) if u in own)
-        ]
-        out.extend(u for i, u in enumerate(uids) if u in own or any(_meets(*regions[i], *sb) for sb in touched))
+        regions = [_region(targets[u].spec) for u in uids]
+        ours = [regions[i] for i, u in enumerate(uids) if u in own]
+        touched = [sb for sb in map(_region, ctx.manifest.tensors[key].shards)
+                   if any(_meets(*region, *sb) for region in ours)]
+        out.extend(u for u, region in zip(uids, regions)
+                   if u in own or any(_meets(*region, *sb) for sb in touched))
     return out
 
 

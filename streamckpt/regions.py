@@ -198,6 +198,17 @@ def runs(frame: Box, sub: Box) -> list[tuple[int, int]]:
     return out
 
 
+def is_contiguous(frame: Box, sub: Box) -> bool:
+    """Whether ``sub`` is one run of ``frame``'s row-major order (``len(runs(...)) == 1``,
+    without listing the runs)."""
+    if sub.is_empty():
+        return False
+    k = len(frame[1]) - 1
+    while k > 0 and sub[1][k] == frame[1][k] and sub[0][k] == frame[0][k]:
+        k -= 1
+    return all(n == 1 for n in sub[1][:k])
+
+
 def max_gap(frame: Box, sub: Box, cut: int, strides: Shape | None = None) -> int:
     """Largest gap (elements) between consecutive runs of ``sub`` when its dims
     before ``cut`` are fixed to single indices (pieces cut at ``cut``); ``strides``
@@ -329,7 +340,7 @@ def split_aligned(frame: Box, sub: Box, max_elems: int, base: int, align: int) -
     first, stop = span(frame, sub)
     if stop - first <= max_elems:
         return [sub]
-    if len(runs(frame, sub)) == 1:
+    if is_contiguous(frame, sub):
         step = max(align, (max_elems // align) * align)
         cuts = [first]
         pos = first
