@@ -173,6 +173,7 @@ class NeedFinder:
         self.max_piece = options.max_piece_bytes
         self.max_gap = options.max_gap_bytes
         self.identity = isinstance(view, IdentityView)
+        self._geometry: dict[tuple, list[tuple[tuple[int, ...], int, int, Box]]] = {}
 
     def index(self, key: str) -> TensorIndex:
         index = self.indexes.get(key)
@@ -201,10 +202,30 @@ class NeedFinder:
                 for sp, inter in self.index(seg.source_key).meets(seg.source_box):
                     cs = sp.shard.chunk_size
                     align = cs // isz if cs % isz == 0 else 0
-                    for piece in _pieces(sp, inter, gap_elems, max(max_elems, align), align):
-                        out.append(_need(uid, piece, sp, to_dst, seg.perm, meta.dtype, isz, dst_base, dst_frame,
-                                         self.offsets))
+                    pieces = self._pieces(sp, inter, gap_elems, max(max_elems, align), align, to_dst, seg.perm)
+                    shard, base, strides = sp.shard, sp.base, sp.strides
+                    for shape, first, stop, dst in pieces:
+                        raw_start, raw_stop = (base + first) * isz, (base + stop) * isz
+                        copy = Copy(uid, -1, raw_stop - raw_start, meta.dtype, shape, strides, dst, dst_base,
+                                    dst_frame, seg.perm)
+                        out.append(need_bytes(shard, raw_start, raw_stop, copy, isz, self.offsets))
         return out
+
+    def _pieces(
+        self, sp: SourcePart, inter: Box, gap_elems: int, max_elems: int, align: int, to_dst: tuple[int, ...],
+        perm: tuple[int, ...] | None,
+    ) -> list[tuple[tuple[int, ...], int, int, Box]]:
+        """(shape, element span in the part's frame, destination box) of each piece of
+        ``inter``: geometry alone, so computed once for the many targets that repeat it
+        (the same slice of every layer)."""
+        key = (sp.frame, sp.base, inter, gap_elems, max_elems, align, to_dst, perm)
+        got = self._geometry.get(key)
+        if got is None:
+            got = self._geometry[key] = [
+                (piece[1], *span(sp.frame, piece), _dst_box(piece, to_dst, perm))
+                for piece in _pieces(sp, inter, gap_elems, max_elems, align)
+            ]
+        return got
 
 
 def _is_identity(view: ViewLike, name: str) -> bool:
@@ -236,20 +257,12 @@ def _to_target(seg: Segment, frame_origin: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(seg.target_box[0][d] - seg.source_box[0][p] - frame_origin[d] for d, p in enumerate(seg.perm))
 
 
-def _need(
-    uid: int, piece: Box, sp: SourcePart, to_dst: tuple[int, ...], perm: tuple[int, ...] | None, src_dtype: str,
-    isz: int, dst_base: int | None, dst_frame: tuple[int, ...] | None, offsets: "FrameOffsets",
-) -> Need:
-    first, stop = span(sp.frame, piece)
-    raw_start = (sp.base + first) * isz
-    raw_stop = (sp.base + stop) * isz
+def _dst_box(piece: Box, to_dst: tuple[int, ...], perm: tuple[int, ...] | None) -> Box:
+    """Where a source piece lands in the destination frame."""
     offset, shape = piece
     if perm is None:
-        dst = Box(tuple(o + d for o, d in zip(offset, to_dst)), shape)
-    else:
-        dst = Box(tuple(offset[p] + d for p, d in zip(perm, to_dst)), tuple(shape[p] for p in perm))
-    copy = Copy(uid, -1, raw_stop - raw_start, src_dtype, shape, sp.strides, dst, dst_base, dst_frame, perm)
-    return need_bytes(sp.shard, raw_start, raw_stop, copy, isz, offsets)
+        return Box(tuple(o + d for o, d in zip(offset, to_dst)), shape)
+    return Box(tuple(offset[p] + d for p, d in zip(perm, to_dst)), tuple(shape[p] for p in perm))
 
 
 def need_bytes(s: Shard, raw_start: int, raw_stop: int, copy: Copy, isz: int, offsets: "FrameOffsets") -> Need:
