@@ -60,6 +60,7 @@ from .plandata import (
     wire_length,
 )
 from .regions import Box, CoalesceOptions
+from .rounds import RoundPacker
 from .targets import TargetSpec
 
 __all__ = [  # the plan's data lives in plandata; importers may take it from here
@@ -142,7 +143,7 @@ def _build_plan(
         mine = census.uids(census.by_key) if rank is None else sorted({u for u in rank_targets[rank] if u >= 0})
         own, edges = _plan_owned(mine, ctx, focus), []
     shared = _plan_shared(shared_uids, ctx, world, private_keys)
-    rounds = _Rounds(world, options.round_cap)
+    rounds = RoundPacker(world, options.round_cap)
     for i, r in enumerate(shared):
         r.tag = i
         rounds.place(r, targets)
@@ -276,95 +277,6 @@ def _assign_readers(reads: list[Read], needs_world: int, targets: list[Target]) 
         r.reader = best
         load[best] += r.length
 
-
-
-class _Rounds:
-    """Greedy round packing: a read goes to the earliest round (at or after each
-    involved rank's current one) where every involved rank still has room.
-
-    Each rank's state is one integer, ``round << 64 | bytes used in it``, so that
-    the busiest of a read's ranks is one ``max`` away: the round a read needs from
-    a set of ranks that all take the same cost is the one the greatest of their
-    states needs (a later round wins, and in the same round the fuller rank).
-    """
-
-    def __init__(self, world: int, cap: int) -> None:
-        self.cap = cap
-        self.state = [0] * world
-        self.touched: set[int] = set()
-
-    def _needs(self, state: int, cost: int) -> int:
-        """The earliest round a rank in ``state`` can take ``cost`` more bytes in."""
-        used = state & _USED
-        return (state >> _SHIFT) + (1 if used and used + cost > self.cap else 0)
-
-    def place(self, r: Read, targets: list[Target]) -> None:
-        state = self.state
-        if r.private:
-            reader = r.reader
-            cost = read_cost(r)
-            rnd = self._needs(state[reader], cost)
-            base = rnd << _SHIFT
-            s = state[reader]
-            state[reader] = (s if s >= base else base) + cost
-            self.touched.add(reader)
-            r.round = rnd
-            return
-        uniform = _uniform_costs(r, targets)
-        if uniform is None:
-            self._place(r, costs_of(r, targets))
-            return
-        ranks, size, reader_cost = uniform
-        reader = r.reader
-        rnd = max(self._needs(state[reader], reader_cost), self._needs(max(map(state.__getitem__, ranks)), size))
-        base = rnd << _SHIFT
-        s = state[reader]
-        for x in ranks:
-            y = state[x]
-            state[x] = (y if y >= base else base) + size
-        state[reader] = (s if s >= base else base) + reader_cost
-        self.touched.update(ranks)
-        self.touched.add(reader)
-        r.round = rnd
-
-    def _place(self, r: Read, costs: dict[int, int]) -> None:
-        state = self.state
-        rnd = max(self._needs(state[rank], c) for rank, c in costs.items())
-        base = rnd << _SHIFT
-        for rank, c in costs.items():
-            s = state[rank]
-            state[rank] = (s if s >= base else base) + c
-        self.touched.update(costs)
-        r.round = rnd
-
-    def count(self, ranks: Iterable[int]) -> int:
-        """Rounds used by the busiest of ``ranks`` so far."""
-        return max(((self.state[r] >> _SHIFT) + 1 for r in ranks if r in self.touched), default=0)
-
-
-_SHIFT = 64  # a rank's round sits above its bytes used in _Rounds.state (used < 2**63)
-_USED = (1 << _SHIFT) - 1
-
-
-def _uniform_costs(r: Read, targets: list[Target]) -> tuple[list[int], int, int] | None:
-    """``costs_of`` for a read whose copies all go to one set of ranks (a replicated
-    box), as (those ranks, what each but the reader takes, what the reader takes);
-    None when the copies' ranks differ, or when the reader would take less than the
-    others (``_Rounds`` bounds the reader by the others' maximum then)."""
-    copies = r.copies
-    first = targets[copies[0].target].needers
-    for c in copies:
-        if targets[c.target].needers is not first:
-            return None
-    reader = r.reader
-    others = len(first) - (1 if reader in first else 0)
-    if not others:
-        return first, 0, read_cost(r)
-    size = message_layout(copies)[1]
-    reader_cost = read_cost(r) + (size * others if is_packed(copies) else 0)
-    if reader_cost < size:
-        return None
-    return first, size, reader_cost
 
 
 def _degree(edges: list[Read], focus: set[int], targets: list[Target]) -> int:
