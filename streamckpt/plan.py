@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import heapq
 import logging
 import math
 import zlib
@@ -153,7 +154,7 @@ def _build_plan(
         r.tag = _edge_tag(r)
     if rank is not None:
         held = set(rank_targets[rank])
-        shared = [r for r in shared if r.reader == rank or any(c.target in held for c in r.copies)]
+        shared = [r for r in shared if r.reader == rank or not held.isdisjoint([c.target for c in r.copies])]
     plan = LoadPlan(world, targets, shared + own + edges, 0, rank_targets, missing, unexpected, options,
                     rank=rank, base_rounds=rounds.count(focus), edge_reads=edges)
     plan.edge_degree = _degree(edges, focus, targets)
@@ -264,19 +265,31 @@ def _check_target(spec: TargetSpec, vt: Any, transformed: bool, needers: Sequenc
 
 
 def _assign_readers(reads: list[Read], needs_world: int, targets: list[Target]) -> None:
-    """Each shared read goes to the least-loaded rank (by bytes) among those needing it."""
+    """Each shared read goes to the least-loaded rank (by bytes) among those needing it,
+    the lowest rank among ties. A run of reads with the same candidates keeps them in
+    a heap of (load, rank): within the run only its own picks change their loads."""
     load = [0] * needs_world
     by_load = load.__getitem__
+    run: list[int] | None = None
+    heap: list[tuple[int, int]] = []
     for r in reads:
         first = targets[r.copies[0].target].needers
         if all(targets[c.target].needers is first for c in r.copies):
-            cands: Sequence[int] = first  # ascending: min() keeps the lowest rank among ties
+            cands: list[int] = first  # ascending
         else:
             cands = sorted({n for c in r.copies for n in targets[c.target].needers})
-        best = min(cands, key=by_load)
+        if len(cands) < 8:
+            run = None
+            best = min(cands, key=by_load)
+        else:
+            if run is None or (run is not cands and run != cands):
+                run = cands
+                heap = [(load[x], x) for x in cands]
+                heapq.heapify(heap)
+            best = heap[0][1]
+            heapq.heapreplace(heap, (load[best] + r.length, best))
         r.reader = best
         load[best] += r.length
-
 
 
 def _degree(edges: list[Read], focus: set[int], targets: list[Target]) -> int:

@@ -87,3 +87,20 @@ def test_lazy_packer_places_reads_like_the_plain_rule(seed, world, cap):
             assert lazy.count(range(world)) == plain.count(range(world))
     for k in range(world):
         assert lazy.count([k]) == plain.count(range(k, k + 1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 24))
+def test_readers_go_to_the_least_loaded_holder(seed, world):
+    """Shared reads go to the least-loaded holder, the lowest rank among ties (the planner
+    keeps runs over one holder set in a heap; here each pick is made the plain way)."""
+    from streamckpt.plan import _assign_readers
+
+    targets, pairs = _case(seed, world)
+    reads = [a for a, _ in pairs]
+    _assign_readers(reads, world, targets)
+    load = [0] * world
+    for r in reads:
+        holders = sorted({n for c in r.copies for n in targets[c.target].needers})
+        assert r.reader == min(holders, key=lambda k: (load[k], k))
+        load[r.reader] += r.length
