@@ -116,8 +116,9 @@ def _build_plan(
 ) -> LoadPlan:
     view = view or IdentityView(manifest)
     world = len(targets_by_rank)
-    targets, rank_targets = _dedupe(targets_by_rank)
-    census = _census(targets, view)
+    distinct = _dedupe(targets_by_rank)
+    census = _census(distinct, view)
+    targets, rank_targets = list(map(Target, distinct.specs, distinct.needers)), distinct.rank_targets
     missing: list[list[str]] = [[] for _ in range(world)]
     for u in census.dead:
         for r in targets[u].needers:
@@ -181,8 +182,18 @@ class _Ctx:
         return self.finder(uid, self.targets[uid].spec)
 
 
-def _dedupe(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> tuple[list[Target], list[list[int]]]:
-    """Distinct target specs (ids in first-seen order) and the ranks holding each.
+@dataclass(slots=True)
+class _Distinct:
+    """The distinct target specs (ids in first-seen order) and the ranks holding each."""
+
+    specs: list[TargetSpec]
+    needers: list[list[int]]
+    rank_targets: list[list[int]]  # per rank: the id of each of its specs
+    several: list[int]  # ids held by more than one rank
+
+
+def _dedupe(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> _Distinct:
+    """Number the distinct specs and list each one's holders.
 
     The targets one rank alone holds share one holder list per rank (none is
     ever appended to): at scale they are most targets, and fewer live objects
@@ -190,20 +201,27 @@ def _dedupe(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> tuple[list[Targe
     """
     uid_of: dict[TargetSpec, int] = {}
     seen = uid_of.setdefault
-    rank_targets = [[seen(s, len(uid_of)) for s in specs] for specs in targets_by_rank]
-    needers: list[Any] = [None] * len(uid_of)
-    for r, mine in enumerate(rank_targets):
-        alone = [r]
+    rank_targets: list[list[int]] = []
+    needers: list[list[int]] = []
+    several: list[int] = []
+    for r, specs in enumerate(targets_by_rank):
+        before = len(uid_of)
+        mine = [seen(s, len(uid_of)) for s in specs]
+        rank_targets.append(mine)
+        fresh = len(uid_of) - before
+        needers.extend([[r]] * fresh)  # first held here: one shared list
+        if fresh == len(mine):
+            continue
         for u in mine:
-            held = needers[u]
-            if held is None:
-                needers[u] = alone
-            elif held[-1] != r:
-                if len(held) == 1:
-                    needers[u] = [held[0], r]  # a shared one-rank list: copied, never appended to
-                else:
-                    held.append(r)
-    return list(map(Target, uid_of, needers)), rank_targets
+            if u < before:
+                held = needers[u]
+                if held[-1] != r:
+                    if len(held) == 1:
+                        needers[u] = [held[0], r]  # a shared one-rank list: copied, never appended to
+                        several.append(u)
+                    else:
+                        held.append(r)
+    return _Distinct(list(uid_of), needers, rank_targets, several)
 
 
 @dataclass(slots=True)
@@ -220,32 +238,32 @@ class _Census:
         return sorted(u for k in keys for u in by_key[k])
 
 
-def _census(targets: list[Target], view: ViewLike) -> _Census:
-    """One pass over the distinct targets: group them by key, check each distinct
+def _census(distinct: _Distinct, view: ViewLike) -> _Census:
+    """One pass over the distinct targets: group them by key, and check each distinct
     (key, dtype, global shape) against the view once (the first failing target, in
-    id order, raises), and note the keys several ranks hold."""
+    id order, raises)."""
     tensors = view.tensors
     transformed = getattr(view, "transformed", True)
     info: dict[str, tuple[list[int], str, tuple[int, ...], list[tuple[str, tuple[int, ...]]]]] = {}
     dead: list[int] = []
-    replicated: set[str] = set()
-    for uid, t in enumerate(targets):
-        key, dtype, shape = t.spec[:3]
+    needers = distinct.needers
+    for uid, spec in enumerate(distinct.specs):
+        key = spec[0]
         got = info.get(key)
         if got is None:
             vt = tensors.get(key)
             if vt is None:
                 dead.append(uid)
                 continue
-            _check_target(t.spec, vt, transformed, t.needers)
-            got = info[key] = ([], dtype, shape, [(dtype, shape)])
-        elif (dtype != got[1] or shape != got[2]) and (dtype, shape) not in got[3]:
-            _check_target(t.spec, tensors[key], transformed, t.needers)
-            got[3].append((dtype, shape))
+            _check_target(spec, vt, transformed, needers[uid])
+            got = info[key] = ([], spec[1], spec[2], [(spec[1], spec[2])])
+        elif (spec[1] != got[1] or spec[2] != got[2]) and (spec[1], spec[2]) not in got[3]:
+            _check_target(spec, tensors[key], transformed, needers[uid])
+            got[3].append((spec[1], spec[2]))
         got[0].append(uid)
-        if len(t.needers) > 1:
-            replicated.add(key)
-    return _Census({k: v[0] for k, v in info.items()}, dead, replicated)
+    by_key = {k: v[0] for k, v in info.items()}
+    replicated = {k for k in (distinct.specs[u][0] for u in distinct.several) if k in by_key}
+    return _Census(by_key, dead, replicated)
 
 
 def _check_target(spec: TargetSpec, vt: Any, transformed: bool, needers: Sequence[int] = ()) -> None:
