@@ -23,6 +23,7 @@ import logging
 import math
 import zlib
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Iterable, Iterator, Sequence
 
 from . import dtypes
@@ -118,7 +119,8 @@ def _build_plan(
     world = len(targets_by_rank)
     distinct = _dedupe(targets_by_rank)
     census = _census(distinct, view)
-    targets, rank_targets = list(map(Target, distinct.specs, distinct.needers)), distinct.rank_targets
+    targets = list(map(tuple.__new__, repeat(Target), zip(distinct.specs, distinct.needers)))
+    rank_targets = distinct.rank_targets
     missing: list[list[str]] = [[] for _ in range(world)]
     for u in census.dead:
         for r in targets[u].needers:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 from . import dtypes
 from .manifest import Manifest, Shard
@@ -83,9 +83,9 @@ class IdentityView:
 # ------------------------------------------------------------------ plan data
 
 
-@dataclass(slots=True)
-class Target:
-    """A distinct target region and the ranks that hold it."""
+class Target(NamedTuple):
+    """A distinct target region and the ranks that hold it (a tuple: a plan at
+    scale makes hundreds of thousands, and tuples are built at C speed)."""
 
     spec: TargetSpec
     needers: list[int]

@@ -32,8 +32,9 @@ import gc
 import hashlib
 import struct
 from dataclasses import dataclass
+from collections import deque
 from itertools import repeat
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -201,9 +202,9 @@ def parse_header(blob: bytes, rank: int) -> tuple[Ref, ...]:
 
 # ----------------------------------------------------------------------------- who sends which bytes
 
-@dataclass(frozen=True, slots=True)
-class Part:
-    """Bytes ``[start, stop)`` of distinct blob ``blob``, sent by ``rank`` at ``pos`` of its payload."""
+class Part(NamedTuple):
+    """Bytes ``[start, stop)`` of distinct blob ``blob``, sent by ``rank`` at ``pos`` of its
+    payload (a tuple: there is one per rank and section, so thousands at scale)."""
 
     blob: int
     start: int
@@ -378,8 +379,7 @@ def decode_all(routing: Routing, blobs: Sequence[bytes]) -> list[list[TargetSpec
                         f"{len(ranges)} flat ranges for {len(base.where)} specs that take one"
                     )
                 done = list(base.specs)
-                for i, spec in zip(base.where, map(new, repeat(TargetSpec), zip(*base.columns, ranges))):
-                    done[i] = spec
+                deque(map(done.__setitem__, base.where, map(new, repeat(TargetSpec), zip(*base.columns, ranges))), 0)
                 lists[ids] = done
             out.append(list(done))
     return out
