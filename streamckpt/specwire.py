@@ -32,7 +32,6 @@ import gc
 import hashlib
 import struct
 from dataclasses import dataclass
-from collections import deque
 from itertools import repeat
 from typing import Callable, Iterator, NamedTuple, Sequence
 
@@ -379,7 +378,8 @@ def decode_all(routing: Routing, blobs: Sequence[bytes]) -> list[list[TargetSpec
                         f"{len(ranges)} flat ranges for {len(base.where)} specs that take one"
                     )
                 done = list(base.specs)
-                deque(map(done.__setitem__, base.where, map(new, repeat(TargetSpec), zip(*base.columns, ranges))), 0)
+                for i, spec in zip(base.where, map(new, repeat(TargetSpec), zip(*base.columns, ranges))):
+                    done[i] = spec
                 lists[ids] = done
             out.append(list(done))
     return out
