@@ -343,17 +343,29 @@ def _aligned_cuts(start: int, stop: int, step: int, align: int) -> list[tuple[in
     return list(zip(cuts, cuts[1:]))
 
 
+Group = tuple[str, int, int, list[Need], int]  # file, start, stop, member needs, owner: one read to be
+
+
 def coalesce_needs(
     needs: list[Need], options: PlanOptions, offsets: "FrameOffsets", targets: Sequence[Target],
     barriers: Mapping[str, list[tuple[int, int]]] | None = None,
 ) -> list[Read]:
-    """Merge each (owner, file)'s needs into reads; ``owner`` -1 (shared needs) merges
-    across gaps only between needs of targets the same ranks hold, never across ``barriers``."""
+    """Merge each (owner, file)'s needs into reads (see ``group_needs``)."""
+    return [make_read(*g, offsets) for g in group_needs(needs, options, targets, barriers)]
+
+
+def group_needs(
+    needs: list[Need], options: PlanOptions, targets: Sequence[Target],
+    barriers: Mapping[str, list[tuple[int, int]]] | None = None,
+) -> list[Group]:
+    """What each read ``coalesce_needs`` makes holds, in its order. ``owner`` -1 (shared
+    needs) merges across gaps only between needs of targets the same ranks hold,
+    never across ``barriers``."""
     groups: dict[tuple[int, str], list[int]] = {}
     for i, n in enumerate(needs):
         groups.setdefault((n.owner, n.file), []).append(i)
     opts = CoalesceOptions(options.max_gap_bytes, max(options.max_piece_bytes, 1))
-    reads: list[Read] = []
+    out: list[Group] = []
     for (owner, file), idxs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         ranges = [(needs[i].fetch_start, needs[i].fetch_stop) for i in idxs]
         # gaps are bridged only between ranges the same ranks need: a rank's private
@@ -367,8 +379,8 @@ def coalesce_needs(
         for start, stop, members in coalesce(ranges, opts, keys):
             if members[0] >= len(idxs):
                 continue  # a barrier
-            reads.append(make_read(file, start, stop, [needs[idxs[m]] for m in members], owner, offsets))
-    return reads
+            out.append((file, start, stop, [needs[idxs[m]] for m in members], owner))
+    return out
 
 
 def make_read(

@@ -35,6 +35,7 @@ from .needs import (
     NeedFinder,
     coalesce_needs,
     fresh_copy,
+    group_needs,
     make_read,
     need_bytes,
 )
@@ -62,7 +63,7 @@ from .plandata import (
     wire_length,
 )
 from .regions import Box, CoalesceOptions
-from .rounds import RoundPacker
+from .rounds import RoundPacker, reachable
 from .targets import TargetSpec
 
 __all__ = [  # the plan's data lives in plandata; importers may take it from here
@@ -146,11 +147,13 @@ def _build_plan(
         shared_uids = []
         mine = census.uids(census.by_key) if rank is None else sorted({u for u in rank_targets[rank] if u >= 0})
         own, edges = _plan_owned(mine, ctx, focus), []
-    shared = _plan_shared(shared_uids, ctx, world, private_keys)
+    placed = _plan_shared(shared_uids, ctx, world, private_keys, rank)
     rounds = RoundPacker(world, options.round_cap)
-    for i, r in enumerate(shared):
-        r.tag = i
-        rounds.place(r, targets)
+    for i, r in enumerate(placed):
+        if r is not None:
+            r.tag = i
+            rounds.place(r, targets)
+    shared = [r for r in placed if r is not None]
     for r in own:
         rounds.place(r, targets)
     for r in edges:
@@ -223,6 +226,9 @@ def _dedupe(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> _Distinct:
                         several.append(u)
                     else:
                         held.append(r)
+    equal: dict[tuple[int, ...], list[int]] = {}
+    for u in several:  # equal holder lists of several ranks: one object (see rounds.reachable)
+        needers[u] = equal.setdefault(tuple(needers[u]), needers[u])
     return _Distinct(list(uid_of), needers, rank_targets, several)
 
 
@@ -409,8 +415,12 @@ def _plan_owned(uids: Sequence[int], ctx: _Ctx, focus: set[int]) -> list[Read]:
     return coalesce_needs(needs, ctx.options, ctx.offsets, [])
 
 
-def _plan_shared(uids: Sequence[int], ctx: _Ctx, world: int, private_keys: set[str]) -> list[Read]:
-    """Targets more than one rank holds: planned alike on every rank."""
+def _plan_shared(
+    uids: Sequence[int], ctx: _Ctx, world: int, private_keys: set[str], rank: int | None,
+) -> list[Read | None]:
+    """Targets more than one rank holds: planned alike on every rank. With ``rank``,
+    reads that cannot affect that rank's are counted (their index is a tag) but
+    not laid out: None in their place."""
     if not uids:
         return []
     needs = [n for uid in uids for n in ctx.needs(uid)]
@@ -420,8 +430,10 @@ def _plan_shared(uids: Sequence[int], ctx: _Ctx, world: int, private_keys: set[s
             fences.setdefault(sh.file, []).append((sh.byte_offset, sh.byte_offset + sh.byte_length))
     files = {n.file for n in needs}
     barriers = {f: _merge_ranges(fences[f]) for f in files if f in fences}
-    reads = coalesce_needs(needs, ctx.options, ctx.offsets, ctx.targets, barriers)
-    _assign_readers(reads, world, ctx.targets)
+    groups = group_needs(needs, ctx.options, ctx.targets, barriers)
+    keep = reachable(groups, rank, world, ctx.targets) if rank is not None else [True] * len(groups)
+    reads = [make_read(*g, ctx.offsets) if k else None for g, k in zip(groups, keep)]
+    _assign_readers([r for r in reads if r is not None], world, ctx.targets)
     return reads
 
 

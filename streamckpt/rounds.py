@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from .needs import Group
 from .plandata import Read, Target, costs_of, is_packed, message_layout, read_cost
 
 SHIFT = 64  # a rank's round sits above its bytes used (used < 2**63)
@@ -126,3 +127,50 @@ def uniform_costs(r: Read, targets: list[Target]) -> tuple[list[int], int, int] 
     if reader_cost < size:
         return None
     return first, size, reader_cost
+
+
+def reachable(groups: list[Group], rank: int, world: int, targets: list[Target]) -> list[bool]:
+    """Which shared reads (as ``needs.group_needs`` groups them) one rank's plan must
+    place: those whose ranks connect to ``rank`` through other shared reads.
+
+    Readers and rounds of shared reads are decided read by read from per-rank loads
+    and states, and a read changes only its own ranks'. So the reads of ranks that
+    share no read with this rank's connected set, directly or through others, never
+    change what this rank's reads get (a PP stage's DP groups, at scale, never meet
+    another stage's files). Holder lists are compared by identity: ``_dedupe`` gives
+    equal lists of several ranks one object.
+    """
+    parent = list(range(world))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(a: int, b: int) -> None:
+        a, b = find(a), find(b)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+
+    joined: set[int] = set()
+    heads: list[int] = []
+    for _, _, _, members, _ in groups:
+        last: list[int] | None = None
+        head = -1
+        for n in members:
+            held = targets[n.copy.target].needers
+            if held is last:
+                continue
+            last = held
+            if id(held) not in joined:
+                joined.add(id(held))
+                for x in held[1:]:
+                    union(held[0], x)
+            if head < 0:
+                head = held[0]
+            else:
+                union(head, held[0])
+        heads.append(head)
+    mine = find(rank)
+    return [find(h) == mine for h in heads]
