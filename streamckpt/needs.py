@@ -70,8 +70,10 @@ class TensorIndex:
     """One tensor's shards: as parts for box queries (built on the first query: the
     flat fast path alone never needs them) and grouped by box for 1-D lookups."""
 
-    def __init__(self, shards: Sequence[Shard]) -> None:
+    def __init__(self, shards: Sequence[Shard], dtype: str) -> None:
         self.shards = shards
+        self.dtype = dtype
+        self.itemsize = dtypes.itemsize(dtype)
         self._parts: _Parts | None = None
         # shards grouped by box, flat ranges sorted: the flat fast path's 1-D lookups
         groups: dict[Box, list[Shard]] = {}
@@ -85,11 +87,12 @@ class TensorIndex:
             self.boxes.append((b, Box(b.offset[1:], b.shape[1:]), stops, group))
         self.boxes.sort(key=lambda x: x[0].offset[0] if x[0].ndim else 0)
 
-    def shards_in_rows(self, band: Box, r0: int, r1: int, lo: int, hi: int) -> list[Shard] | None:
-        """Shards whose box meets rows ``[r0, r1)`` of the row band ``band`` and whose
-        elements, in the band's flattening, meet ``[lo, hi)``; None when a shard box
-        meeting those rows is not a row band like ``band`` (the caller falls back)."""
-        offset, shape = band
+    def shards_in_rows(
+        self, offset: tuple[int, ...], shape: tuple[int, ...], r0: int, r1: int, lo: int, hi: int,
+    ) -> list[Shard] | None:
+        """Shards whose box meets rows ``[r0, r1)`` of the row band ``offset``, ``shape``
+        and whose elements, in the band's flattening, meet ``[lo, hi)``; None when a shard
+        box meeting those rows is not a row band like it (the caller falls back)."""
         tail = (offset[1:], shape[1:])
         inner = math.prod(tail[1])
         out: list[Shard] = []
@@ -178,14 +181,14 @@ class NeedFinder:
     def index(self, key: str) -> TensorIndex:
         index = self.indexes.get(key)
         if index is None:
-            index = self.indexes[key] = TensorIndex(self.manifest.tensors[key].shards)
+            meta = self.manifest.tensors[key]
+            index = self.indexes[key] = TensorIndex(meta.shards, meta.dtype)
         return index
 
     def __call__(self, uid: int, spec: TargetSpec) -> list[Need]:
         """The needs of target ``uid``."""
         if spec[5] is not None and (self.identity or _is_identity(self.view, spec[0])):
-            fast = _flat_fast_path(uid, spec, self.manifest.tensors[spec[0]].dtype, self.index(spec[0]),
-                                   self.max_piece, self.offsets)
+            fast = _flat_fast_path(uid, spec, self.index(spec[0]), self.max_piece, self.offsets)
             if fast is not None:
                 return fast
         out: list[Need] = []
@@ -283,7 +286,7 @@ def need_bytes(s: Shard, raw_start: int, raw_stop: int, copy: Copy, isz: int, of
 
 
 def _flat_fast_path(
-    uid: int, spec: TargetSpec, dtype: str, index: TensorIndex, max_piece: int, offsets: "FrameOffsets",
+    uid: int, spec: TargetSpec, index: TensorIndex, max_piece: int, offsets: "FrameOffsets",
 ) -> list[Need] | None:
     """A flat-range target over row bands: 1-D interval overlap, no box decomposition.
 
@@ -302,10 +305,10 @@ def _flat_fast_path(
     if inner == 0:
         return []
     row0 = offset[0]
-    shards = index.shards_in_rows(Box(offset, shape), row0 + a // inner, row0 + -(-b // inner), a, b)
+    shards = index.shards_in_rows(offset, shape, row0 + a // inner, row0 + -(-b // inner), a, b)
     if shards is None:
         return None  # a shard there is not a row band of the target box: use the general path
-    isz = dtypes.itemsize(dtype)
+    dtype, isz = index.dtype, index.itemsize
     max_elems = max(1, max_piece // isz)
     out: list[Need] = []
     for sh in shards:
