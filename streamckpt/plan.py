@@ -20,25 +20,13 @@ import contextlib
 import gc
 import heapq
 import logging
-import math
-import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, Iterable, Iterator, Sequence
 
-from . import dtypes
 from .errors import IncompatibleStateDictError, TransformError
-from .manifest import Manifest, Shard
-from .needs import (
-    FrameOffsets,
-    Need,
-    NeedFinder,
-    coalesce_needs,
-    fresh_copy,
-    group_needs,
-    make_read,
-    need_bytes,
-)
+from .manifest import Manifest
+from .needs import Need, PlanContext, coalesce_needs, fresh_copy, group_needs, make_read
 from .plandata import (
     ALIGN,
     ChunkRun,
@@ -62,7 +50,7 @@ from .plandata import (
     settle_rounds,
     wire_length,
 )
-from .regions import Box, CoalesceOptions
+from .private import closure, edge_tag, plan_private
 from .rounds import RoundPacker, reachable
 from .targets import TargetSpec
 
@@ -133,7 +121,7 @@ def _build_plan(
         rank_targets = [[u if alive[u] else -1 for u in mine] for mine in rank_targets]
     unexpected = sorted(k for k in view.tensors if k not in census.by_key)
 
-    ctx = _Ctx(manifest, view, options, targets)
+    ctx = PlanContext(manifest, view, options, targets)
     focus = set(range(world)) if rank is None else {rank}
     private_keys = _private_keys(census, view) if options.read_once else set()
     if options.read_once:
@@ -141,8 +129,8 @@ def _build_plan(
         if rank is None:
             private_uids = census.uids(private_keys)
         else:
-            private_uids = _closure(rank, census.by_key, private_keys, rank_targets[rank], ctx)
-        own, edges = _plan_private(private_uids, focus, ctx)
+            private_uids = closure(rank, census.by_key, private_keys, rank_targets[rank], ctx)
+        own, edges = plan_private(private_uids, focus, ctx)
     else:
         shared_uids = []
         mine = census.uids(census.by_key) if rank is None else sorted({u for u in rank_targets[rank] if u >= 0})
@@ -157,7 +145,7 @@ def _build_plan(
     for r in own:
         rounds.place(r, targets)
     for r in edges:
-        r.tag = _edge_tag(r)
+        r.tag = edge_tag(r)
     if rank is not None:
         held = set(rank_targets[rank])
         shared = [r for r in shared if r.reader == rank or not held.isdisjoint([c.target for c in r.copies])]
@@ -167,24 +155,6 @@ def _build_plan(
     if rank is None:
         plan.finish(plan.place_edges(plan.base_rounds, plan.edge_degree))
     return plan
-
-
-@dataclass(slots=True)
-class _Ctx:
-    """What every planning step reads, and the caches they share."""
-
-    manifest: Manifest
-    view: ViewLike
-    options: PlanOptions
-    targets: list[Target]
-    offsets: FrameOffsets = field(default_factory=FrameOffsets)
-    finder: NeedFinder = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.finder = NeedFinder(self.manifest, self.view, self.options, self.offsets)
-
-    def needs(self, uid: int) -> list[Need]:
-        return self.finder(uid, self.targets[uid].spec)
 
 
 @dataclass(slots=True)
@@ -328,11 +298,6 @@ def _degree(edges: list[Read], focus: set[int], targets: list[Target]) -> int:
     return max((len(v) for v in groups.values()), default=0)
 
 
-def _edge_tag(r: Read) -> int:
-    """A tag both ends of an edge read derive alike (they number their reads differently)."""
-    return (zlib.crc32(r.file.encode()) * 1_000_003 + r.start) % (1 << 30)
-
-
 # ------------------------------------------------------------------ private targets
 
 
@@ -347,62 +312,7 @@ def _private_keys(census: _Census, view: ViewLike) -> set[str]:
     return {k for k in census.by_key if k not in census.replicated}
 
 
-def _rows(box: Box, flat: tuple[int, int] | None) -> tuple[int, int]:
-    """Dim-0 rows ``[r0, r1)`` a box (or a flat range of it) covers."""
-    if box.ndim == 0:
-        return 0, 1
-    r0, n = box.offset[0], box.shape[0]
-    if flat is None:
-        return r0, r0 + n
-    inner = math.prod(box.shape[1:])
-    if inner == 0:
-        return r0, r0
-    return r0 + flat[0] // inner, r0 + -(-flat[1] // inner)
-
-
-def _region(s: TargetSpec | Shard) -> tuple[Box, tuple[int, int]]:
-    """A target's or shard's bounding box and the dim-0 rows it covers."""
-    box = Box(s.offset, s.shape)
-    return box, _rows(box, s.flat_range)
-
-
-def _meets(a: Box, ra: tuple[int, int], b: Box, rb: tuple[int, int]) -> bool:
-    """Whether two regions given by bounding box and row range may share elements."""
-    if a.ndim == 0 or b.ndim == 0:
-        return True
-    if ra[0] >= rb[1] or rb[0] >= ra[1]:
-        return False
-    for d in range(1, a.ndim):
-        if a.offset[d] >= b.offset[d] + b.shape[d] or b.offset[d] >= a.offset[d] + a.shape[d]:
-            return False
-    return True
-
-
-def _closure(rank: int, by_key: dict[str, list[int]], private_keys: set[str], mine: Sequence[int],
-             ctx: _Ctx) -> list[int]:
-    """Private targets whose needs can share a stored shard with ``rank``'s own.
-
-    Every target that meets a shard one of the rank's targets meets is in it,
-    so every chain of overlapping reads through such a shard is seen whole —
-    the same on each rank of the chain.
-    """
-    targets = ctx.targets
-    own = {u for u in mine if u >= 0}
-    own_keys = {targets[u].spec.key for u in own}
-    out: list[int] = []
-    for key, uids in by_key.items():
-        if key not in own_keys or key not in private_keys:
-            continue
-        regions = [_region(targets[u].spec) for u in uids]
-        ours = [regions[i] for i, u in enumerate(uids) if u in own]
-        touched = [sb for sb in map(_region, ctx.manifest.tensors[key].shards)
-                   if any(_meets(*region, *sb) for region in ours)]
-        out.extend(u for u, region in zip(uids, regions)
-                   if u in own or any(_meets(*region, *sb) for sb in touched))
-    return out
-
-
-def _plan_owned(uids: Sequence[int], ctx: _Ctx, focus: set[int]) -> list[Read]:
+def _plan_owned(uids: Sequence[int], ctx: PlanContext, focus: set[int]) -> list[Read]:
     """read_once=False: every needer (of those in ``focus``) reads its own needs."""
     needs: list[Need] = []
     for uid in uids:
@@ -416,7 +326,7 @@ def _plan_owned(uids: Sequence[int], ctx: _Ctx, focus: set[int]) -> list[Read]:
 
 
 def _plan_shared(
-    uids: Sequence[int], ctx: _Ctx, world: int, private_keys: set[str], rank: int | None,
+    uids: Sequence[int], ctx: PlanContext, world: int, private_keys: set[str], rank: int | None,
 ) -> list[Read | None]:
     """Targets more than one rank holds: planned alike on every rank. With ``rank``,
     reads that cannot affect that rank's are counted (their index is a tag) but
@@ -445,146 +355,3 @@ def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((a, b))
     return out
-
-
-def _plan_private(uids: Sequence[int], focus: set[int], ctx: _Ctx) -> tuple[list[Read], list[Read]]:
-    """Reads of single-holder targets: each rank's own, and the shared "edge" reads.
-
-    Needs whose fetched bytes overlap form chains (ZeRO slices meeting inside a
-    checksum chunk). A contiguous need is cut at chunk boundaries so only the
-    chunks two ranks both touch are read once and shared; the rest stays
-    private. Returns reads for ranks in ``focus``: (private reads, edge reads).
-    """
-    by_file: dict[str, list[Need]] = {}
-    for uid in uids:
-        owner = ctx.targets[uid].needers[0]
-        for need in ctx.needs(uid):
-            need.owner = owner
-            by_file.setdefault(need.file, []).append(need)
-    own: list[Read] = []
-    edges: list[Read] = []
-    for file in sorted(by_file):
-        ns = by_file[file]
-        ns.sort(key=lambda n: (n.fetch_start, n.fetch_stop))
-        units: list[list[Need]] = []
-        for comp in _chains(ns):
-            owners = {n.owner for n in comp}
-            if len(owners) == 1:
-                units.append(comp)
-            elif owners & focus:
-                split = sorted(_split_contested(comp, ctx.offsets), key=lambda n: (n.fetch_start, n.fetch_stop))
-                units.extend(_chains(split))
-            else:
-                units.append(comp)  # not ours: it only fences our reads off its bytes
-        units.sort(key=lambda u: u[0].fetch_start)
-        _private_reads(file, units, focus, ctx, own, edges)
-    return own, edges
-
-
-def _chains(ns: Sequence[Need]) -> list[list[Need]]:
-    """Maximal runs of needs (sorted by start) whose fetched bytes overlap."""
-    out: list[list[Need]] = []
-    stop = -1
-    for n in ns:
-        if out and n.fetch_start < stop:
-            out[-1].append(n)
-            stop = max(stop, n.fetch_stop)
-        else:
-            out.append([n])
-            stop = n.fetch_stop
-    return out
-
-
-def _private_reads(
-    file: str, units: list[list[Need]], focus: set[int], ctx: _Ctx, own: list[Read], edges: list[Read],
-) -> None:
-    """Turn chains into reads. Chains of the same ranks merge across small gaps
-    inside one shard, or with no gap at all, never across another's bytes: every
-    rank of an edge read sees the same chains between its ends, so all of them
-    merge alike."""
-    opts = ctx.options
-    small = CoalesceOptions().small_gap_bytes
-    ratio = CoalesceOptions().max_gap_ratio
-    cur: list[Need] = []
-    cur_owners: frozenset[int] = frozenset()
-    start = stop = 0
-
-    def flush() -> None:
-        if not cur:
-            return
-        if len(cur_owners) == 1:
-            own.append(make_read(file, start, stop, list(cur), next(iter(cur_owners)), ctx.offsets))
-        else:
-            edges.append(_edge_read(file, start, stop, list(cur), ctx))
-        cur.clear()
-
-    for unit in units:
-        owners = frozenset(n.owner for n in unit)
-        u_start = unit[0].fetch_start
-        u_stop = max(n.fetch_stop for n in unit)
-        if cur:
-            gap = u_start - stop
-            merged = u_stop - start
-            if (
-                owners == cur_owners
-                and (gap == 0 or unit[0].shard is cur[-1].shard)
-                and (gap <= small or (gap <= opts.max_gap_bytes and gap <= ratio * merged))
-                and merged <= max(opts.max_piece_bytes, 1)
-            ):
-                cur.extend(unit)
-                stop = u_stop
-                continue
-            flush()
-        if owners & focus:
-            cur.extend(unit)
-            cur_owners, start, stop = owners, u_start, u_stop
-    flush()
-
-
-def _edge_read(file: str, start: int, stop: int, members: list[Need], ctx: _Ctx) -> Read:
-    """A read several ranks' private targets share. Its reader needs most of it;
-    among ranks needing comparable shares, a hash of the read spreads the load."""
-    read = make_read(file, start, stop, members, -1, ctx.offsets)
-    want: dict[int, int] = {}
-    for n in members:
-        want[n.owner] = want.get(n.owner, 0) + n.copy.length
-    top = max(want.values())
-    cands = sorted(r for r, w in want.items() if 2 * w >= top)
-    read.reader = cands[_edge_tag(read) % len(cands)]
-    return read
-
-
-def _split_contested(comp: list[Need], offsets: "FrameOffsets") -> list[Need]:
-    """Cut contiguous needs so that the chunks another rank also touches stand apart."""
-    spans = [(n.chunk_lo, n.chunk_hi, n.owner) for n in comp]
-    out: list[Need] = []
-    for n in comp:
-        c = n.copy
-        isz = dtypes.itemsize(c.src_dtype)
-        cs = n.shard.chunk_size
-        splittable = (
-            cs > 0 and cs % isz == 0 and n.chunk_hi - n.chunk_lo > 1 and len(c.src_shape) == 1
-            and c.src_strides == (1,) and c.perm is None and c.dst_box.ndim == 1
-        )
-        if not splittable:
-            out.append(n)
-            continue
-        cuts: set[int] = set()
-        if any(o != n.owner and lo <= n.chunk_lo < hi for lo, hi, o in spans):
-            cuts.add((n.chunk_lo + 1) * cs)
-        if any(o != n.owner and lo <= n.chunk_hi - 1 < hi for lo, hi, o in spans):
-            cuts.add((n.chunk_hi - 1) * cs)
-        raw_stop = n.raw_start + c.length
-        bounds = [n.raw_start] + sorted(x for x in cuts if n.raw_start < x < raw_stop) + [raw_stop]
-        if len(bounds) == 2:
-            out.append(n)
-            continue
-        for a, b in zip(bounds, bounds[1:]):
-            k, m = (a - n.raw_start) // isz, (b - a) // isz
-            part = Copy(c.target, -1, b - a, c.src_dtype, (m,), (1,), Box((c.dst_box.offset[0] + k,), (m,)),
-                        c.dst_base, c.dst_frame, None)
-            piece = need_bytes(n.shard, a, b, part, isz, offsets)
-            piece.owner = n.owner
-            out.append(piece)
-    return out
-
