@@ -242,7 +242,7 @@ def metadata(ranks: int, layers: int = LAYERS, rank: int = 0) -> list[dict[str, 
         if specs != targets:
             raise AssertionError(f"{name}: decoded specs differ from the originals")
         _, plan = _cpu(lambda: build_plan(manifest, specs, PlanOptions(), rank=rank))
-        del specs
+        specs.clear()
         total = row["encode ms"] / 1e3 + row["gather s"] + row["decode s"] + plan
         rows.append({"ranks": ranks, "path": name, "target specs": sum(map(len, targets)),
                      "received MiB/rank": round(row["received MiB"], 2),
