@@ -242,7 +242,7 @@ def metadata(ranks: int, layers: int = LAYERS, rank: int = 0) -> list[dict[str, 
         if specs != targets:
             raise AssertionError(f"{name}: decoded specs differ from the originals")
         _, plan = _cpu(lambda: build_plan(manifest, specs, PlanOptions(), rank=rank))
-        del specs
+        specs.clear()
         total = row["encode ms"] / 1e3 + row["gather s"] + row["decode s"] + plan
         rows.append({"ranks": ranks, "path": name, "target specs": sum(map(len, targets)),
                      "received MiB/rank": round(row["received MiB"], 2),
@@ -252,14 +252,79 @@ def metadata(ranks: int, layers: int = LAYERS, rank: int = 0) -> list[dict[str, 
     return rows
 
 
-if __name__ == "__main__":
-    import json
-    import sys
+def compare(ranks: int, against: Any, reps: int = 5, layers: int = LAYERS) -> list[dict[str, Any]]:
+    """This tree's planner and specwire against a reference copy of the package
+    (``plan_equiv.load_reference``), alternating within each repetition on the same
+    inputs: rows of median (min) CPU seconds of rank 0's and a middle rank's plan from
+    fresh specs, routing + decoding every rank's specs, and rank 0's plan from the
+    decoded specs (routing, assembling and decoding, as a rank does after the gathers);
+    the metadata + plan figure is decode + that plan."""
+    import gc
+    import importlib
+    import statistics
 
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    for n in (int(a) for a in args or ["512"]):
-        if "--metadata" in sys.argv:
-            for row in metadata(n):
-                print(json.dumps(row), flush=True)
-        else:
-            print(json.dumps(bench(n)), flush=True)
+    import streamckpt.plan as this_plan
+    import streamckpt.specwire as this_wire
+
+    ref_wire = importlib.import_module(against.__name__.rsplit(".", 1)[0] + ".specwire")
+    manifest, targets = build_manifest(layers=layers), build_targets(ranks, layers=layers)
+    got: dict[tuple[str, str], list[float]] = {}
+    for _ in range(reps):
+        for name, plan, wire in (("reference", against, ref_wire), ("this tree", this_plan, this_wire)):
+            encs = [wire.encode(t) for t in targets]
+            heads = [e.header() for e in encs]
+            routing = wire.route([wire.parse_header(h, r) for r, h in enumerate(heads)])
+            payloads = [wire.payload(routing, r, e) for r, e in enumerate(encs)]
+            for rank in (0, ranks // 2 + 1):
+                gc.collect()
+                _, t = _cpu(lambda: plan.build_plan(manifest, targets, plan.PlanOptions(), rank=rank))
+                got.setdefault((name, f"plan rank {rank} s"), []).append(t)
+
+            def received(wire: Any = wire, heads: list[bytes] = heads, payloads: list[bytes] = payloads) -> Any:
+                routing = wire.route([wire.parse_header(h, r) for r, h in enumerate(heads)])
+                return wire.decode_all(routing, wire.assemble(routing, payloads))
+
+            gc.collect()
+            specs, dec = _cpu(received)
+            _, t = _cpu(lambda: plan.build_plan(manifest, specs, plan.PlanOptions(), rank=0))
+            specs.clear()
+            got.setdefault((name, "decode s"), []).append(dec)
+            got.setdefault((name, "plan from decoded s"), []).append(t)
+            got.setdefault((name, "metadata + plan s"), []).append(dec + t)
+    rows = []
+    for name in ("reference", "this tree"):
+        row: dict[str, Any] = {"ranks": ranks, "planner": name, "reps": reps}
+        for (who, what), v in got.items():
+            if who == name:
+                row[what] = f"{statistics.median(v):.3f} ({min(v):.3f})"
+        rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    import tempfile
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description="Scenario (f): the planner alone on a simulated 70B-like job.")
+    ap.add_argument("ranks", type=int, nargs="*", default=[512], help="simulated world sizes (multiples of 64)")
+    ap.add_argument("--metadata", action="store_true", help="time the per-rank metadata path, JSON vs specwire")
+    ap.add_argument("--against", metavar="REV", help="compare with the planner at git revision REV, alternating")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions for --against")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        reference = None
+        if args.against:
+            from benchmarks.plan_equiv import load_reference
+
+            reference = load_reference(args.against, Path(tmp))
+        for n in args.ranks:
+            if reference is not None:
+                for row in compare(n, reference, args.reps):
+                    print(json.dumps(row), flush=True)
+            elif args.metadata:
+                for row in metadata(n):
+                    print(json.dumps(row), flush=True)
+            else:
+                print(json.dumps(bench(n)), flush=True)

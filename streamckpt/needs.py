@@ -1,6 +1,6 @@
 """What each target needs from storage: source pieces, byte spans, reads.
 
-A per-tensor index finds the stored shards a target box meets; each
+A per-tensor index (``tensorindex``) finds the stored shards a target box meets; each
 intersection becomes pieces whose byte span is bounded (cut on checksum chunk
 boundaries), widened to whole chunks or zstd frames (``Need``); needs are then
 coalesced per file into ``Read``s whose copies know where their bytes sit in
@@ -9,101 +9,17 @@ the read. Pure: no I/O, no ranks.
 
 from __future__ import annotations
 
-import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from . import dtypes
 from .errors import TransformError
 from .manifest import Manifest, Shard
-from .plandata import ChunkRun, Copy, IdentityView, PlanOptions, Read, Segment, ViewLike
-from .regions import (
-    Box,
-    CoalesceOptions,
-    coalesce,
-    cut_pieces,
-    flat_range_boxes,
-    intersect,
-    max_gap,
-    row_major_strides,
-    span,
-    split_aligned,
-)
+from .plandata import ChunkRun, Copy, IdentityView, PlanOptions, Read, Segment, Target, ViewLike
+from .regions import Box, CoalesceOptions, coalesce, cut_pieces, flat_range_boxes, max_gap, span, split_aligned
 from .targets import TargetSpec
-
-
-# ------------------------------------------------------------------ the index
-
-
-@dataclass(frozen=True, slots=True)
-class SourcePart:
-    """A box of a stored shard, contiguous in a frame of the shard's raw bytes."""
-
-    box: Box
-    frame: Box
-    base: int  # element offset of the frame's first element in the shard's raw bytes
-    shard: Shard
-
-
-class TensorIndex:
-    """Source parts of one tensor sorted by dim-0 start for range queries."""
-
-    def __init__(self, shards: Sequence[Shard]) -> None:
-        parts: list[SourcePart] = []
-        for s in shards:
-            if s.flat_range is None:
-                if not s.box.is_empty():
-                    parts.append(SourcePart(s.box, s.box, 0, s))
-            else:
-                for flat_start, b in flat_range_boxes(s.box, *s.flat_range):
-                    parts.append(SourcePart(b, b, flat_start - s.flat_range[0], s))
-        self.scalar = bool(parts) and parts[0].box.ndim == 0
-        parts.sort(key=lambda p: p.box.offset[0] if p.box.ndim else 0)
-        self.parts = parts
-        self.starts = [p.box.offset[0] if p.box.ndim else 0 for p in parts]
-        self.max_extent = max((p.box.shape[0] if p.box.ndim else 1 for p in parts), default=0)
-        # shards grouped by box, flat ranges sorted: the flat fast path's 1-D lookups
-        groups: dict[Box, list[Shard]] = {}
-        for s in shards:
-            groups.setdefault(s.box, []).append(s)
-        self.boxes: list[tuple[Box, list[int], list[Shard]]] = []
-        for b, group in groups.items():
-            group.sort(key=lambda sh: sh.flat_range[0] if sh.flat_range else 0)
-            self.boxes.append((b, [sh.flat_range[1] if sh.flat_range else math.prod(b.shape) for sh in group], group))
-        self.boxes.sort(key=lambda x: x[0].offset[0] if x[0].ndim else 0)
-
-    def shards_in_rows(self, band: Box, r0: int, r1: int, lo: int, hi: int) -> Iterable[Shard]:
-        """Shards whose box meets rows ``[r0, r1)`` of the row band ``band`` and whose
-        elements, in the band's flattening, meet ``[lo, hi)``. A shard whose box is not
-        a row band like ``band`` is yielded as is (the caller falls back)."""
-        inner = math.prod(band.shape[1:])
-        for b, stops, group in self.boxes:
-            if not b.ndim or b.offset[0] >= r1 or b.offset[0] + b.shape[0] <= r0:
-                continue
-            if b.offset[1:] != band.offset[1:] or b.shape[1:] != band.shape[1:]:
-                yield group[0]
-                continue
-            d = (b.offset[0] - band.offset[0]) * inner
-            i = bisect.bisect_right(stops, lo - d)  # first shard ending after lo
-            for sh in group[i:]:
-                start = sh.flat_range[0] if sh.flat_range else 0
-                if start + d >= hi:
-                    break
-                yield sh
-
-    def query(self, box: Box) -> Iterable[SourcePart]:
-        if self.scalar or not box[1]:
-            yield from self.parts
-            return
-        q0 = box[0][0]
-        q1 = q0 + box[1][0]
-        lo = bisect.bisect_left(self.starts, q0 - self.max_extent + 1)
-        hi = bisect.bisect_left(self.starts, q1)
-        for p in self.parts[lo:hi]:
-            pb = p.box
-            if pb[0][0] + pb[1][0] > q0 and intersect(pb, box) is not None:
-                yield p
+from .tensorindex import SourcePart, TensorIndex
 
 
 # ------------------------------------------------------------------ needs and reads
@@ -136,38 +52,71 @@ def _target_parts(spec: TargetSpec) -> list[tuple[Box, int | None, tuple[int, ..
     ]
 
 
-def needs_for_target(
-    uid: int, spec: TargetSpec, view: ViewLike, manifest: Manifest,
-    indexes: dict[str, TensorIndex], options: PlanOptions, offsets: "FrameOffsets",
-) -> Iterable[Need]:
-    if spec.flat_range is not None and _is_identity(view, spec.key):
-        meta = manifest.tensors[spec.key]
-        index = indexes.get(spec.key)
+class NeedFinder:
+    """Turns targets into needs. Holds what one plan's targets share: the
+    per-tensor indexes (built on first use), the frame offsets, the limits."""
+
+    def __init__(self, manifest: Manifest, view: ViewLike, options: PlanOptions, offsets: "FrameOffsets") -> None:
+        self.manifest = manifest
+        self.view = view
+        self.offsets = offsets
+        self.indexes: dict[str, TensorIndex] = {}
+        self.max_piece = options.max_piece_bytes
+        self.max_gap = options.max_gap_bytes
+        self.identity = isinstance(view, IdentityView)
+        self._geometry: dict[tuple, list[tuple[tuple[int, ...], int, int, Box]]] = {}
+
+    def index(self, key: str) -> TensorIndex:
+        index = self.indexes.get(key)
         if index is None:
-            index = indexes[spec.key] = TensorIndex(meta.shards)
-        fast = _flat_fast_path(uid, spec, meta.dtype, index, options, offsets)
-        if fast is not None:
-            yield from fast
-            return
-    for part_box, dst_base, dst_frame in _target_parts(spec):
-        frame_origin = part_box.offset if dst_base is not None else spec.offset
-        for seg in view.map_box(spec.key, part_box):
-            meta = manifest.tensors.get(seg.source_key)
-            if meta is None:
-                raise TransformError(f"{spec.key}: source tensor {seg.source_key!r} is not in the checkpoint")
-            index = indexes.get(seg.source_key)
-            if index is None:
-                index = indexes[seg.source_key] = TensorIndex(meta.shards)
-            isz = dtypes.itemsize(meta.dtype)
-            max_elems = max(1, options.max_piece_bytes // isz)
-            for sp in index.query(seg.source_box):
-                inter = intersect(sp.box, seg.source_box) if sp.box.ndim else sp.box
-                if inter is None:
-                    continue
-                align = sp.shard.chunk_size // isz if sp.shard.chunk_size % isz == 0 else 0
-                max_e = max(max_elems, align)
-                for piece in _pieces(sp.frame, inter, options.max_gap_bytes // isz, max_e, sp.base, align):
-                    yield _need(uid, piece, sp, seg, meta.dtype, isz, frame_origin, dst_base, dst_frame, offsets)
+            meta = self.manifest.tensors[key]
+            index = self.indexes[key] = TensorIndex(meta.shards, meta.dtype)
+        return index
+
+    def __call__(self, uid: int, spec: TargetSpec) -> list[Need]:
+        """The needs of target ``uid``."""
+        if spec[5] is not None and (self.identity or _is_identity(self.view, spec[0])):
+            fast = _flat_fast_path(uid, spec, self.index(spec[0]), self.max_piece, self.offsets)
+            if fast is not None:
+                return fast
+        out: list[Need] = []
+        for part_box, dst_base, dst_frame in _target_parts(spec):
+            frame_origin = part_box.offset if dst_base is not None else spec.offset
+            for seg in self.view.map_box(spec.key, part_box):
+                meta = self.manifest.tensors.get(seg.source_key)
+                if meta is None:
+                    raise TransformError(f"{spec.key}: source tensor {seg.source_key!r} is not in the checkpoint")
+                isz = dtypes.itemsize(meta.dtype)
+                max_elems = max(1, self.max_piece // isz)
+                gap_elems = self.max_gap // isz
+                to_dst = _to_target(seg, frame_origin)
+                for sp, inter in self.index(seg.source_key).meets(seg.source_box):
+                    cs = sp.shard.chunk_size
+                    align = cs // isz if cs % isz == 0 else 0
+                    pieces = self._pieces(sp, inter, gap_elems, max(max_elems, align), align, to_dst, seg.perm)
+                    shard, base, strides = sp.shard, sp.base, sp.strides
+                    for shape, first, stop, dst in pieces:
+                        raw_start, raw_stop = (base + first) * isz, (base + stop) * isz
+                        copy = Copy(uid, -1, raw_stop - raw_start, meta.dtype, shape, strides, dst, dst_base,
+                                    dst_frame, seg.perm)
+                        out.append(need_bytes(shard, raw_start, raw_stop, copy, isz, self.offsets))
+        return out
+
+    def _pieces(
+        self, sp: SourcePart, inter: Box, gap_elems: int, max_elems: int, align: int, to_dst: tuple[int, ...],
+        perm: tuple[int, ...] | None,
+    ) -> list[tuple[tuple[int, ...], int, int, Box]]:
+        """(shape, element span in the part's frame, destination box) of each piece of
+        ``inter``: geometry alone, so computed once for the many targets that repeat it
+        (the same slice of every layer)."""
+        key = (sp.frame, sp.base, inter, gap_elems, max_elems, align, to_dst, perm)
+        got = self._geometry.get(key)
+        if got is None:
+            got = self._geometry[key] = [
+                (piece[1], *span(sp.frame, piece), _dst_box(piece, to_dst, perm))
+                for piece in _pieces(sp, inter, gap_elems, max_elems, align)
+            ]
+        return got
 
 
 def _is_identity(view: ViewLike, name: str) -> bool:
@@ -177,47 +126,34 @@ def _is_identity(view: ViewLike, name: str) -> bool:
     return bool(check(name)) if check is not None else False
 
 
-def _pieces(frame: Box, inter: Box, gap_elems: int, max_elems: int, base: int, align: int) -> Iterable[Box]:
+def _pieces(sp: SourcePart, inter: Box, gap_elems: int, max_elems: int, align: int) -> Iterable[Box]:
     """Cut an intersection where gaps are too wide, then bound each span (on chunk boundaries)."""
-    cut = 0
-    while cut < inter.ndim - 1 and max_gap(frame, inter, cut) > gap_elems:
+    frame = sp.frame
+    ndim = len(inter[1])
+    if ndim < 2 or max_gap(frame, inter, 0, sp.strides) <= gap_elems:
+        first, stop = span(frame, inter)
+        if stop - first <= max_elems:
+            return (inter,)  # what split_aligned returns for a span that fits
+        return split_aligned(frame, inter, max_elems, sp.base, align)
+    cut = 1
+    while cut < ndim - 1 and max_gap(frame, inter, cut, sp.strides) > gap_elems:
         cut += 1
-    for p in cut_pieces(frame, inter, cut):
-        yield from split_aligned(frame, p, max_elems, base, align)
+    return [q for p in cut_pieces(frame, inter, cut) for q in split_aligned(frame, p, max_elems, sp.base, align)]
 
 
-def _map_to_target(seg: Segment, box: Box) -> Box:
+def _to_target(seg: Segment, frame_origin: tuple[int, ...]) -> tuple[int, ...]:
+    """Per dim (in target order): what turns a source offset into one in the destination frame."""
     if seg.perm is None:
-        delta = [t - s for t, s in zip(seg.target_box.offset, seg.source_box.offset)]
-        return box.shifted(delta)
-    offset = tuple(
-        seg.target_box.offset[d] + box.offset[p] - seg.source_box.offset[p] for d, p in enumerate(seg.perm)
-    )
-    return Box(offset, tuple(box.shape[p] for p in seg.perm))
+        return tuple(t - s - f for t, s, f in zip(seg.target_box[0], seg.source_box[0], frame_origin))
+    return tuple(seg.target_box[0][d] - seg.source_box[0][p] - frame_origin[d] for d, p in enumerate(seg.perm))
 
 
-def _need(
-    uid: int, piece: Box, sp: SourcePart, seg: Segment, src_dtype: str, isz: int,
-    frame_origin: tuple[int, ...], dst_base: int | None, dst_frame: tuple[int, ...] | None,
-    offsets: "FrameOffsets",
-) -> Need:
-    first, stop = span(sp.frame, piece) if piece.ndim else (0, 1)
-    raw_start = (sp.base + first) * isz
-    raw_stop = (sp.base + stop) * isz
-    tbox = _map_to_target(seg, piece)
-    copy = Copy(
-        target=uid,
-        offset=-1,
-        length=raw_stop - raw_start,
-        src_dtype=src_dtype,
-        src_shape=piece.shape,
-        src_strides=row_major_strides(sp.frame.shape),
-        dst_box=tbox.relative_to(Box(frame_origin, tbox.shape)),
-        dst_base=dst_base,
-        dst_frame=dst_frame,
-        perm=seg.perm,
-    )
-    return need_bytes(sp.shard, raw_start, raw_stop, copy, isz, offsets)
+def _dst_box(piece: Box, to_dst: tuple[int, ...], perm: tuple[int, ...] | None) -> Box:
+    """Where a source piece lands in the destination frame."""
+    offset, shape = piece
+    if perm is None:
+        return Box(tuple(o + d for o, d in zip(offset, to_dst)), shape)
+    return Box(tuple(offset[p] + d for p, d in zip(perm, to_dst)), tuple(shape[p] for p in perm))
 
 
 def need_bytes(s: Shard, raw_start: int, raw_stop: int, copy: Copy, isz: int, offsets: "FrameOffsets") -> Need:
@@ -238,7 +174,7 @@ def need_bytes(s: Shard, raw_start: int, raw_stop: int, copy: Copy, isz: int, of
 
 
 def _flat_fast_path(
-    uid: int, spec: TargetSpec, dtype: str, index: TensorIndex, options: PlanOptions, offsets: "FrameOffsets",
+    uid: int, spec: TargetSpec, index: TensorIndex, max_piece: int, offsets: "FrameOffsets",
 ) -> list[Need] | None:
     """A flat-range target over row bands: 1-D interval overlap, no box decomposition.
 
@@ -247,25 +183,25 @@ def _flat_fast_path(
     a part is contiguous both in its shard and in the target's flattening. Returns
     None when it does not apply.
     """
-    box = spec.box
-    if box.ndim == 0 or spec.flat_range is None:
+    offset, shape, flat = spec[3:]
+    if not shape or flat is None:
         return None
-    a, b = spec.flat_range
+    a, b = flat
     if a == b:
         return []
-    inner = math.prod(box.shape[1:])
+    inner = math.prod(shape[1:])
     if inner == 0:
         return []
-    r0 = box.offset[0] + a // inner
-    r1 = box.offset[0] + -(-b // inner)
-    isz = dtypes.itemsize(dtype)
-    max_elems = max(1, options.max_piece_bytes // isz)
+    row0 = offset[0]
+    shards = index.shards_in_rows(offset, shape, row0 + a // inner, row0 + -(-b // inner), a, b)
+    if shards is None:
+        return None  # a shard there is not a row band of the target box: use the general path
+    dtype, isz = index.dtype, index.itemsize
+    max_elems = max(1, max_piece // isz)
     out: list[Need] = []
-    for sh in index.shards_in_rows(box, r0, r1, a, b):
-        if sh.shape[1:] != box.shape[1:] or sh.offset[1:] != box.offset[1:]:
-            return None  # not a row band of the target box: use the general path
+    for sh in shards:
         # a row band's flattening is the target's flattening shifted by d elements
-        d = (sh.offset[0] - box.offset[0]) * inner
+        d = (sh.offset[0] - row0) * inner
         s0, s1 = sh.flat_range if sh.flat_range is not None else (0, math.prod(sh.shape))
         lo = max(a, s0 + d)
         hi = min(b, s1 + d)
@@ -298,20 +234,34 @@ def _aligned_cuts(start: int, stop: int, step: int, align: int) -> list[tuple[in
     return list(zip(cuts, cuts[1:]))
 
 
+Group = tuple[str, int, int, list[Need], int]  # file, start, stop, member needs, owner: one read to be
+
+
 def coalesce_needs(
-    needs: list[Need], options: PlanOptions, offsets: "FrameOffsets", targets_needers: list[tuple[int, ...]],
+    needs: list[Need], options: PlanOptions, offsets: "FrameOffsets", targets: Sequence[Target],
     barriers: Mapping[str, list[tuple[int, int]]] | None = None,
 ) -> list[Read]:
+    """Merge each (owner, file)'s needs into reads (see ``group_needs``)."""
+    return [make_read(*g, offsets) for g in group_needs(needs, options, targets, barriers)]
+
+
+def group_needs(
+    needs: list[Need], options: PlanOptions, targets: Sequence[Target],
+    barriers: Mapping[str, list[tuple[int, int]]] | None = None,
+) -> list[Group]:
+    """What each read ``coalesce_needs`` makes holds, in its order. ``owner`` -1 (shared
+    needs) merges across gaps only between needs of targets the same ranks hold,
+    never across ``barriers``."""
     groups: dict[tuple[int, str], list[int]] = {}
     for i, n in enumerate(needs):
         groups.setdefault((n.owner, n.file), []).append(i)
     opts = CoalesceOptions(options.max_gap_bytes, max(options.max_piece_bytes, 1))
-    reads: list[Read] = []
+    out: list[Group] = []
     for (owner, file), idxs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         ranges = [(needs[i].fetch_start, needs[i].fetch_stop) for i in idxs]
         # gaps are bridged only between ranges the same ranks need: a rank's private
         # rows are not read by a peer just because they sit next to shared ones
-        keys: list[object] = [targets_needers[needs[i].copy.target] if owner < 0 else () for i in idxs]
+        keys: list[object] = [targets[needs[i].copy.target].needers if owner < 0 else () for i in idxs]
         # bytes planned elsewhere (private targets' shards) are never read through
         fence = (barriers or {}).get(file, ())
         for lo, hi in fence:
@@ -320,14 +270,23 @@ def coalesce_needs(
         for start, stop, members in coalesce(ranges, opts, keys):
             if members[0] >= len(idxs):
                 continue  # a barrier
-            reads.append(make_read(file, start, stop, [needs[idxs[m]] for m in members], owner, offsets))
-    return reads
+            out.append((file, start, stop, [needs[idxs[m]] for m in members], owner))
+    return out
 
 
 def make_read(
     file: str, start: int, stop: int, members: list[Need], owner: int, offsets: "FrameOffsets",
 ) -> Read:
     """Lay out one read: merged chunk runs per shard, decoded layout, copy offsets."""
+    if len(members) == 1 and members[0].shard.codec != "zstd":  # most reads: one raw piece
+        n = members[0]
+        s = n.shard
+        runs: tuple[ChunkRun, ...] = ()
+        if n.chunk_hi > n.chunk_lo:
+            runs = (ChunkRun(s, n.raw_total, n.chunk_lo, n.chunk_hi, offsets.of(s, n.chunk_lo), 0),)
+        copy = n.copy
+        copy.offset = s.byte_offset + n.raw_start - start
+        return Read(file, start, stop, owner, runs, False, stop - start, [copy], owner >= 0)
     per_shard: dict[int, tuple[Need, list[tuple[int, int]]]] = {}
     for n in members:
         if n.chunk_hi > n.chunk_lo:
@@ -345,14 +304,14 @@ def make_read(
                 lo, hi = a, b
         spans.append((offsets.of(n.shard, lo), n, lo, hi))
     spans.sort(key=lambda x: x[0])
-    runs: list[ChunkRun] = []
+    chunk_runs: list[ChunkRun] = []
     run_of: dict[int, list[ChunkRun]] = {}
     out = 0
     for file_start, n, lo, hi in spans:
         run = ChunkRun(n.shard, n.raw_total, lo, hi, file_start, out)
         if zstd:
             out += min(hi * n.shard.chunk_size, n.raw_total) - lo * n.shard.chunk_size
-        runs.append(run)
+        chunk_runs.append(run)
         run_of.setdefault(id(n.shard), []).append(run)
     copies = []
     for n in members:
@@ -363,7 +322,7 @@ def make_read(
             base = n.shard.byte_offset + n.raw_start - start
         copies.append(_with_offset(n.copy, base))
     return Read(
-        file=file, start=start, stop=stop, reader=owner, runs=tuple(runs), zstd=zstd,
+        file=file, start=start, stop=stop, reader=owner, runs=tuple(chunk_runs), zstd=zstd,
         staging=out if zstd else stop - start, copies=copies, private=owner >= 0,
     )
 
@@ -394,3 +353,19 @@ def fresh_copy(c: Copy) -> Copy:
                 c.dst_base, c.dst_frame, c.perm)
 
 
+@dataclass(slots=True)
+class PlanContext:
+    """What every planning step reads, and the caches they share."""
+
+    manifest: Manifest
+    view: ViewLike
+    options: PlanOptions
+    targets: list[Target]
+    offsets: FrameOffsets = field(default_factory=FrameOffsets)
+    finder: NeedFinder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.finder = NeedFinder(self.manifest, self.view, self.options, self.offsets)
+
+    def needs(self, uid: int) -> list[Need]:
+        return self.finder(uid, self.targets[uid].spec)

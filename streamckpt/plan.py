@@ -18,25 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import heapq
 import logging
-import math
-import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Iterable, Iterator, Sequence
 
-from . import dtypes
 from .errors import IncompatibleStateDictError, TransformError
 from .manifest import Manifest
-from .needs import (
-    FrameOffsets,
-    Need,
-    TensorIndex,
-    coalesce_needs,
-    fresh_copy,
-    make_read,
-    need_bytes,
-    needs_for_target,
-)
+from .needs import Need, PlanContext, coalesce_needs, fresh_copy, group_needs, make_read
 from .plandata import (
     ALIGN,
     ChunkRun,
@@ -60,7 +50,8 @@ from .plandata import (
     settle_rounds,
     wire_length,
 )
-from .regions import Box, CoalesceOptions
+from .private import closure, edge_tag, plan_private
+from .rounds import RoundPacker, reachable
 from .targets import TargetSpec
 
 __all__ = [  # the plan's data lives in plandata; importers may take it from here
@@ -115,54 +106,49 @@ def _build_plan(
 ) -> LoadPlan:
     view = view or IdentityView(manifest)
     world = len(targets_by_rank)
-    targets, rank_targets = _dedupe(targets_by_rank)
+    distinct = _dedupe(targets_by_rank)
+    census = _census(distinct, view)
+    targets = list(map(tuple.__new__, repeat(Target), zip(distinct.specs, distinct.needers)))
+    rank_targets = distinct.rank_targets
     missing: list[list[str]] = [[] for _ in range(world)]
-    live: list[int] = []
-    checked: set[tuple[str, str, tuple[int, ...]]] = set()
-    transformed = getattr(view, "transformed", True)
-    for uid, t in enumerate(targets):
-        spec = t.spec
-        vt = view.tensors.get(spec.key)
-        if vt is None:
-            for r in t.needers:
-                missing[r].append(spec.key)
-            continue
-        if (spec.key, spec.dtype, spec.global_shape) not in checked:
-            _check_target(spec, vt, transformed, t.needers)
-            checked.add((spec.key, spec.dtype, spec.global_shape))
-        live.append(uid)
-    if len(live) < len(targets):
-        alive = [False] * len(targets)
-        for u in live:
-            alive[u] = True
+    for u in census.dead:
+        for r in targets[u].needers:
+            missing[r].append(targets[u].spec.key)
+    if census.dead:
+        alive = [True] * len(targets)
+        for u in census.dead:
+            alive[u] = False
         rank_targets = [[u if alive[u] else -1 for u in mine] for mine in rank_targets]
-    wanted = {targets[u].spec.key for u in live}
-    unexpected = sorted(k for k in view.tensors if k not in wanted)
+    unexpected = sorted(k for k in view.tensors if k not in census.by_key)
 
-    ctx = _Ctx(manifest, view, options, targets)
+    ctx = PlanContext(manifest, view, options, targets)
     focus = set(range(world)) if rank is None else {rank}
+    private_keys = _private_keys(census, view) if options.read_once else set()
     if options.read_once:
-        private_keys = _private_keys(targets, live, view)
-        shared_uids = [u for u in live if targets[u].spec.key not in private_keys]
-        private_uids = [u for u in live if targets[u].spec.key in private_keys]
-        if rank is not None:
-            private_uids = _closure(rank, private_uids, rank_targets[rank], ctx)
-        own, edges = _plan_private(private_uids, focus, ctx)
+        shared_uids = census.uids(k for k in census.by_key if k not in private_keys)
+        if rank is None:
+            private_uids = census.uids(private_keys)
+        else:
+            private_uids = closure(rank, census.by_key, private_keys, rank_targets[rank], ctx)
+        own, edges = plan_private(private_uids, focus, ctx)
     else:
         shared_uids = []
-        mine = live if rank is None else sorted({u for u in rank_targets[rank] if u >= 0})
+        mine = census.uids(census.by_key) if rank is None else sorted({u for u in rank_targets[rank] if u >= 0})
         own, edges = _plan_owned(mine, ctx, focus), []
-    shared = _plan_shared(shared_uids, ctx, world, private_keys if options.read_once else set())
-    rounds = _Rounds(world, options.round_cap)
-    for i, r in enumerate(shared):
-        r.tag = i
-        rounds.place(r, targets)
+    placed = _plan_shared(shared_uids, ctx, world, private_keys, rank)
+    rounds = RoundPacker(world, options.round_cap)
+    for i, r in enumerate(placed):
+        if r is not None:
+            r.tag = i
+            rounds.place(r, targets)
+    shared = [r for r in placed if r is not None]
     for r in own:
         rounds.place(r, targets)
     for r in edges:
-        r.tag = _edge_tag(r)
+        r.tag = edge_tag(r)
     if rank is not None:
-        shared = [r for r in shared if _involves(r, rank, targets)]
+        held = set(rank_targets[rank])
+        shared = [r for r in shared if r.reader == rank or not held.isdisjoint([c.target for c in r.copies])]
     plan = LoadPlan(world, targets, shared + own + edges, 0, rank_targets, missing, unexpected, options,
                     rank=rank, base_rounds=rounds.count(focus), edge_reads=edges)
     plan.edge_degree = _degree(edges, focus, targets)
@@ -172,33 +158,90 @@ def _build_plan(
 
 
 @dataclass(slots=True)
-class _Ctx:
-    """What every planning step reads, and the caches they share."""
+class _Distinct:
+    """The distinct target specs (ids in first-seen order) and the ranks holding each."""
 
-    manifest: Manifest
-    view: ViewLike
-    options: PlanOptions
-    targets: list[Target]
-    indexes: dict[str, TensorIndex] = field(default_factory=dict)  # per source tensor, built on first use
-    offsets: FrameOffsets = field(default_factory=FrameOffsets)
-
-    def needs(self, uid: int) -> Iterable[Need]:
-        return needs_for_target(uid, self.targets[uid].spec, self.view, self.manifest, self.indexes,
-                                 self.options, self.offsets)
+    specs: list[TargetSpec]
+    needers: list[list[int]]
+    rank_targets: list[list[int]]  # per rank: the id of each of its specs
+    several: list[int]  # ids held by more than one rank
 
 
-def _dedupe(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> tuple[list[Target], list[list[int]]]:
-    """Distinct target specs (ids in first-seen order) and the ranks holding each."""
+def _dedupe(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> _Distinct:
+    """Number the distinct specs and list each one's holders.
+
+    The targets one rank alone holds share one holder list per rank (none is
+    ever appended to): at scale they are most targets, and fewer live objects
+    make the collection after the plan cheaper.
+    """
     uid_of: dict[TargetSpec, int] = {}
     seen = uid_of.setdefault
-    rank_targets = [[seen(s, len(uid_of)) for s in specs] for specs in targets_by_rank]
-    needers: list[list[int]] = [[] for _ in range(len(uid_of))]
-    for r, mine in enumerate(rank_targets):
+    rank_targets: list[list[int]] = []
+    needers: list[list[int]] = []
+    several: list[int] = []
+    for r, specs in enumerate(targets_by_rank):
+        before = len(uid_of)
+        mine = [seen(s, len(uid_of)) for s in specs]
+        rank_targets.append(mine)
+        fresh = len(uid_of) - before
+        needers.extend([[r]] * fresh)  # first held here: one shared list
+        if fresh == len(mine):
+            continue
         for u in mine:
-            held = needers[u]
-            if not held or held[-1] != r:
-                held.append(r)
-    return [Target(s, n) for s, n in zip(uid_of, needers)], rank_targets
+            if u < before:
+                held = needers[u]
+                if held[-1] != r:
+                    if len(held) == 1:
+                        needers[u] = [held[0], r]  # a shared one-rank list: copied, never appended to
+                        several.append(u)
+                    else:
+                        held.append(r)
+    equal: dict[tuple[int, ...], list[int]] = {}
+    for u in several:  # equal holder lists of several ranks: one object (see rounds.reachable)
+        needers[u] = equal.setdefault(tuple(needers[u]), needers[u])
+    return _Distinct(list(uid_of), needers, rank_targets, several)
+
+
+@dataclass(slots=True)
+class _Census:
+    """The live targets by key, and what the plan needs to know of each key."""
+
+    by_key: dict[str, list[int]]  # live target ids, keys in first-seen order, ids ascending
+    dead: list[int]  # targets of keys the view lacks
+    replicated: set[str]  # keys with a live target that several ranks hold
+
+    def uids(self, keys: Iterable[str]) -> list[int]:
+        """The live targets of ``keys``, ascending."""
+        by_key = self.by_key
+        return sorted(u for k in keys for u in by_key[k])
+
+
+def _census(distinct: _Distinct, view: ViewLike) -> _Census:
+    """One pass over the distinct targets: group them by key, and check each distinct
+    (key, dtype, global shape) against the view once (the first failing target, in
+    id order, raises)."""
+    tensors = view.tensors
+    transformed = getattr(view, "transformed", True)
+    info: dict[str, tuple[list[int], str, tuple[int, ...], list[tuple[str, tuple[int, ...]]]]] = {}
+    dead: list[int] = []
+    needers = distinct.needers
+    for uid, spec in enumerate(distinct.specs):
+        key = spec[0]
+        got = info.get(key)
+        if got is None:
+            vt = tensors.get(key)
+            if vt is None:
+                dead.append(uid)
+                continue
+            _check_target(spec, vt, transformed, needers[uid])
+            got = info[key] = ([], spec[1], spec[2], [(spec[1], spec[2])])
+        elif (spec[1] != got[1] or spec[2] != got[2]) and (spec[1], spec[2]) not in got[3]:
+            _check_target(spec, tensors[key], transformed, needers[uid])
+            got[3].append((spec[1], spec[2]))
+        got[0].append(uid)
+    by_key = {k: v[0] for k, v in info.items()}
+    replicated = {k for k in (distinct.specs[u][0] for u in distinct.several) if k in by_key}
+    return _Census(by_key, dead, replicated)
 
 
 def _check_target(spec: TargetSpec, vt: Any, transformed: bool, needers: Sequence[int] = ()) -> None:
@@ -218,68 +261,31 @@ def _check_target(spec: TargetSpec, vt: Any, transformed: bool, needers: Sequenc
 
 
 def _assign_readers(reads: list[Read], needs_world: int, targets: list[Target]) -> None:
-    """Each shared read goes to the least-loaded rank (by bytes) among those needing it."""
+    """Each shared read goes to the least-loaded rank (by bytes) among those needing it,
+    the lowest rank among ties. A run of reads with the same candidates keeps them in
+    a heap of (load, rank): within the run only its own picks change their loads."""
     load = [0] * needs_world
     by_load = load.__getitem__
+    run: list[int] | None = None
+    heap: list[tuple[int, int]] = []
     for r in reads:
         first = targets[r.copies[0].target].needers
         if all(targets[c.target].needers is first for c in r.copies):
-            cands: Sequence[int] = first  # ascending: min() keeps the lowest rank among ties
+            cands: list[int] = first  # ascending
         else:
             cands = sorted({n for c in r.copies for n in targets[c.target].needers})
-        best = min(cands, key=by_load)
+        if len(cands) < 8:
+            run = None
+            best = min(cands, key=by_load)
+        else:
+            if run is None or (run is not cands and run != cands):
+                run = cands
+                heap = [(load[x], x) for x in cands]
+                heapq.heapify(heap)
+            best = heap[0][1]
+            heapq.heapreplace(heap, (load[best] + r.length, best))
         r.reader = best
         load[best] += r.length
-
-
-
-class _Rounds:
-    """Greedy round packing: a read goes to the earliest round (at or after each
-    involved rank's current one) where every involved rank still has room."""
-
-    def __init__(self, world: int, cap: int) -> None:
-        self.cap = cap
-        self.cur = [0] * world
-        self.used = [0] * world
-        self.touched = [False] * world
-
-    def place(self, r: Read, targets: list[Target]) -> None:
-        cap, cur, used = self.cap, self.cur, self.used
-        if r.private:
-            reader = r.reader
-            cost = read_cost(r)
-            if used[reader] > 0 and used[reader] + cost > cap:
-                cur[reader] += 1
-                used[reader] = 0
-            used[reader] += cost
-            self.touched[reader] = True
-            r.round = cur[reader]
-            return
-        costs = costs_of(r, targets)
-        rnd = 0
-        for rank, c in costs.items():
-            u = used[rank]
-            x = cur[rank] + 1 if u and u + c > cap else cur[rank]
-            if x > rnd:
-                rnd = x
-        touched = self.touched
-        for rank, c in costs.items():
-            if cur[rank] < rnd:
-                cur[rank] = rnd
-                used[rank] = c
-            else:
-                used[rank] += c
-            touched[rank] = True
-        r.round = rnd
-
-    def count(self, ranks: Iterable[int]) -> int:
-        """Rounds used by the busiest of ``ranks`` so far."""
-        return max((self.cur[r] + 1 for r in ranks if self.touched[r]), default=0)
-
-
-def _involves(r: Read, rank: int, targets: list[Target]) -> bool:
-    return r.reader == rank or any(rank in targets[c.target].needers for c in r.copies)
-
 
 
 def _degree(edges: list[Read], focus: set[int], targets: list[Target]) -> int:
@@ -292,15 +298,10 @@ def _degree(edges: list[Read], focus: set[int], targets: list[Target]) -> int:
     return max((len(v) for v in groups.values()), default=0)
 
 
-def _edge_tag(r: Read) -> int:
-    """A tag both ends of an edge read derive alike (they number their reads differently)."""
-    return (zlib.crc32(r.file.encode()) * 1_000_003 + r.start) % (1 << 30)
-
-
 # ------------------------------------------------------------------ private targets
 
 
-def _private_keys(targets: list[Target], live: Sequence[int], view: ViewLike) -> set[str]:
+def _private_keys(census: _Census, view: ViewLike) -> set[str]:
     """Tensors every live target of which one rank alone holds: planned near their ranks.
 
     Only with the identity view: under transforms one stored tensor can feed
@@ -308,69 +309,10 @@ def _private_keys(targets: list[Target], live: Sequence[int], view: ViewLike) ->
     """
     if not isinstance(view, IdentityView):
         return set()
-    shared: set[str] = set()
-    keys: set[str] = set()
-    for u in live:
-        t = targets[u]
-        keys.add(t.spec.key)
-        if len(t.needers) > 1:
-            shared.add(t.spec.key)
-    return keys - shared
+    return {k for k in census.by_key if k not in census.replicated}
 
 
-def _rows(box: Box, flat: tuple[int, int] | None) -> tuple[int, int]:
-    """Dim-0 rows ``[r0, r1)`` a box (or a flat range of it) covers."""
-    if box.ndim == 0:
-        return 0, 1
-    r0, n = box.offset[0], box.shape[0]
-    if flat is None:
-        return r0, r0 + n
-    inner = math.prod(box.shape[1:])
-    if inner == 0:
-        return r0, r0
-    return r0 + flat[0] // inner, r0 + -(-flat[1] // inner)
-
-
-def _meets(a: Box, ra: tuple[int, int], b: Box, rb: tuple[int, int]) -> bool:
-    """Whether two regions given by bounding box and row range may share elements."""
-    if a.ndim == 0 or b.ndim == 0:
-        return True
-    if ra[0] >= rb[1] or rb[0] >= ra[1]:
-        return False
-    for d in range(1, a.ndim):
-        if a.offset[d] >= b.offset[d] + b.shape[d] or b.offset[d] >= a.offset[d] + a.shape[d]:
-            return False
-    return True
-
-
-def _closure(rank: int, private_uids: Sequence[int], mine: Sequence[int], ctx: _Ctx) -> list[int]:
-    """Private targets whose needs can share a stored shard with ``rank``'s own.
-
-    Every target that meets a shard one of the rank's targets meets is in it,
-    so every chain of overlapping reads through such a shard is seen whole —
-    the same on each rank of the chain.
-    """
-    targets = ctx.targets
-    own = {u for u in mine if u >= 0}
-    by_key: dict[str, list[int]] = {}
-    for u in private_uids:
-        by_key.setdefault(targets[u].spec.key, []).append(u)
-    out: list[int] = []
-    for key, uids in by_key.items():
-        mine_here = [u for u in uids if u in own]
-        if not mine_here:
-            continue
-        regions = [(targets[u].spec.box, _rows(targets[u].spec.box, targets[u].spec.flat_range)) for u in uids]
-        shards = [(s.box, _rows(s.box, s.flat_range)) for s in ctx.manifest.tensors[key].shards]
-        touched = [
-            sb for sb in shards
-            if any(_meets(regions[i][0], regions[i][1], *sb) for i, u in enumerate(uids) if u in own)
-        ]
-        out.extend(u for i, u in enumerate(uids) if u in own or any(_meets(*regions[i], *sb) for sb in touched))
-    return out
-
-
-def _plan_owned(uids: Sequence[int], ctx: _Ctx, focus: set[int]) -> list[Read]:
+def _plan_owned(uids: Sequence[int], ctx: PlanContext, focus: set[int]) -> list[Read]:
     """read_once=False: every needer (of those in ``focus``) reads its own needs."""
     needs: list[Need] = []
     for uid in uids:
@@ -383,8 +325,12 @@ def _plan_owned(uids: Sequence[int], ctx: _Ctx, focus: set[int]) -> list[Read]:
     return coalesce_needs(needs, ctx.options, ctx.offsets, [])
 
 
-def _plan_shared(uids: Sequence[int], ctx: _Ctx, world: int, private_keys: set[str]) -> list[Read]:
-    """Targets more than one rank holds: planned alike on every rank."""
+def _plan_shared(
+    uids: Sequence[int], ctx: PlanContext, world: int, private_keys: set[str], rank: int | None,
+) -> list[Read | None]:
+    """Targets more than one rank holds: planned alike on every rank. With ``rank``,
+    reads that cannot affect that rank's are counted (their index is a tag) but
+    not laid out: None in their place."""
     if not uids:
         return []
     needs = [n for uid in uids for n in ctx.needs(uid)]
@@ -394,8 +340,10 @@ def _plan_shared(uids: Sequence[int], ctx: _Ctx, world: int, private_keys: set[s
             fences.setdefault(sh.file, []).append((sh.byte_offset, sh.byte_offset + sh.byte_length))
     files = {n.file for n in needs}
     barriers = {f: _merge_ranges(fences[f]) for f in files if f in fences}
-    reads = coalesce_needs(needs, ctx.options, ctx.offsets, [tuple(t.needers) for t in ctx.targets], barriers)
-    _assign_readers(reads, world, ctx.targets)
+    groups = group_needs(needs, ctx.options, ctx.targets, barriers)
+    keep = reachable(groups, rank, world, ctx.targets) if rank is not None else [True] * len(groups)
+    reads = [make_read(*g, ctx.offsets) if k else None for g, k in zip(groups, keep)]
+    _assign_readers([r for r in reads if r is not None], world, ctx.targets)
     return reads
 
 
@@ -407,146 +355,3 @@ def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((a, b))
     return out
-
-
-def _plan_private(uids: Sequence[int], focus: set[int], ctx: _Ctx) -> tuple[list[Read], list[Read]]:
-    """Reads of single-holder targets: each rank's own, and the shared "edge" reads.
-
-    Needs whose fetched bytes overlap form chains (ZeRO slices meeting inside a
-    checksum chunk). A contiguous need is cut at chunk boundaries so only the
-    chunks two ranks both touch are read once and shared; the rest stays
-    private. Returns reads for ranks in ``focus``: (private reads, edge reads).
-    """
-    by_file: dict[str, list[Need]] = {}
-    for uid in uids:
-        owner = ctx.targets[uid].needers[0]
-        for need in ctx.needs(uid):
-            need.owner = owner
-            by_file.setdefault(need.file, []).append(need)
-    own: list[Read] = []
-    edges: list[Read] = []
-    for file in sorted(by_file):
-        ns = by_file[file]
-        ns.sort(key=lambda n: (n.fetch_start, n.fetch_stop))
-        units: list[list[Need]] = []
-        for comp in _chains(ns):
-            owners = {n.owner for n in comp}
-            if len(owners) == 1:
-                units.append(comp)
-            elif owners & focus:
-                split = sorted(_split_contested(comp, ctx.offsets), key=lambda n: (n.fetch_start, n.fetch_stop))
-                units.extend(_chains(split))
-            else:
-                units.append(comp)  # not ours: it only fences our reads off its bytes
-        units.sort(key=lambda u: u[0].fetch_start)
-        _private_reads(file, units, focus, ctx, own, edges)
-    return own, edges
-
-
-def _chains(ns: Sequence[Need]) -> list[list[Need]]:
-    """Maximal runs of needs (sorted by start) whose fetched bytes overlap."""
-    out: list[list[Need]] = []
-    stop = -1
-    for n in ns:
-        if out and n.fetch_start < stop:
-            out[-1].append(n)
-            stop = max(stop, n.fetch_stop)
-        else:
-            out.append([n])
-            stop = n.fetch_stop
-    return out
-
-
-def _private_reads(
-    file: str, units: list[list[Need]], focus: set[int], ctx: _Ctx, own: list[Read], edges: list[Read],
-) -> None:
-    """Turn chains into reads. Chains of the same ranks merge across small gaps
-    inside one shard, or with no gap at all, never across another's bytes: every
-    rank of an edge read sees the same chains between its ends, so all of them
-    merge alike."""
-    opts = ctx.options
-    small = CoalesceOptions().small_gap_bytes
-    ratio = CoalesceOptions().max_gap_ratio
-    cur: list[Need] = []
-    cur_owners: frozenset[int] = frozenset()
-    start = stop = 0
-
-    def flush() -> None:
-        if not cur:
-            return
-        if len(cur_owners) == 1:
-            own.append(make_read(file, start, stop, list(cur), next(iter(cur_owners)), ctx.offsets))
-        else:
-            edges.append(_edge_read(file, start, stop, list(cur), ctx))
-        cur.clear()
-
-    for unit in units:
-        owners = frozenset(n.owner for n in unit)
-        u_start = unit[0].fetch_start
-        u_stop = max(n.fetch_stop for n in unit)
-        if cur:
-            gap = u_start - stop
-            merged = u_stop - start
-            if (
-                owners == cur_owners
-                and (gap == 0 or unit[0].shard is cur[-1].shard)
-                and (gap <= small or (gap <= opts.max_gap_bytes and gap <= ratio * merged))
-                and merged <= max(opts.max_piece_bytes, 1)
-            ):
-                cur.extend(unit)
-                stop = u_stop
-                continue
-            flush()
-        if owners & focus:
-            cur.extend(unit)
-            cur_owners, start, stop = owners, u_start, u_stop
-    flush()
-
-
-def _edge_read(file: str, start: int, stop: int, members: list[Need], ctx: _Ctx) -> Read:
-    """A read several ranks' private targets share. Its reader needs most of it;
-    among ranks needing comparable shares, a hash of the read spreads the load."""
-    read = make_read(file, start, stop, members, -1, ctx.offsets)
-    want: dict[int, int] = {}
-    for n in members:
-        want[n.owner] = want.get(n.owner, 0) + n.copy.length
-    top = max(want.values())
-    cands = sorted(r for r, w in want.items() if 2 * w >= top)
-    read.reader = cands[_edge_tag(read) % len(cands)]
-    return read
-
-
-def _split_contested(comp: list[Need], offsets: "FrameOffsets") -> list[Need]:
-    """Cut contiguous needs so that the chunks another rank also touches stand apart."""
-    spans = [(n.chunk_lo, n.chunk_hi, n.owner) for n in comp]
-    out: list[Need] = []
-    for n in comp:
-        c = n.copy
-        isz = dtypes.itemsize(c.src_dtype)
-        cs = n.shard.chunk_size
-        splittable = (
-            cs > 0 and cs % isz == 0 and n.chunk_hi - n.chunk_lo > 1 and len(c.src_shape) == 1
-            and c.src_strides == (1,) and c.perm is None and c.dst_box.ndim == 1
-        )
-        if not splittable:
-            out.append(n)
-            continue
-        cuts: set[int] = set()
-        if any(o != n.owner and lo <= n.chunk_lo < hi for lo, hi, o in spans):
-            cuts.add((n.chunk_lo + 1) * cs)
-        if any(o != n.owner and lo <= n.chunk_hi - 1 < hi for lo, hi, o in spans):
-            cuts.add((n.chunk_hi - 1) * cs)
-        raw_stop = n.raw_start + c.length
-        bounds = [n.raw_start] + sorted(x for x in cuts if n.raw_start < x < raw_stop) + [raw_stop]
-        if len(bounds) == 2:
-            out.append(n)
-            continue
-        for a, b in zip(bounds, bounds[1:]):
-            k, m = (a - n.raw_start) // isz, (b - a) // isz
-            part = Copy(c.target, -1, b - a, c.src_dtype, (m,), (1,), Box((c.dst_box.offset[0] + k,), (m,)),
-                        c.dst_base, c.dst_frame, None)
-            piece = need_bytes(n.shard, a, b, part, isz, offsets)
-            piece.owner = n.owner
-            out.append(piece)
-    return out
-

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 from . import dtypes
 from .manifest import Manifest, Shard
@@ -83,9 +83,9 @@ class IdentityView:
 # ------------------------------------------------------------------ plan data
 
 
-@dataclass(slots=True)
-class Target:
-    """A distinct target region and the ranks that hold it."""
+class Target(NamedTuple):
+    """A distinct target region and the ranks that hold it (a tuple: a plan at
+    scale makes hundreds of thousands, and tuples are built at C speed)."""
 
     spec: TargetSpec
     needers: list[int]
@@ -339,11 +339,27 @@ def costs_of(r: Read, targets: list[Target]) -> dict[int, int]:
                 if packed:
                     costs[reader] += size
         return costs
-    for rank, copies in messages_of(r, targets).items():
-        size = message_layout(copies)[1]
+    # each receiver's message: the copies it needs, in order (``messages_of``), sized
+    # as ``message_layout`` does, without building the lists
+    sizes: dict[int, int] = {}
+    packed: dict[int, bool] = {}
+    for c, held in zip(r.copies, needers):
+        wire = wire_length(c)
+        aligned = -(-wire // ALIGN) * ALIGN
+        for rank in held:
+            if rank != reader:
+                if rank in sizes:
+                    sizes[rank] += aligned
+                    packed[rank] = True
+                else:
+                    sizes[rank] = aligned
+                    packed[rank] = wire != c.length
+    extra = 0
+    for rank, size in sizes.items():
         costs[rank] = size
-        if is_packed(copies):
-            costs[reader] += size
+        if packed[rank]:
+            extra += size
+    costs[reader] += extra
     return costs
 
 

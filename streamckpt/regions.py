@@ -166,8 +166,10 @@ def flat_range_bounding_box(frame: Box, start: int, stop: int) -> Box:
 
 def span(frame: Box, sub: Box) -> tuple[int, int]:
     """Element span ``[first, last + 1)`` of ``sub`` inside ``frame``'s row-major order."""
-    first = flat_index(frame, sub.offset)
-    last = flat_index(frame, tuple(o + s - 1 for o, s in zip(sub.offset, sub.shape)))
+    first = last = 0
+    for o, s, fo, fs in zip(sub[0], sub[1], frame[0], frame[1]):
+        first = first * fs + (o - fo)
+        last = last * fs + (o + s - 1 - fo)
     return first, last + 1
 
 
@@ -196,10 +198,23 @@ def runs(frame: Box, sub: Box) -> list[tuple[int, int]]:
     return out
 
 
-def max_gap(frame: Box, sub: Box, cut: int) -> int:
+def is_contiguous(frame: Box, sub: Box) -> bool:
+    """Whether ``sub`` is one run of ``frame``'s row-major order (``len(runs(...)) == 1``,
+    without listing the runs)."""
+    if sub.is_empty():
+        return False
+    k = len(frame[1]) - 1
+    while k > 0 and sub[1][k] == frame[1][k] and sub[0][k] == frame[0][k]:
+        k -= 1
+    return all(n == 1 for n in sub[1][:k])
+
+
+def max_gap(frame: Box, sub: Box, cut: int, strides: Shape | None = None) -> int:
     """Largest gap (elements) between consecutive runs of ``sub`` when its dims
-    before ``cut`` are fixed to single indices (pieces cut at ``cut``)."""
-    strides = row_major_strides(frame.shape)
+    before ``cut`` are fixed to single indices (pieces cut at ``cut``); ``strides``
+    are the frame's, when the caller has them."""
+    if strides is None:
+        strides = row_major_strides(frame.shape)
     gap = 0
     for j in range(max(cut, 0) + 1, frame.ndim):
         if sub.shape[j - 1] <= 1:
@@ -286,7 +301,7 @@ def coalesce(
     ``max_request_bytes`` (and, with ``keys``, only ranges of equal key — e.g.
     the same set of ranks needing them). Returns ``(start, stop, member_indices)``.
     """
-    order = sorted(range(len(ranges)), key=lambda i: ranges[i])
+    order = sorted(range(len(ranges)), key=ranges.__getitem__)
     out: list[tuple[int, int, list[int]]] = []
     group_key: object = None
     for i in order:
@@ -325,7 +340,7 @@ def split_aligned(frame: Box, sub: Box, max_elems: int, base: int, align: int) -
     first, stop = span(frame, sub)
     if stop - first <= max_elems:
         return [sub]
-    if len(runs(frame, sub)) == 1:
+    if is_contiguous(frame, sub):
         step = max(align, (max_elems // align) * align)
         cuts = [first]
         pos = first

@@ -33,7 +33,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -201,9 +201,9 @@ def parse_header(blob: bytes, rank: int) -> tuple[Ref, ...]:
 
 # ----------------------------------------------------------------------------- who sends which bytes
 
-@dataclass(frozen=True, slots=True)
-class Part:
-    """Bytes ``[start, stop)`` of distinct blob ``blob``, sent by ``rank`` at ``pos`` of its payload."""
+class Part(NamedTuple):
+    """Bytes ``[start, stop)`` of distinct blob ``blob``, sent by ``rank`` at ``pos`` of its
+    payload (a tuple: there is one per rank and section, so thousands at scale)."""
 
     blob: int
     start: int

@@ -1,0 +1,176 @@
+"""Greedy round packing of shared and private reads, alike on every rank.
+
+A read goes to the earliest round (at or after each involved rank's current
+one) where every rank it involves still has room for what it costs that rank
+(``plandata.costs_of``). Pure integers: no I/O, no ranks.
+
+Each rank's state is one integer, ``round << 64 | bytes used in that round``,
+and placing a read with cost ``c`` on a rank is ``state = max(state, base) + c``
+where ``base = round << 64``. That makes a replicated read cheap: the round a
+set of ranks taking the same cost needs is the one the greatest of their states
+needs (a later round wins, and in the same round the fuller rank); and a run of
+reads over one set of ranks (a DP group reading one tensor after another)
+updates the whole set lazily, since ``max(max(s, B) + A, base) + c`` is again
+``max(s, B') + A'``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from .needs import Group
+from .plandata import Read, Target, costs_of, is_packed, message_layout, read_cost
+
+SHIFT = 64  # a rank's round sits above its bytes used (used < 2**63)
+USED = (1 << SHIFT) - 1
+
+
+@dataclass(slots=True)
+class _Run:
+    """Reads over one set of ranks in a row: rank x's state is ``max(s0[x], low) + add``."""
+
+    ranks: list[int]
+    s0: dict[int, int]
+    top: int  # max(s0.values())
+    low: int = -1
+    add: int = 0
+
+
+class RoundPacker:
+    """Places reads one after another into rounds within ``cap`` bytes per rank."""
+
+    def __init__(self, world: int, cap: int) -> None:
+        self.cap = cap
+        self.state = [0] * world
+        self.touched: set[int] = set()
+        self._run: _Run | None = None
+
+    def _needs(self, state: int, cost: int) -> int:
+        """The earliest round a rank in ``state`` can take ``cost`` more bytes in."""
+        used = state & USED
+        return (state >> SHIFT) + (1 if used and used + cost > self.cap else 0)
+
+    def place(self, r: Read, targets: list[Target]) -> None:
+        """Give ``r`` its round and charge every rank it involves."""
+        if r.private:
+            self._flush()
+            self._charge(r, {r.reader: read_cost(r)})
+            return
+        uniform = uniform_costs(r, targets)
+        if uniform is None or r.reader not in uniform[0]:
+            self._flush()
+            self._charge(r, costs_of(r, targets))
+            return
+        ranks, size, reader_cost = uniform
+        run = self._run
+        if run is None or (run.ranks is not ranks and run.ranks != ranks):
+            self._flush()
+            run = self._run = _Run(ranks, {x: self.state[x] for x in ranks}, max(self.state[x] for x in ranks))
+            self.touched.update(ranks)
+        reader = r.reader
+        low, add = run.low, run.add
+        mine = max(run.s0[reader], low) + add
+        rnd = max(self._needs(mine, reader_cost), self._needs(max(run.top, low) + add, size))
+        base = rnd << SHIFT
+        run.low = max(low, base - add)
+        run.add = add + size
+        # the reader takes more than the others: fold its own state back into the run
+        s0 = max(mine, base) + reader_cost - run.add
+        run.s0[reader] = s0
+        if s0 > run.top:
+            run.top = s0
+        r.round = rnd
+
+    def _charge(self, r: Read, costs: dict[int, int]) -> None:
+        state = self.state
+        rnd = max(self._needs(state[rank], c) for rank, c in costs.items())
+        base = rnd << SHIFT
+        for rank, c in costs.items():
+            s = state[rank]
+            state[rank] = (s if s >= base else base) + c
+        self.touched.update(costs)
+        r.round = rnd
+
+    def _flush(self) -> None:
+        """Write the current run's states out."""
+        run = self._run
+        if run is None:
+            return
+        state, low, add = self.state, run.low, run.add
+        for x, s in run.s0.items():
+            state[x] = (s if s >= low else low) + add
+        self._run = None
+
+    def count(self, ranks: Iterable[int]) -> int:
+        """Rounds used by the busiest of ``ranks`` so far."""
+        self._flush()
+        return max(((self.state[r] >> SHIFT) + 1 for r in ranks if r in self.touched), default=0)
+
+
+def uniform_costs(r: Read, targets: list[Target]) -> tuple[list[int], int, int] | None:
+    """``costs_of`` for a read whose copies all go to one set of ranks (a replicated
+    box), as (those ranks, what each but the reader takes, what the reader takes);
+    None when the copies' ranks differ, or when the reader would take less than the
+    others (the packer bounds the reader by the others' maximum)."""
+    copies = r.copies
+    first = targets[copies[0].target].needers
+    for c in copies:
+        if targets[c.target].needers is not first:
+            return None
+    reader = r.reader
+    others = len(first) - (1 if reader in first else 0)
+    if not others:
+        return first, 0, read_cost(r)
+    size = message_layout(copies)[1]
+    reader_cost = read_cost(r) + (size * others if is_packed(copies) else 0)
+    if reader_cost < size:
+        return None
+    return first, size, reader_cost
+
+
+def reachable(groups: list[Group], rank: int, world: int, targets: list[Target]) -> list[bool]:
+    """Which shared reads (as ``needs.group_needs`` groups them) one rank's plan must
+    place: those whose ranks connect to ``rank`` through other shared reads.
+
+    Readers and rounds of shared reads are decided read by read from per-rank loads
+    and states, and a read changes only its own ranks'. So the reads of ranks that
+    share no read with this rank's connected set, directly or through others, never
+    change what this rank's reads get (a PP stage's DP groups, at scale, never meet
+    another stage's files). Holder lists are compared by identity: ``_dedupe`` gives
+    equal lists of several ranks one object.
+    """
+    parent = list(range(world))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(a: int, b: int) -> None:
+        a, b = find(a), find(b)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+
+    joined: set[int] = set()
+    heads: list[int] = []
+    for _, _, _, members, _ in groups:
+        last: list[int] | None = None
+        head = -1
+        for n in members:
+            held = targets[n.copy.target].needers
+            if held is last:
+                continue
+            last = held
+            if id(held) not in joined:
+                joined.add(id(held))
+                for x in held[1:]:
+                    union(held[0], x)
+            if head < 0:
+                head = held[0]
+            else:
+                union(head, held[0])
+        heads.append(head)
+    mine = find(rank)
+    return [find(h) == mine for h in heads]

@@ -1,0 +1,115 @@
+"""A stored tensor's shards, indexed for the planner's two kinds of lookup.
+
+Box queries (which stored parts a target box meets, and where) go through parts
+sorted by their first row; flat-range lookups (a ZeRO slice over row bands) go
+through the shards grouped by box with their flat ranges sorted. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from . import dtypes
+from .manifest import Shard
+from .regions import Box, flat_range_boxes, intersect, row_major_strides
+
+
+@dataclass(frozen=True, slots=True)
+class SourcePart:
+    """A box of a stored shard, contiguous in a frame of the shard's raw bytes."""
+
+    box: Box
+    frame: Box
+    base: int  # element offset of the frame's first element in the shard's raw bytes
+    shard: Shard
+    strides: tuple[int, ...]  # the frame's row-major element strides
+
+
+class _Parts:
+    """Every shard cut into contiguous boxes, sorted by dim-0 start for range queries."""
+
+    def __init__(self, shards: Sequence[Shard]) -> None:
+        parts: list[SourcePart] = []
+        for s in shards:
+            if s.flat_range is None:
+                if not s.box.is_empty():
+                    parts.append(SourcePart(s.box, s.box, 0, s, row_major_strides(s.shape)))
+            else:
+                for flat_start, b in flat_range_boxes(s.box, *s.flat_range):
+                    parts.append(SourcePart(b, b, flat_start - s.flat_range[0], s, row_major_strides(b.shape)))
+        self.scalar = bool(parts) and parts[0].box.ndim == 0
+        parts.sort(key=lambda p: p.box.offset[0] if p.box.ndim else 0)
+        self.parts = parts
+        self.starts = [p.box.offset[0] if p.box.ndim else 0 for p in parts]
+        self.max_extent = max((p.box.shape[0] if p.box.ndim else 1 for p in parts), default=0)
+
+
+class TensorIndex:
+    """One tensor's shards: as parts for box queries (built on the first query: the
+    flat fast path alone never needs them) and grouped by box for 1-D lookups."""
+
+    def __init__(self, shards: Sequence[Shard], dtype: str) -> None:
+        self.shards = shards
+        self.dtype = dtype
+        self.itemsize = dtypes.itemsize(dtype)
+        self._parts: _Parts | None = None
+        # shards grouped by box, flat ranges sorted: the flat fast path's 1-D lookups
+        groups: dict[Box, list[Shard]] = {}
+        for s in shards:
+            groups.setdefault(s.box, []).append(s)
+        # per box: its inner dims (offset, shape after dim 0), stops and shards
+        self.boxes: list[tuple[Box, Box, list[int], list[Shard]]] = []
+        for b, group in groups.items():
+            group.sort(key=lambda sh: sh.flat_range[0] if sh.flat_range else 0)
+            stops = [sh.flat_range[1] if sh.flat_range else math.prod(b.shape) for sh in group]
+            self.boxes.append((b, Box(b.offset[1:], b.shape[1:]), stops, group))
+        self.boxes.sort(key=lambda x: x[0].offset[0] if x[0].ndim else 0)
+
+    def shards_in_rows(
+        self, offset: tuple[int, ...], shape: tuple[int, ...], r0: int, r1: int, lo: int, hi: int,
+    ) -> list[Shard] | None:
+        """Shards whose box meets rows ``[r0, r1)`` of the row band ``offset``, ``shape``
+        and whose elements, in the band's flattening, meet ``[lo, hi)``; None when a shard
+        box meeting those rows is not a row band like it (the caller falls back)."""
+        tail = (offset[1:], shape[1:])
+        inner = math.prod(tail[1])
+        out: list[Shard] = []
+        for b, b_tail, stops, group in self.boxes:
+            b_off, b_shape = b
+            if not b_shape or b_off[0] >= r1 or b_off[0] + b_shape[0] <= r0:
+                continue
+            if b_tail != tail:
+                return None
+            d = (b_off[0] - offset[0]) * inner
+            i = bisect.bisect_right(stops, lo - d)  # first shard ending after lo
+            for sh in group[i:]:
+                start = sh.flat_range[0] if sh.flat_range else 0
+                if start + d >= hi:
+                    break
+                out.append(sh)
+        return out
+
+    def meets(self, box: Box) -> Iterable[tuple[SourcePart, Box]]:
+        """The parts that meet ``box``, each with the intersection (a scalar part whole)."""
+        index = self._parts
+        if index is None:
+            index = self._parts = _Parts(self.shards)
+        if index.scalar or not box[1]:
+            for p in index.parts:
+                inter = intersect(p.box, box) if p.box[1] else p.box
+                if inter is not None:
+                    yield p, inter
+            return
+        q0 = box[0][0]
+        q1 = q0 + box[1][0]
+        lo = bisect.bisect_left(index.starts, q0 - index.max_extent + 1)
+        hi = bisect.bisect_left(index.starts, q1)
+        for p in index.parts[lo:hi]:
+            pb = p.box
+            if pb[0][0] + pb[1][0] > q0:
+                inter = intersect(pb, box)
+                if inter is not None:
+                    yield p, inter
