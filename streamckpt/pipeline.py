@@ -33,7 +33,7 @@ from .cudaapi import TorchCuda
 from .device import Placement, finishing, place
 from .direct import DirectBatch
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .landing import ReadLanding, plan_landing, shared_memory
+from .landing import ReadLanding, advise_huge, plan_landing, shared_memory
 from .plandata import Copy, LoadPlan, Read, is_packed, message_size
 from .rounds import LocalRound, Message, layout, local_schedule
 from .scatter import Destinations, message_pieces, pack_message, source_view, unpack_message
@@ -118,6 +118,8 @@ class Executor:
             )
         self.stage = placement.stage(sizes)
         self.arenas = self.stage.arenas
+        host_arenas = [(a.data_ptr(), a.numel()) for a in self.arenas] if placement.device is None else []
+        advise_huge([m for land in self.landings.values() for m in land.memory] + host_arenas)
         self.views = [memoryview(a.numpy()) if a.numel() else memoryview(b"") for a in self.arenas]
         self.dctx = zstandard.ZstdDecompressor()
         # On the host path each read is decoded and scattered as soon as it is verified, while
