@@ -364,7 +364,7 @@ class Executor:
                     self._decode(k)
                     self.direct.poll()
                 except Exception as e:  # noqa: BLE001
-                    error = e
+                    error = _result_error(e)
             if error is not None:
                 self._drain(current)
                 self._drain(pending)
