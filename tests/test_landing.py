@@ -137,12 +137,26 @@ def test_flipped_bodies_are_fetched_again_into_the_target(
     assert res.requests >= 2 * proxy.counts["flip"]  # each flipped range came again
 
 
+def _rotted_in(uri: str, opts: dict[str, Any], key: str) -> bool:
+    """Whether FaultProxy's ``rot`` (one fixed bit per object, placed from its path) falls in
+    ``key``'s stored bytes, which a load of ``key`` then reads."""
+    from streamckpt.formats import read_manifest
+
+    st = Storage(uri, opts)
+    shard = read_manifest(st).tensors[key].shards[0]
+    path = "/" + uri.split("://", 1)[1] + "/" + shard.file
+    at = random.Random(path).randrange(st.size(shard.file))
+    return shard.byte_offset <= at < shard.byte_offset + shard.byte_length
+
+
 def test_rot_at_rest_raises_and_load_does_not_return(
-    saved: tuple[str, dict[str, torch.Tensor]], proxy_factory: Any
+    saved: tuple[str, dict[str, torch.Tensor]], s3_opts: dict[str, Any], proxy_factory: Any
 ) -> None:
     """The same wrong bytes on every read: CorruptCheckpointError naming the object; the
     load never returns with the unverified bytes that landed in the target."""
-    uri, src = saved
+    base, src = saved
+    uri = next(u for u in (f"{base}-{i}" for i in range(50))
+               if sc.save(src, u, storage_options=s3_opts) is not None and _rotted_in(u, s3_opts, "w"))
     proxy = proxy_factory(faults=["rot"], rate=1.0, max_repeats=10**9, match=_data_gets)
     dst = {"w": torch.zeros(512, 640)}
     with pytest.raises(CorruptCheckpointError) as ei:
