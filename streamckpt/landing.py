@@ -16,7 +16,7 @@ from __future__ import annotations
 import mmap
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 import torch
 
@@ -128,6 +128,28 @@ def plan_landing(r: Read, dest: Destinations, allowed: Callable[[int], bool]) ->
         pos = c.offset + c.length
     if pos < r.length:
         out.spans.append((pos, r.length, None))
+    return out
+
+
+def plan_landings(schedule: Sequence[Any], dest: Destinations, on_device: Collection[int]) -> dict[int, ReadLanding]:
+    """This rank's reads (global index) whose bytes land, at least in part, straight in
+    their targets: reads that feed no other rank (``schedule``: ``rounds.LocalRound``s),
+    need no decoding, and fill only host targets whose memory no other target shares."""
+    host = {uid: t for uid, t in dest.tensors.items() if uid not in on_device}
+    shared = shared_memory(host)
+
+    def allowed(uid: int) -> bool:
+        return uid in host and uid not in shared
+
+    out: dict[int, ReadLanding] = {}
+    for rnd in schedule:
+        sending = {m.read_index for m in rnd.sends}
+        for i, r in rnd.reads:
+            if i in sending or any(c.target in on_device for c in r.copies):
+                continue
+            land = plan_landing(r, dest, allowed)
+            if land is not None:
+                out[i] = land
     return out
 
 

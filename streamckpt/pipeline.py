@@ -33,7 +33,7 @@ from .cudaapi import TorchCuda
 from .device import Placement, finishing, place
 from .direct import DirectBatch
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .landing import ReadLanding, advise_huge, plan_landing, shared_memory
+from .landing import advise_huge, plan_landings
 from .plandata import Copy, LoadPlan, Read, is_packed, message_size
 from .rounds import LocalRound, Message, layout, local_schedule
 from .scatter import Destinations, message_pieces, pack_message, source_view, unpack_message
@@ -102,7 +102,7 @@ class Executor:
             placement = place(TorchCuda(), list(destinations.tensors.values()), comm.data_device)
         self.placement = placement
         self.on_device = {uid for uid, t in destinations.tensors.items() if placement.is_device(t)}
-        self.landings = self._landings()
+        self.landings = plan_landings(self.schedule, destinations, self.on_device)
         self.pure = {i for i, land in self.landings.items() if all(m is not None for _, _, m in land.spans)}
         self.fetched = [[(i, r) for i, r in rnd.reads if i not in self.pure] for rnd in self.schedule]
         self.direct = DirectBatch([(i, r) for rnd in self.schedule for i, r in rnd.reads if i in self.pure],
@@ -127,27 +127,6 @@ class Executor:
         self.scatter_early = placement.device is None
         self.settled: list[set[int]] = [set(), set()]  # per arena: reads of its round already scattered
         self.landed: list[queue.SimpleQueue] = [queue.SimpleQueue(), queue.SimpleQueue()]
-
-    def _landings(self) -> dict[int, ReadLanding]:
-        """This rank's reads whose bytes land, at least in part, straight in their targets:
-        reads that feed no other rank, need no decoding, and fill only host targets whose
-        memory no other target shares."""
-        host = {uid: t for uid, t in self.dest.tensors.items() if uid not in self.on_device}
-        shared = shared_memory(host)
-
-        def allowed(uid: int) -> bool:
-            return uid in host and uid not in shared
-
-        out: dict[int, ReadLanding] = {}
-        for rnd in self.schedule:
-            sending = {m.read_index for m in rnd.sends}
-            for i, r in rnd.reads:
-                if i in sending or any(c.target in self.on_device for c in r.copies):
-                    continue
-                land = plan_landing(r, self.dest, allowed)
-                if land is not None:
-                    out[i] = land
-        return out
 
     # ------------------------------------------------------------- round steps
 
