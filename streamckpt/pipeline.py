@@ -35,13 +35,13 @@ from .direct import DirectBatch
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .landing import advise_huge, plan_landings
 from .plandata import Copy, LoadPlan, Read, is_packed, message_size
-from .rounds import LocalRound, Message, layout, local_schedule
+from .schedule import LocalRound, Message, layout, local_schedule
 from .scatter import Destinations, message_pieces, pack_message, source_view, unpack_message
 from .storage import Landing, RangeRead, Storage
 
 log = logging.getLogger(__name__)
 
-__all__ = [  # the scatter and schedule helpers live in scatter and rounds; importers may take them from here
+__all__ = [  # the scatter and schedule helpers live in scatter and schedule; importers may take them from here
     "Destinations", "Executor", "LocalRound", "Message", "Stats", "local_schedule", "message_pieces",
     "pack_message", "source_view", "unpack_message",
 ]
