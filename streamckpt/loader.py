@@ -126,6 +126,7 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
         rounds=stats.rounds,
         staging_bytes=stats.staging_bytes,
         kind=manifest.kind,
+        bytes_direct=stats.bytes_direct,
     )
     if comm.rank == 0:
         log.info("streamckpt load %s: %s", storage.describe(""), result)

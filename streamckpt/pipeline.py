@@ -1,23 +1,28 @@
 """Executing a ``LoadPlan`` on one rank: fetch, verify, decode, exchange, scatter.
 
-Round k+1's range reads are in flight (fsspec's event loop thread, or a
-thread pool for local files) while round k is decoded, exchanged with one
-grouped send/recv and copied into targets. Staging lives in two arenas per
-rank, allocated once at the size this rank's largest round needs (at most
-half the memory budget each). A ``device`` stage owns the arenas and every
-device-side rule: on CUDA they are pinned, each piece's span goes to the GPU
-as raw bytes on a side stream and is viewed/permuted/cast there, and the
-event recorded after a round gates its arena's reuse two rounds later; on CPU
-the same steps are plain host copies. Every rank walks the same rounds, so the
-grouped send/recv of a round cannot deadlock; failures are agreed on so that
-one rank's error raises on all of them (see ``Executor``).
+Round k+1's range reads are in flight (on the storage event loop and its client
+threads) while round k is decoded, exchanged with one grouped send/recv and copied
+into targets. A read that serves only this rank lands straight in its host targets'
+memory where its bytes are theirs as stored (``landing``), verified in place; what
+is left of it, and every other read, lands in two staging arenas per rank,
+allocated once at the size this rank's largest round needs (at most half the memory
+budget each). On the host path each staged read is decoded and scattered as soon as
+it is verified, while the round's other reads are still in flight. A ``device``
+stage owns the arenas and every device-side rule: on CUDA they are pinned, each
+piece's span goes to the GPU as raw bytes on a side stream and is
+viewed/permuted/cast there, and the event recorded after a round gates its arena's
+reuse two rounds later (the GPU path scatters per round); on CPU the same steps are
+plain host copies. Every rank walks the same rounds, so the grouped send/recv of a
+round cannot deadlock; failures are agreed on so that one rank's error raises on all
+of them (see ``Executor``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-from dataclasses import dataclass, field
+import queue
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -26,89 +31,21 @@ import zstandard
 from .comm import P2P, GroupComm, SoloComm
 from .cudaapi import TorchCuda
 from .device import Placement, finishing, place
+from .direct import DirectBatch
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .plandata import ALIGN, Copy, LoadPlan, Read, is_packed, message_layout, message_size, messages_of
+from .landing import advise_huge, plan_landings
+from .plandata import Copy, LoadPlan, Read, is_packed, message_size
+from .schedule import LocalRound, Message, layout, local_schedule
 from .scatter import Destinations, message_pieces, pack_message, source_view, unpack_message
-from .storage import RangeRead, Storage
+from .storage import Landing, RangeRead, Storage
 
 log = logging.getLogger(__name__)
 
-__all__ = [  # the scatter helpers live in scatter; importers may take them from here
+__all__ = [  # the scatter and schedule helpers live in scatter and schedule; importers may take them from here
     "Destinations", "Executor", "LocalRound", "Message", "Stats", "local_schedule", "message_pieces",
     "pack_message", "source_view", "unpack_message",
 ]
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-@dataclass(slots=True)
-class Message:
-    peer: int
-    read_index: int
-    copies: list[Copy]
-
-
-@dataclass(slots=True)
-class LocalRound:
-    reads: list[tuple[int, Read]] = field(default_factory=list)  # (global read index, read)
-    sends: list[Message] = field(default_factory=list)
-    recvs: list[Message] = field(default_factory=list)
-
-    def is_empty(self) -> bool:
-        return not (self.reads or self.sends or self.recvs)
-
-
-def local_schedule(plan: LoadPlan, rank: int) -> list[LocalRound]:
-    """This rank's part of every round."""
-    rounds = [LocalRound() for _ in range(plan.num_rounds)]
-    for i, r in enumerate(plan.reads):
-        if r.reader == rank:
-            rounds[r.round].reads.append((i, r))
-            for peer, copies in sorted(messages_of(r, plan.targets).items()):
-                rounds[r.round].sends.append(Message(peer, i, copies))
-        elif not r.private:
-            mine = [c for c in r.copies if rank in plan.targets[c.target].needers]
-            if mine:
-                rounds[r.round].recvs.append(Message(r.reader, i, mine))
-    return rounds
-
-
-@dataclass(slots=True)
-class _Layout:
-    """Where each buffer of one round lives in its arena."""
-
-    fetch: dict[int, int] = field(default_factory=dict)  # read index -> offset of fetched bytes
-    decode: dict[int, int] = field(default_factory=dict)  # read index -> offset of decoded bytes
-    pack: dict[tuple[int, int], int] = field(default_factory=dict)  # (read, peer) -> packed message
-    recv: dict[tuple[int, int], int] = field(default_factory=dict)  # (read, peer) -> received message
-    size: int = 0
-
-
-def _layout(rnd: LocalRound) -> _Layout:
-    lay = _Layout()
-    pos = 0
-    for i, r in rnd.reads:
-        # fetched bytes keep the file offset's alignment so typed views stay aligned
-        pos = _align(pos) + r.start % ALIGN
-        lay.fetch[i] = pos
-        pos += r.length
-        if r.zstd:
-            pos = _align(pos)
-            lay.decode[i] = pos
-            pos += r.staging
-    for m in rnd.sends:
-        if is_packed(m.copies):
-            pos = _align(pos)
-            lay.pack[(m.read_index, m.peer)] = pos
-            pos += message_layout(m.copies)[1]
-    for m in rnd.recvs:
-        pos = _align(pos)
-        lay.recv[(m.read_index, m.peer)] = pos
-        pos += message_size(m.copies)
-    lay.size = _align(pos) + ALIGN
-    return lay
+_layout = layout  # the name tests and older callers use
 
 
 @dataclass(slots=True)
@@ -120,6 +57,7 @@ class Stats:
     rounds: int = 0
     copies: int = 0
     staging_bytes: int = 0
+    bytes_direct: int = 0  # fetched straight into this rank's targets (no staging copy)
 
 
 class Executor:
@@ -158,13 +96,18 @@ class Executor:
         self.progress = progress
         self.rank = comm.rank
         self.schedule = local_schedule(plan, self.rank)
-        self.layouts = [_layout(r) for r in self.schedule]
         self.stats = Stats(rounds=plan.num_rounds)
         self.agree_every = max(1, agree_every or comm.agree_every)
         if placement is None:
             placement = place(TorchCuda(), list(destinations.tensors.values()), comm.data_device)
         self.placement = placement
         self.on_device = {uid for uid, t in destinations.tensors.items() if placement.is_device(t)}
+        self.landings = plan_landings(self.schedule, destinations, self.on_device)
+        self.pure = {i for i, land in self.landings.items() if all(m is not None for _, _, m in land.spans)}
+        self.fetched = [[(i, r) for i, r in rnd.reads if i not in self.pure] for rnd in self.schedule]
+        self.direct = DirectBatch([(i, r) for rnd in self.schedule for i, r in rnd.reads if i in self.pure],
+                                  self.landings, progress)
+        self.layouts = [layout(r, self.landings) for r in self.schedule]
         sizes = [max((lay.size for lay in self.layouts[slot::2]), default=0) for slot in range(2)]
         self.stats.staging_bytes = sum(sizes)
         if self.stats.staging_bytes > plan.options.memory_budget:
@@ -175,45 +118,93 @@ class Executor:
             )
         self.stage = placement.stage(sizes)
         self.arenas = self.stage.arenas
+        host_arenas = [(a.data_ptr(), a.numel()) for a in self.arenas] if placement.device is None else []
+        advise_huge([m for land in self.landings.values() for m in land.memory] + host_arenas)
         self.views = [memoryview(a.numpy()) if a.numel() else memoryview(b"") for a in self.arenas]
         self.dctx = zstandard.ZstdDecompressor()
+        # On the host path each read is decoded and scattered as soon as it is verified, while
+        # the round's other reads are in flight; the GPU path keeps the per-round order.
+        self.scatter_early = placement.device is None
+        self.settled: list[set[int]] = [set(), set()]  # per arena: reads of its round already scattered
+        self.landed: list[queue.SimpleQueue] = [queue.SimpleQueue(), queue.SimpleQueue()]
 
     # ------------------------------------------------------------- round steps
 
     def _fetch(self, k: int) -> cf.Future | None:
-        """Start round k's reads into its arena (``stage.acquire`` was called for it)."""
-        rnd = self.schedule[k]
-        if not rnd.reads:
+        """Start round k's reads into its arena and targets (``stage.acquire`` was called for it)."""
+        reads = self.fetched[k]
+        self.settled[k % 2] = set()
+        if not reads:
             return None
         lay = self.layouts[k]
         view = self.views[k % 2]
-        reqs = [RangeRead(r.file, r.start, r.stop, r.checks) for _, r in rnd.reads]
-        bufs = [view[lay.fetch[i]: lay.fetch[i] + r.length] for i, r in rnd.reads]
-        self.stats.bytes_read += sum(r.length for _, r in rnd.reads)
-        return self.storage.read_into(reqs, bufs)
+        reqs = [RangeRead(r.file, r.start, r.stop, r.checks) for _, r in reads]
+        bufs: list[memoryview | Landing] = []
+        for i, r in reads:
+            land = self.landings.get(i)
+            if land is None:
+                bufs.append(view[lay.fetch[i]: lay.fetch[i] + r.length])
+                continue
+            staged = iter(lay.spans[i])
+            parts = []
+            for lo, hi, mem in land.spans:
+                if mem is None:
+                    at = next(staged)[2]
+                    mem = view[at: at + hi - lo]
+                parts.append(mem)
+            bufs.append(Landing(parts))
+            self.stats.bytes_direct += land.direct_bytes
+        self.stats.bytes_read += sum(r.length for _, r in reads)
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        self.landed[k % 2] = q
+        fut = self.storage.read_into(reqs, bufs, on_landed=q.put)
+        fut.add_done_callback(lambda _: q.put(None))
+        return fut
+
+    def _land(self, k: int, fut: cf.Future | None) -> int:
+        """Wait for round k's reads; on the host path each read is decoded and scattered as
+        soon as it is verified, so copies overlap the reads still in flight. Returns the
+        round's request count (raising the reads' error)."""
+        if fut is None:
+            return 0
+        q = self.landed[k % 2]
+        reads = self.fetched[k]
+        while True:
+            j = q.get()
+            if j is None:
+                break
+            if self.scatter_early:
+                i, r = reads[j]
+                if r.zstd:
+                    self._decode_read(k, i, r)
+                self._scatter_read(k, i, r)
+                self.settled[k % 2].add(i)
+        return _result(fut)
 
     def _decode(self, k: int) -> None:
+        for i, r in self.schedule[k].reads:
+            if r.zstd and i not in self.settled[k % 2]:
+                self._decode_read(k, i, r)
+
+    def _decode_read(self, k: int, i: int, r: Read) -> None:
         view = self.views[k % 2]
         lay = self.layouts[k]
-        for i, r in self.schedule[k].reads:
-            if not r.zstd:
-                continue
-            base_in, base_out = lay.fetch[i], lay.decode[i]
-            for in_off, in_len, out_off, out_len in r.frames or ():
-                src = view[base_in + in_off: base_in + in_off + in_len]
-                try:
-                    data = self.dctx.decompress(src, max_output_size=out_len)
-                except zstandard.ZstdError as e:
-                    raise CorruptCheckpointError(
-                        f"{self.storage.describe(r.file)} bytes [{r.start + in_off}, {r.start + in_off + in_len}): "
-                        f"zstd frame does not decode ({e})"
-                    ) from None
-                if len(data) != out_len:
-                    raise CorruptCheckpointError(
-                        f"{self.storage.describe(r.file)} bytes [{r.start + in_off}, {r.start + in_off + in_len}): "
-                        f"zstd frame decodes to {len(data)} bytes, expected {out_len}"
-                    )
-                view[base_out + out_off: base_out + out_off + out_len] = data
+        base_in, base_out = lay.fetch[i], lay.decode[i]
+        for in_off, in_len, out_off, out_len in r.frames or ():
+            src = view[base_in + in_off: base_in + in_off + in_len]
+            try:
+                data = self.dctx.decompress(src, max_output_size=out_len)
+            except zstandard.ZstdError as e:
+                raise CorruptCheckpointError(
+                    f"{self.storage.describe(r.file)} bytes [{r.start + in_off}, {r.start + in_off + in_len}): "
+                    f"zstd frame does not decode ({e})"
+                ) from None
+            if len(data) != out_len:
+                raise CorruptCheckpointError(
+                    f"{self.storage.describe(r.file)} bytes [{r.start + in_off}, {r.start + in_off + in_len}): "
+                    f"zstd frame decodes to {len(data)} bytes, expected {out_len}"
+                )
+            view[base_out + out_off: base_out + out_off + out_len] = data
 
     def _staged(self, k: int, read_index: int, r: Read) -> torch.Tensor:
         lay = self.layouts[k]
@@ -276,14 +267,29 @@ class Executor:
 
     def _scatter_local(self, k: int) -> None:
         for i, r in self.schedule[k].reads:
-            mine = [c for c in r.copies if c.target in self.dest.tensors]
-            if not mine:
-                continue
-            lo = min(c.offset for c in mine)
-            hi = max(c.offset + c.length for c in mine)
-            host, dev = self._split(self._staged(k, i, r), lo, hi, (c.target for c in mine))
-            for c in mine:
-                self._apply(host, dev, c.offset, c)
+            if i not in self.settled[k % 2]:
+                self._scatter_read(k, i, r)
+
+    def _scatter_read(self, k: int, i: int, r: Read) -> None:
+        """Read i's staged pieces into this rank's targets (its landed ones are there already)."""
+        land = self.landings.get(i)
+        if land is not None:
+            arena = self.arenas[k % 2]
+            spans = self.layouts[k].spans[i]
+            for c in land.staged:
+                if c.length <= 0 or c.target not in self.dest.tensors:
+                    continue
+                at = next(a + c.offset - lo for lo, hi, a in spans if lo <= c.offset and c.offset + c.length <= hi)
+                self._apply(arena, (None, 0), at, c)
+            return
+        mine = [c for c in r.copies if c.target in self.dest.tensors]
+        if not mine:
+            return
+        lo = min(c.offset for c in mine)
+        hi = max(c.offset + c.length for c in mine)
+        host, dev = self._split(self._staged(k, i, r), lo, hi, (c.target for c in mine))
+        for c in mine:
+            self._apply(host, dev, c.offset, c)
 
     def _scatter_received(self, landed: Sequence[tuple[Message, torch.Tensor]]) -> None:
         """Called once the round's receives have completed: only then do they count as received."""
@@ -299,9 +305,20 @@ class Executor:
         if self.plan.num_rounds:  # the same on every rank
             self.comm.open_exchange()
         self.stage.begin()
-        with finishing(self.stage):
-            self._rounds()
+        try:
+            with finishing(self.stage):
+                self._rounds()
+        except BaseException:
+            self.direct.drain(self.storage)  # nothing may write into targets once load has raised
+            raise
         return self.stats
+
+    def _start_direct(self) -> None:
+        """Start the reads that land wholly in targets, with the budget the arenas leave unused."""
+        spare = self.plan.options.memory_budget - self.stats.staging_bytes
+        self.stats.bytes_read += self.direct.nbytes
+        self.stats.bytes_direct += sum(self.landings[i].direct_bytes for i, _ in self.direct.reads)
+        self.direct.start(self.storage, max(1, min(spare, self.storage.inflight_bytes)))
 
     def _rounds(self) -> None:
         n = self.plan.num_rounds
@@ -310,6 +327,7 @@ class Executor:
         if n:
             self.stage.acquire(0)
             try:
+                self._start_direct()
                 pending = self._fetch(0)
             except Exception as e:  # noqa: BLE001 - agreed on below
                 error = e
@@ -321,20 +339,26 @@ class Executor:
                 try:
                     if k + 1 < n:
                         pending = self._fetch(k + 1)  # overlaps with everything below
-                    if current is not None:
-                        self.stats.requests += _result(current)
+                    self.stats.requests += self._land(k, current)
                     self._decode(k)
+                    self.direct.poll()
                 except Exception as e:  # noqa: BLE001
-                    error = e
+                    error = _result_error(e)
             if error is not None:
                 self._drain(current)
                 self._drain(pending)
+                self.direct.drain(self.storage)
                 pending = None
             if k % self.agree_every == self.agree_every - 1:
                 self._agree(error, pending)
             error = self._exchange_and_scatter(k, error, pending)
             if self.progress is not None and error is None:
-                self.progress(sum(r.length for _, r in self.schedule[k].reads))
+                self.progress(sum(r.length for i, r in self.schedule[k].reads if i not in self.pure))
+        if error is None:
+            try:
+                self.stats.requests += self.direct.finish()
+            except Exception as e:  # noqa: BLE001 - agreed on below
+                error = _result_error(e)
         self._agree(error, None)
 
     def _exchange_and_scatter(self, k: int, error: BaseException | None, pending: cf.Future | None) -> BaseException | None:
@@ -363,14 +387,9 @@ class Executor:
             self._drain(pending)
             raise
 
-    @staticmethod
-    def _drain(pending: cf.Future | None) -> None:
+    def _drain(self, pending: cf.Future | None) -> None:
         if pending is not None:
-            pending.cancel()
-            try:
-                pending.result(timeout=60)
-            except BaseException:  # noqa: BLE001 - already failing
-                pass
+            self.storage.stop(pending)
 
 
 def _attempt(fn: Callable[[], None]) -> BaseException | None:
@@ -387,4 +406,10 @@ def _result(fut: cf.Future) -> int:
     try:
         return int(fut.result())
     except CheckpointNotFoundError as e:
-        raise CorruptCheckpointError(f"{e}, but the checkpoint's manifest lists it (deleted or never uploaded)") from None
+        raise _result_error(e) from None
+
+
+def _result_error(e: BaseException) -> BaseException:
+    if isinstance(e, CheckpointNotFoundError):
+        return CorruptCheckpointError(f"{e}, but the checkpoint's manifest lists it (deleted or never uploaded)")
+    return e

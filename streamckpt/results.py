@@ -29,6 +29,7 @@ class LoadResult:
     rounds: int = 0
     staging_bytes: int = 0
     kind: str = "streamckpt"
+    bytes_direct: int = 0  # of bytes_read: landed straight in this rank's targets, no staging copy
 
     @property
     def read_amplification(self) -> float:

@@ -31,21 +31,24 @@ class Destinations:
         ``staged`` is on the target's device; ``stage`` runs the copy (on the GPU's
         side stream for CUDA targets), a plain ``copy_`` without one.
         """
-        dest = self.tensors.get(copy.target)
-        if dest is None:
+        if copy.target not in self.tensors:
             return
         src = source_view(staged, copy, stage.realign if stage is not None else None)
         if copy.perm is not None:
             src = src.permute(copy.perm)
-        if copy.dst_base is None:
-            dst = dest[copy.dst_box.slices()] if copy.dst_box.ndim else dest
-        else:
-            frame = copy.dst_frame or ()
-            dst = dest.narrow(0, copy.dst_base, math.prod(frame)).view(frame)[copy.dst_box.slices()]
+        dst = self.target_view(copy)
         if stage is None:
             dst.copy_(src)
         else:
             stage.write(dst, src)
+
+    def target_view(self, copy: Copy) -> torch.Tensor:
+        """The part of its target tensor that a copy fills."""
+        dest = self.tensors[copy.target]
+        if copy.dst_base is None:
+            return dest[copy.dst_box.slices()] if copy.dst_box.ndim else dest
+        frame = copy.dst_frame or ()
+        return dest.narrow(0, copy.dst_base, math.prod(frame)).view(frame)[copy.dst_box.slices()]
 
 
 def source_view(

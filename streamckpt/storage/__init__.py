@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from .backend import Backend, Fetched, NotFound, ObjectInfo, PartSink, Permanent, RangeNotSatisfiable, Stalled, Transient
 from .policy import RetryPolicy
-from .reads import RangeRead
+from .reads import Landing, RangeRead
 from .store import Storage
 from .uploads import Upload
 
 __all__ = [
-    "Backend", "Fetched", "NotFound", "ObjectInfo", "PartSink", "Permanent", "RangeNotSatisfiable", "RangeRead",
+    "Backend", "Fetched", "Landing", "NotFound", "ObjectInfo", "PartSink", "Permanent", "RangeNotSatisfiable", "RangeRead",
     "RetryPolicy", "Stalled", "Storage", "Transient", "Upload",
 ]

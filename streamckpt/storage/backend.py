@@ -18,7 +18,7 @@ import asyncio
 import concurrent.futures as cf
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -127,6 +127,17 @@ class Backend(abc.ABC):
     async def fetch(self, path: str, start: int, buf: memoryview, *, want_meta: bool = False) -> Fetched:
         """Fetch ``len(buf)`` bytes at ``start`` into ``buf``; ``want_meta`` asks for the object's size/ETag."""
 
+    async def fetch_parts(self, path: str, start: int, bufs: Sequence[memoryview], *,
+                          want_meta: bool = False) -> Fetched:
+        """``fetch`` of ``sum(len(b) for b in bufs)`` bytes at ``start``, split over ``bufs`` in
+        order (a piece that lands partly in a target and partly in staging). This fallback
+        fetches into one temporary buffer and copies out; a client that can split its
+        body without that copy overrides it."""
+        tmp = memoryview(bytearray(sum(len(b) for b in bufs)))
+        got = await self.fetch(path, start, tmp, want_meta=want_meta)
+        scatter_into(bufs, tmp[:got.got])
+        return got
+
     @abc.abstractmethod
     async def head(self, path: str) -> ObjectInfo:
         """The object's size, ETag and modification time; ``NotFound`` if absent."""
@@ -163,6 +174,24 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release clients and threads."""
+
+
+def scatter_into(bufs: Sequence[memoryview], data: Any, at: int = 0) -> int:
+    """Copy ``data`` (a byte buffer) into consecutive ``bufs`` from byte ``at`` of their
+    concatenation; returns the bytes copied."""
+    src = memoryview(data).cast("B")
+    pos = 0
+    for b in bufs:
+        if at >= len(b):
+            at -= len(b)
+            continue
+        n = min(len(b) - at, len(src) - pos)
+        if n <= 0:
+            break
+        b[at:at + n] = src[pos:pos + n]
+        pos += n
+        at = 0
+    return pos
 
 
 class WorkerThreads:

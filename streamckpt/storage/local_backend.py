@@ -8,7 +8,7 @@ import os
 import posixpath
 import random
 import shutil
-from typing import Any
+from typing import Any, Sequence
 
 from .backend import (Backend, BackendError, Fetched, NotFound, ObjectInfo, PartSink, Permanent, TooLarge,
                       Transient, WorkerThreads)
@@ -37,7 +37,11 @@ class LocalBackend(Backend):
             raise translate(e, path) from None
 
     async def fetch(self, path: str, start: int, buf: memoryview, *, want_meta: bool = False) -> Fetched:
-        return await self._run(path, _pread, path, start, buf)
+        return await self._run(path, _pread, path, start, [buf])
+
+    async def fetch_parts(self, path: str, start: int, bufs: Sequence[memoryview], *,
+                          want_meta: bool = False) -> Fetched:
+        return await self._run(path, _pread, path, start, list(bufs))
 
     async def head(self, path: str) -> ObjectInfo:
         st = await self._run(path, os.stat, path)
@@ -67,18 +71,34 @@ class LocalBackend(Backend):
         self.threads.close()
 
 
-def _pread(path: str, start: int, buf: memoryview) -> Fetched:
+def _pread(path: str, start: int, bufs: list[memoryview]) -> Fetched:
+    """Positional reads straight into consecutive ``bufs`` (one ``preadv`` fills them all)."""
     fd = os.open(path, os.O_RDONLY)
     try:
+        total = sum(len(b) for b in bufs)
         got = 0
-        while got < len(buf):
-            n = os.preadv(fd, [buf[got:]], start + got)
+        while got < total:
+            n = os.preadv(fd, _rest(bufs, got), start + got)
             if not n:
                 return Fetched(got=got, size=os.fstat(fd).st_size)
             got += n
         return Fetched(got=got)
     finally:
         os.close(fd)
+
+
+def _rest(bufs: list[memoryview], done: int) -> list[memoryview]:
+    """The buffers' bytes after the first ``done``."""
+    if not done:
+        return bufs
+    out = []
+    for b in bufs:
+        if done >= len(b):
+            done -= len(b)
+            continue
+        out.append(b[done:])
+        done = 0
+    return out
 
 
 def _read_whole(path: str, max_bytes: int | None) -> bytes:

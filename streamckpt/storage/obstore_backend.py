@@ -25,10 +25,10 @@ import logging
 import os
 import threading
 from datetime import timedelta
-from typing import Any
+from typing import Any, Sequence
 
 from .backend import (Backend, BackendError, Fetched, NotFound, ObjectInfo, PartSink, Permanent, RangeNotSatisfiable,
-                      Stalled, TooLarge, Transient, WorkerThreads)
+                      Stalled, TooLarge, Transient, WorkerThreads, scatter_into)
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,12 @@ class ObstoreBackend(Backend):
         return await self.threads.run(call)
 
     async def fetch(self, path: str, start: int, buf: memoryview, *, want_meta: bool = False) -> Fetched:
-        return await self._run(path, _fetch_streamed if want_meta else _fetch, start, buf)
+        return await self._run(path, _fetch_streamed if want_meta else _fetch, start, [buf])
+
+    async def fetch_parts(self, path: str, start: int, bufs: Sequence[memoryview], *,
+                          want_meta: bool = False) -> Fetched:
+        """The body is copied from Rust's buffer straight into each part (no extra copy)."""
+        return await self._run(path, _fetch_streamed if want_meta else _fetch, start, list(bufs))
 
     async def head(self, path: str) -> ObjectInfo:
         return await self._run(path, _head)
@@ -203,23 +208,29 @@ class ObstoreBackend(Backend):
             self._stores.clear()
 
 
-def _fetch(store: Any, key: str, start: int, buf: memoryview) -> Fetched:
-    """One ranged GET: the body is collected in Rust (one allocation) and copied once into ``buf``."""
+def _fetch(store: Any, key: str, start: int, bufs: list[memoryview]) -> Fetched:
+    """One ranged GET into consecutive ``bufs``: the body is collected in Rust (one
+    allocation) and copied once, straight into each buffer."""
     import obstore
 
-    data = obstore.get_range(store, key, start=start, end=start + len(buf))
+    total = sum(len(b) for b in bufs)
+    data = obstore.get_range(store, key, start=start, end=start + total)
     n = len(data)
-    if n > len(buf):
-        raise Transient(f"body of {n} bytes for a {len(buf)}-byte range")
-    buf[:n] = memoryview(data)
+    if n > total:
+        raise Transient(f"body of {n} bytes for a {total}-byte range")
+    if len(bufs) == 1:
+        bufs[0][:n] = memoryview(data)
+    else:
+        scatter_into(bufs, data)
     return Fetched(got=n)
 
 
-def _fetch_streamed(store: Any, key: str, start: int, buf: memoryview) -> Fetched:
-    """A ranged GET streamed into ``buf`` that also learns the object's size and ETag."""
+def _fetch_streamed(store: Any, key: str, start: int, bufs: list[memoryview]) -> Fetched:
+    """A ranged GET streamed into consecutive ``bufs`` that also learns the object's size and ETag."""
     import obstore
 
-    stop = start + len(buf)
+    total = sum(len(b) for b in bufs)
+    stop = start + total
     result = obstore.get(store, key, options={"range": (start, stop)})
     meta = result.meta
     lo, hi = result.range
@@ -228,9 +239,9 @@ def _fetch_streamed(store: Any, key: str, start: int, buf: memoryview) -> Fetche
     got = 0
     for data in result.stream(min_chunk_size=256 << 10):
         n = len(data)
-        if got + n > len(buf):
-            raise Transient(f"body longer than the {len(buf)}-byte range")
-        buf[got:got + n] = memoryview(data)
+        if got + n > total:
+            raise Transient(f"body longer than the {total}-byte range")
+        scatter_into(bufs, data, got)
         got += n
     return Fetched(got=got, size=int(meta["size"]), etag=meta.get("e_tag"))
 

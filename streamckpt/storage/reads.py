@@ -5,16 +5,21 @@ count and held body bytes by a ``Gate``); each landed read is length-checked, it
 CRC32C checks verified (large ones in a worker thread, off the event loop), a read
 that may be a whole object without checksums of its own is checked against an MD5
 ETag, and only the failed pieces come again. Errors name the object and byte range.
+
+A read lands in one buffer or in a ``Landing``: consecutive buffers (a target's own
+memory with staging between, so bytes land where they belong); checks run over the
+landed bytes wherever they are, and a read counts as done only once they pass.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hashlib
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar, Union
 
 from ..checksum import crc32c
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
@@ -42,6 +47,60 @@ class RangeRead:
     @property
     def length(self) -> int:
         return self.stop - self.start
+
+
+class Landing:
+    """Where one read's bytes go: consecutive byte buffers that together hold the range.
+
+    A piece of the read may straddle buffers; the backend splits its body over them
+    (``Backend.fetch_parts``) without an extra copy where its client allows.
+    """
+
+    __slots__ = ("parts", "starts", "length")
+
+    def __init__(self, parts: Sequence[memoryview]) -> None:
+        self.parts = [memoryview(p).cast("B") for p in parts if len(p)]
+        self.starts = []
+        pos = 0
+        for p in self.parts:
+            self.starts.append(pos)
+            pos += len(p)
+        self.length = pos
+
+    def __len__(self) -> int:
+        return self.length
+
+    def views(self, lo: int, hi: int) -> list[memoryview]:
+        """The buffers' slices that hold bytes ``[lo, hi)`` of the read, in order."""
+        out = []
+        i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        while i < len(self.parts) and self.starts[i] < hi:
+            s = self.starts[i]
+            p = self.parts[i]
+            a, b = max(lo, s) - s, min(hi, s + len(p)) - s
+            if a < b:
+                out.append(p[a:b])
+            i += 1
+        return out
+
+    def crc(self, lo: int, n: int) -> int:
+        value = 0
+        for v in self.views(lo, lo + n):
+            value = crc32c(v, value)
+        return value
+
+    def md5(self) -> str:
+        h = hashlib.md5(usedforsecurity=False)
+        for p in self.parts:
+            h.update(p)
+        return h.hexdigest()
+
+
+Buffer = Union[memoryview, Landing]
+
+
+def as_landing(buf: Buffer) -> Landing:
+    return buf if isinstance(buf, Landing) else Landing([buf])
 
 
 class ShortBody(Transient):
@@ -121,18 +180,29 @@ class Reader:
 
     # ----------------------------------------------------------- range reads
 
-    async def read_all(self, reads: Sequence[RangeRead], buffers: Sequence[memoryview]) -> int:
-        """Every read into its buffer; returns the number of requests made."""
-        limit = self.inflight_bytes if self.backend.holds_bodies else 1 << 62
+    async def read_all(self, reads: Sequence[RangeRead], buffers: Sequence[Buffer],
+                       on_landed: Callable[[int], None] | None = None, inflight_bytes: int | None = None) -> int:
+        """Every read into its buffer; returns the number of requests made.
+
+        ``on_landed(i)`` (on the event loop) says that read ``i`` is in its buffer and verified;
+        ``inflight_bytes`` bounds the bodies this batch holds (default: the reader's).
+        """
+        limit = (inflight_bytes or self.inflight_bytes) if self.backend.holds_bodies else 1 << 62
         gate = Gate(self.max_concurrency, limit)
         counter = [0]
         await all_or_cancel([
-            asyncio.ensure_future(self._read_one(r, b, gate, counter))
-            for r, b in zip(reads, buffers) if r.length > 0
+            asyncio.ensure_future(self._landed(i, self._read_one(r, as_landing(b), gate, counter), on_landed))
+            for i, (r, b) in enumerate(zip(reads, buffers)) if r.length > 0
         ])
         return counter[0]
 
-    async def _read_one(self, r: RangeRead, buf: memoryview, gate: Gate, counter: list[int]) -> None:
+    @staticmethod
+    async def _landed(i: int, read: Awaitable[None], on_landed: Callable[[int], None] | None) -> None:
+        await read
+        if on_landed is not None:
+            on_landed(i)
+
+    async def _read_one(self, r: RangeRead, buf: Landing, gate: Gate, counter: list[int]) -> None:
         obj = self.describe.name(r.name)
         path = self.path(r.name)
         # A read that may be a whole object without checksums of its own is checked against
@@ -175,13 +245,17 @@ class Reader:
             todo = [p for p, _ in failed]
 
     async def _piece(
-        self, path: str, r: RangeRead, a: int, b: int, buf: memoryview, gate: Gate, counter: list[int], meta: bool
+        self, path: str, r: RangeRead, a: int, b: int, buf: Landing, gate: Gate, counter: list[int], meta: bool
     ) -> Fetched:
         """One request for ``[a, b)`` of ``r`` into its slice of ``buf``, length-checked."""
         await gate.acquire(b - a)
         try:
             counter[0] += 1
-            got = await self.backend.fetch(path, a, buf[a - r.start:b - r.start], want_meta=meta)
+            views = buf.views(a - r.start, b - r.start)
+            if len(views) == 1:
+                got = await self.backend.fetch(path, a, views[0], want_meta=meta)
+            else:
+                got = await self.backend.fetch_parts(path, a, views, want_meta=meta)
         finally:
             gate.release(b - a)
         if got.size is not None and got.size < b:
@@ -191,7 +265,7 @@ class Reader:
         return got
 
     async def _bad_spans(
-        self, r: RangeRead, buf: memoryview, meta: Fetched | None
+        self, r: RangeRead, buf: Landing, meta: Fetched | None
     ) -> list[tuple[int, int, str, str]]:
         """``(start, stop, digest of what came, note)`` of every failed check, absolute offsets."""
         if r.checks:
@@ -220,22 +294,24 @@ class Reader:
             return None
 
 
-def failed_checks(r: RangeRead, buf: memoryview) -> list[tuple[int, int, int]]:
-    """``(offset, length, crc32c that came)`` of every check that fails."""
+def failed_checks(r: RangeRead, buf: Buffer) -> list[tuple[int, int, int]]:
+    """``(offset, length, crc32c that came)`` of every check that fails, over the landed bytes."""
     out = []
+    land = as_landing(buf)
+    single = land.parts[0] if len(land.parts) == 1 else None
     for off, length, expected in r.checks:
-        got = crc32c(buf[off:off + length])
+        got = crc32c(single[off:off + length]) if single is not None else land.crc(off, length)
         if got != expected:
             out.append((off, length, got))
     return out
 
 
-def _md5_mismatch(etag: Any, data: bytes | bytearray | memoryview) -> str | None:
+def _md5_mismatch(etag: Any, data: bytes | bytearray | memoryview | Landing) -> str | None:
     """The MD5 of ``data`` when the ETag is a plain MD5 (single-part upload) and differs; else None."""
     tag = str(etag or "").strip('"')
     if not re.fullmatch(r"[0-9a-f]{32}", tag):
         return None
-    got = hashlib.md5(data, usedforsecurity=False).hexdigest()
+    got = data.md5() if isinstance(data, Landing) else hashlib.md5(data, usedforsecurity=False).hexdigest()
     return None if got == tag else f"md5 {got}"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-from typing import Any
+from typing import Any, Sequence
 
 from .backend import Fetched, NotFound, PartSink, TooLarge, Transient
 from .fsspec_backend import FsspecBackend, classified
@@ -55,7 +55,14 @@ class S3fsBackend(FsspecBackend):
 
     async def fetch(self, path: str, start: int, buf: memoryview, *, want_meta: bool = False) -> Fetched:
         """A ranged GET streamed straight into ``buf``; the client's chunks are the only copy."""
-        n = len(buf)
+        return await self._get(path, start, [buf])
+
+    async def fetch_parts(self, path: str, start: int, bufs: Sequence[memoryview], *,
+                          want_meta: bool = False) -> Fetched:
+        return await self._get(path, start, list(bufs))
+
+    async def _get(self, path: str, start: int, bufs: list[memoryview]) -> Fetched:
+        n = sum(len(b) for b in bufs)
         resp = await self.call_s3(path, "get_object", Range=f"bytes={start}-{start + n - 1}")
         body = resp["Body"]
         try:
@@ -65,7 +72,12 @@ class S3fsBackend(FsspecBackend):
             length = resp.get("ContentLength")
             if length != n:
                 raise Transient(f"response of {length} bytes for a {n}-byte range")
-            got = await self._read_body(path, body, buf)
+            got = 0
+            for buf in bufs:
+                k = await self._read_body(path, body, buf)
+                got += k
+                if k < len(buf):
+                    break
         finally:
             body.close()
         return Fetched(got=got, size=total, etag=resp.get("ETag"))

@@ -15,7 +15,7 @@ import logging
 import posixpath
 import random
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import fsspec
 import fsspec.asyn
@@ -28,7 +28,7 @@ from .fsspec_backend import FsspecBackend
 from .local_backend import LocalBackend
 from .obstore_backend import ObstoreBackend
 from .policy import Describer, RetryPolicy, not_found_message
-from .reads import RangeRead, Reader
+from .reads import Buffer, RangeRead, Reader
 from .s3fs_backend import S3fsBackend, s3fs_options
 from .uploads import ObjectQueue, Upload
 
@@ -274,12 +274,18 @@ class Storage:
         self.read_into([RangeRead(name, start, stop)], [memoryview(buf)]).result()
         return bytes(buf)
 
-    def read_into(self, reads: Sequence[RangeRead], buffers: Sequence[memoryview]) -> cf.Future:
-        """Start fetching every read into its buffer (``len == read.length``).
+    def read_into(self, reads: Sequence[RangeRead], buffers: Sequence[Buffer], *,
+                  on_landed: Callable[[int], None] | None = None, inflight_bytes: int | None = None) -> cf.Future:
+        """Start fetching every read into its buffer (``len == read.length``): a memoryview,
+        or a ``Landing`` of consecutive buffers (e.g. target memory with staging between).
 
         Returns a future that resolves to the number of requests made, or raises
         ``StorageError`` / ``CorruptCheckpointError`` / ``CheckpointNotFoundError``
-        naming object and range.
+        naming object and range. ``on_landed(i)``, called on the storage event loop (keep
+        it short), says that read ``i``'s bytes are in its buffer and passed their checks;
+        until then (and after any failure) a buffer's contents are unspecified.
+        ``inflight_bytes`` bounds the response bodies this batch holds at once (default
+        ``self.inflight_bytes``): a caller running two batches side by side splits its budget.
         """
         if len(reads) != len(buffers):
             raise ValueError(f"{len(reads)} reads but {len(buffers)} buffers")
@@ -288,7 +294,35 @@ class Storage:
                 raise ValueError(f"bad range [{r.start}, {r.stop}) of {r.name!r}")
             if len(b) != r.length:
                 raise ValueError(f"buffer of {len(b)} bytes for a {r.length}-byte read")
-        return asyncio.run_coroutine_threadsafe(self._reader.read_all(reads, buffers), self._loop)
+        batch: dict[str, Any] = {}
+
+        async def run() -> int:
+            batch["task"] = asyncio.current_task()
+            return await self._reader.read_all(reads, buffers, on_landed, inflight_bytes)
+
+        fut = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        fut.streamckpt_batch = batch  # type: ignore[attr-defined] - what ``stop`` cancels
+        return fut
+
+    def stop(self, fut: cf.Future, timeout: float = 60.0) -> None:
+        """Cancel a ``read_into`` batch and return once none of its reads can write into a
+        buffer any more (or after ``timeout``): a failed load must not see target memory
+        change after it raised. Cancelling the future alone only stops waiting for it."""
+        batch = getattr(fut, "streamckpt_batch", {})
+
+        async def stop() -> None:
+            # Scheduled after the batch's first step (the loop runs callbacks in order), so
+            # the batch's task is known unless it never ran, and then it wrote nothing.
+            task = batch.get("task")
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.wait([task])  # reads wait for their client calls to end
+
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout)
+        except Exception as e:  # noqa: BLE001 - already failing; say so and go on
+            log.warning("stopping reads of %s: %s", self._describe.public_uri, e)
+        fut.cancel()
 
     # ---------------------------------------------------------------- writes
 

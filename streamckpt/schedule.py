@@ -1,0 +1,100 @@
+"""One rank's part of a plan's rounds, and where each round's buffers sit in its arena.
+
+``local_schedule`` picks from a ``LoadPlan`` the reads this rank performs and the
+messages it sends and receives in every round; ``layout`` places a round's fetched
+bytes (only the staged spans of a read that lands in its targets), decoded bytes,
+packed messages and receive buffers in one arena, each piece keeping its file
+offset's alignment so typed views stay aligned. No I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .landing import ReadLanding
+from .plandata import ALIGN, Copy, LoadPlan, Read, is_packed, message_layout, message_size, messages_of
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(slots=True)
+class Message:
+    peer: int
+    read_index: int
+    copies: list[Copy]
+
+
+@dataclass(slots=True)
+class LocalRound:
+    reads: list[tuple[int, Read]] = field(default_factory=list)  # (global read index, read)
+    sends: list[Message] = field(default_factory=list)
+    recvs: list[Message] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.reads or self.sends or self.recvs)
+
+
+def local_schedule(plan: LoadPlan, rank: int) -> list[LocalRound]:
+    """This rank's part of every round."""
+    rounds = [LocalRound() for _ in range(plan.num_rounds)]
+    for i, r in enumerate(plan.reads):
+        if r.reader == rank:
+            rounds[r.round].reads.append((i, r))
+            for peer, copies in sorted(messages_of(r, plan.targets).items()):
+                rounds[r.round].sends.append(Message(peer, i, copies))
+        elif not r.private:
+            mine = [c for c in r.copies if rank in plan.targets[c.target].needers]
+            if mine:
+                rounds[r.round].recvs.append(Message(r.reader, i, mine))
+    return rounds
+
+
+@dataclass(slots=True)
+class Layout:
+    """Where each buffer of one round lives in its arena."""
+
+    fetch: dict[int, int] = field(default_factory=dict)  # read index -> offset of fetched bytes
+    decode: dict[int, int] = field(default_factory=dict)  # read index -> offset of decoded bytes
+    spans: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # landing read -> (lo, hi, offset)
+    pack: dict[tuple[int, int], int] = field(default_factory=dict)  # (read, peer) -> packed message
+    recv: dict[tuple[int, int], int] = field(default_factory=dict)  # (read, peer) -> received message
+    size: int = 0
+
+
+def layout(rnd: LocalRound, landings: Mapping[int, ReadLanding] | None = None) -> Layout:
+    """The round's arena layout; a read in ``landings`` stages only its spans outside targets."""
+    lay = Layout()
+    landings = landings or {}
+    pos = 0
+    for i, r in rnd.reads:
+        land = landings.get(i)
+        if land is not None:
+            staged = lay.spans[i] = []
+            for lo, hi, mem in land.spans:
+                if mem is None:
+                    pos = align(pos) + (r.start + lo) % ALIGN
+                    staged.append((lo, hi, pos))
+                    pos += hi - lo
+            continue
+        # fetched bytes keep the file offset's alignment so typed views stay aligned
+        pos = align(pos) + r.start % ALIGN
+        lay.fetch[i] = pos
+        pos += r.length
+        if r.zstd:
+            pos = align(pos)
+            lay.decode[i] = pos
+            pos += r.staging
+    for m in rnd.sends:
+        if is_packed(m.copies):
+            pos = align(pos)
+            lay.pack[(m.read_index, m.peer)] = pos
+            pos += message_layout(m.copies)[1]
+    for m in rnd.recvs:
+        pos = align(pos)
+        lay.recv[(m.read_index, m.peer)] = pos
+        pos += message_size(m.copies)
+    lay.size = align(pos) + ALIGN
+    return lay
