@@ -160,14 +160,17 @@ class _Encoder:
         chunk = chunk_size_for(nbytes, self.chunk_size, cctx is not None)
         crcs: list[int] = []
         frames: list[int] = []
-        for span in self.host.spans(it.tensor, chunk):
-            for lo in range(0, span.numel(), chunk):
-                mv = memoryview(span[lo: lo + chunk].numpy())
-                if cctx is not None:
-                    mv = memoryview(cctx.compress(mv))
-                    frames.append(len(mv))
-                crcs.append(crc32c(mv))
+        for span in self.host.spans(it.tensor, chunk):  # spans hold whole chunks (the last may end short)
+            mv = memoryview(span.numpy())
+            if cctx is None:  # one copy per span; the checksums read the same memory chunk by chunk
+                crcs += [crc32c(mv[lo:lo + chunk]) for lo in range(0, len(mv), chunk)]
                 sink.write(mv)
+                continue
+            for lo in range(0, len(mv), chunk):
+                frame = memoryview(cctx.compress(mv[lo:lo + chunk]))
+                frames.append(len(frame))
+                crcs.append(crc32c(frame))
+                sink.write(frame)
         spec = it.spec
         return Shard(
             offset=spec.offset, shape=spec.shape, file=name,
