@@ -175,3 +175,32 @@ def test_exit_with_a_save_in_flight_leaves_no_manifest(tmp_path: Any) -> None:
     subprocess.run([sys.executable, "-c", _EXIT_EARLY, str(root / "step-1")], check=True, timeout=240)
     assert not (root / "step-1" / "manifest.json").exists()
     assert sc.latest(str(root)) is None
+
+
+def async_over_committed_worker(rank: int, world: int, uri: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0 learns of the committed checkpoint while it stages; both ranks must raise from the
+    call, and nothing may be uploaded; with overwrite=True the save replaces it."""
+    sd = {"w": sc.ShardedTensor(torch.full((256, 64), float(rank + 10)), (512, 64), (256 * rank, 0)),
+          "shared": torch.full((128,), 7.0)}
+    out: dict[str, Any] = {}
+    try:
+        sc.async_save(sd, uri, storage_options=opts)
+        out["refused"] = None
+    except sc.CheckpointError as e:
+        out["refused"] = type(e).__name__
+    sc.async_save(sd, uri, storage_options=opts, overwrite=True).result(timeout=90)
+    out["saved"] = True
+    return out
+
+
+def test_async_save_over_a_committed_checkpoint_raises_on_every_rank(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    first = {"w": torch.zeros(512, 64), "shared": torch.zeros(128)}
+    sc.save(first, s3_uri, storage_options=s3_opts)
+    ranks = run_ranks(2, async_over_committed_worker, kwargs={"uri": s3_uri, "opts": s3_opts}, timeout=150)
+    assert all(r.ok for r in ranks), [r.error for r in ranks]
+    assert [r.value["refused"] for r in ranks] == ["CheckpointExistsError"] * 2
+    back = {"w": torch.empty(512, 64), "shared": torch.empty(128)}
+    sc.load(back, s3_uri, storage_options=s3_opts)  # the overwrite=True save, committed
+    assert torch.equal(back["w"][:256], torch.full((256, 64), 10.0))
+    assert torch.equal(back["w"][256:], torch.full((256, 64), 11.0))
+    assert torch.equal(back["shared"], torch.full((128,), 7.0))
