@@ -25,6 +25,7 @@ from typing import Any
 
 from . import data, savebench
 from .server import BUCKET, BenchServer, free_port
+from .worker import fill_outcome
 from .capped import (CAPPED, CAPPED_LOADERS, CAPPED_QUICK, CAPPED_REPS_IN_ALL, CAPPED_TITLES, CAPPED_WORLD, base_of,
                      cap_lines, capped_note, capped_targets, run_capped)
 from .throttle import parse_rate
@@ -293,20 +294,9 @@ class Harness:
                 results.append(json.loads(p.read_text()))
                 p.unlink()
         s = Sample()
-        nas = [r["na"] for r in results if "na" in r]
-        errs = [r["error"] for r in results if "error" in r] + errors
-        if nas:
-            s.na = nas[0]
-            return s
-        if errs or len(results) != world:
-            s.error = (errs or ["no result"])[0]
+        if not fill_outcome(s, results, errors, world):
             return s
         s.seconds = max(r["seconds"] for r in results)
-        s.rss_peak = max(r["rss_peak"] for r in results)
-        s.rss_delta = max(r["rss_peak"] - r["rss_before"] for r in results)
-        checked = sum(r.get("checked", 0) for r in results)
-        wrong = sum(r.get("wrong", 0) for r in results)
-        s.ok = "—" if checked == 0 else ("yes" if wrong == 0 else f"NO ({wrong}/{checked} wrong)")
         if stats is not None:
             s.bytes_read = int(stats["get_body_bytes"])
             s.requests = int(sum(stats["requests"].values()))
@@ -608,13 +598,15 @@ def summarize(h: Harness, scenario: str) -> tuple[list[str], dict[str, float]]:
     return lines, {**gbps, **({"curl": curl_gbps} if curl_gbps else {})}
 
 
+def _best_peer(figures: dict[str, dict[str, float]], sc: str) -> tuple[str, float] | None:
+    """The peer with the highest GB/s in scenario ``sc`` (any format it reads)."""
+    g = figures.get(sc, {})
+    peers = [(p, g[p]) for p in PEERS if p in g]
+    return max(peers, key=lambda x: x[1]) if peers else None
+
+
 def targets_check(h: Harness, figures: dict[str, dict[str, float]]) -> list[str]:
     out = []
-
-    def best_peer(sc: str) -> tuple[str, float] | None:
-        g = figures.get(sc, {})
-        peers = [(p, g[p]) for p in PEERS if p in g]
-        return max(peers, key=lambda x: x[1]) if peers else None
 
     g = figures.get("a", {})
     # the ceiling of the same client stack: ceiling.obstore when streamckpt read through obstore
@@ -626,7 +618,7 @@ def targets_check(h: Harness, figures: dict[str, dict[str, float]]) -> list[str]
                    f"{backend or 'its default'}): {r:.2f}× — {'met' if r >= 0.85 else 'MISSED'}")
     for sc, goal in (("a", 1.8), ("b", 3.0), ("c", 3.0)):
         g = figures.get(sc, {})
-        bp = best_peer(sc)
+        bp = _best_peer(figures, sc)
         if "streamckpt" in g and bp:
             r = g["streamckpt"] / bp[1]
             out.append(f"- ({sc}) ≥ {goal}× the best peer ({bp[0]}): {r:.2f}× — {'met' if r >= goal else 'MISSED'}")
@@ -657,18 +649,13 @@ def targets_16(h: Harness, figures: dict[str, dict[str, float]]) -> list[str]:
     for sc, loader, what, goal in (("a", "streamckpt", "full HF load", 2.0), ("a", "streamckpt.dcp", "full DCP load", 2.0),
                                    ("b", "streamckpt", "HF TP slice", 3.0), ("b", "streamckpt.dcp", "DCP TP slice", 3.0)):
         g = figures.get(sc, {})
-        peers = [(p, g[p]) for p in PEERS if p in g]
-        if loader in g and peers:
-            name, best = max(peers, key=lambda x: x[1])
+        bp = _best_peer(figures, sc)
+        if loader in g and bp:
+            name, best = bp
             r = g[loader] / best
             out.append(f"- ({sc}) {what} (`{loader}`) ≥ {goal}× the best peer ({name}): {r:.2f}× — "
                        f"{'met' if r >= goal else 'MISSED'}")
-    def best_peer(sc: str) -> tuple[str, float] | None:
-        g = figures.get(sc, {})
-        peers = [(p, g[p]) for p in PEERS if p in g]
-        return max(peers, key=lambda x: x[1]) if peers else None
-
-    out += capped_targets(h, figures, best_peer)
+    out += capped_targets(h, figures, lambda sc: _best_peer(figures, sc))
     g = figures.get("a", {})
     if "streamckpt" in g and "curl" in g:
         r = g["streamckpt"] / g["curl"]

@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any, Callable
 
 from . import data
 from .server import BUCKET, KEY, REGION, SECRET
-from .worker import NotApplicable, peak_rss, report_and_exit
+from .worker import NotApplicable, measuring, peak_rss, report_and_exit
 
 PIECE = 8 << 20  # the ceilings' part / object size
 CEILING_CONCURRENCY = 8
@@ -328,16 +327,9 @@ def source_state_dict(bucket_dir: Path) -> dict[str, Any]:
 def run(spec_path: str, rank: int) -> dict[str, Any]:
     spec = json.loads(Path(spec_path).read_text())
     world = int(spec.get("world", 1))
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", rank=rank, world_size=world)
     result: dict[str, Any] = {"rank": rank}
-    clock = SaveClock(world)
-    try:
-        import torch
-
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    with measuring(rank, world, result):
+        clock = SaveClock(world)
         saver = SAVERS[spec["saver"]]
         preimport()
         bucket_dir = Path(spec["bucket_dir"])
@@ -357,19 +349,6 @@ def run(spec_path: str, rank: int) -> dict[str, Any]:
             result["server_stats"] = server_stats(spec["endpoint"])
         if spec.get("verify") and rank == 0:
             result["checked"], result["wrong"] = verify_saved(spec)
-    except NotApplicable as e:
-        result["na"] = str(e)
-    except Exception as e:  # noqa: BLE001 - reported in the table, with the traceback in the log
-        result["error"] = f"{type(e).__name__}: {e}"[:300]
-        traceback.print_exc()
-    finally:
-        if world > 1:
-            import torch.distributed as dist
-
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
     return result
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from . import data
 from .save import BUDGET_FRACTION, CEILING_CONCURRENCY, PIECE, SAVER_MODULE, staging_budget
 from .server import BUCKET
+from .worker import fill_outcome
 
 if TYPE_CHECKING:
     from .run import Harness
@@ -108,21 +109,10 @@ def measure_save(h: "Harness", saver: str, world: int, rep: int) -> SaveSample:
 def _sample(results: list[dict[str, Any]], errors: list[str], stats: dict[str, Any] | None,
             files: dict[str, int], world: int) -> SaveSample:
     s = SaveSample()
-    nas = [r["na"] for r in results if "na" in r]
-    errs = [r["error"] for r in results if "error" in r] + errors
-    if nas:
-        s.na = nas[0]
-        return s
-    if errs or len(results) != world:
-        s.error = (errs or ["no result"])[0]
+    if not fill_outcome(s, results, errors, world):
         return s
     s.blocked = max(r["blocked"] for r in results)
     s.durable = max(r["durable"] for r in results)
-    s.rss_peak = max(r["rss_peak"] for r in results)
-    s.rss_delta = max(r["rss_peak"] - r["rss_before"] for r in results)
-    checked = sum(r.get("checked", 0) for r in results)
-    wrong = sum(r.get("wrong", 0) for r in results)
-    s.ok = "—" if checked == 0 else ("yes" if wrong == 0 else f"NO ({wrong}/{checked} wrong)")
     if stats is not None:
         s.requests = {k: int(v) for k, v in stats.get("requests", {}).items()}
         s.put_bytes = int(stats["put_body_bytes"]) if "put_body_bytes" in stats else None

@@ -291,25 +291,18 @@ def _make_handler(bandwidth_cap: float | None = None):
             with lock:
                 stats["get_body_bytes"] += length
                 stats["ranged_gets" if status == 206 else "full_gets"] += 1
-            bucket = pace["bucket"]
-            if bucket is not None:
-                return self._send_paced(file, start, length, bucket)
-            out = self.connection.fileno()
-            sent = 0
-            while sent < length:
-                n = os.sendfile(out, file.fileno(), start + sent, length - sent)
-                if n == 0:
-                    self.close_connection = True
-                    return
-                sent += n
+            self._sendfile(file, start, length, pace["bucket"])
 
-        def _send_paced(self, file, start: int, length: int, bucket: TokenBucket) -> None:  # noqa: ANN001
-            """sendfile in CHUNK pieces, each after taking its tokens from the shared bucket."""
+        def _sendfile(self, file, start: int, length: int, bucket: TokenBucket | None) -> None:  # noqa: ANN001
+            """Zero-copy ``sendfile``; under a cap, in CHUNK pieces, each after taking its
+            tokens from the shared bucket (uncapped: one piece, no bucket)."""
             out = self.connection.fileno()
+            step = length if bucket is None else CHUNK
             sent = 0
             while sent < length:
-                stop = min(length, sent + CHUNK)
-                bucket.take(stop - sent)
+                stop = min(length, sent + step)
+                if bucket is not None:
+                    bucket.take(stop - sent)
                 while sent < stop:
                     n = os.sendfile(out, file.fileno(), start + sent, stop - sent)
                     if n == 0:

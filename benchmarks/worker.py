@@ -10,6 +10,7 @@ from the OS (``VmHWM``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -17,7 +18,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from . import data
 from .server import BUCKET, KEY, REGION, SECRET
@@ -405,29 +406,20 @@ def verify(spec: dict[str, Any], out: dict[str, Any] | None, rank: int) -> tuple
     return len(fps), wrong
 
 
-def run(spec_path: str, rank: int) -> dict[str, Any]:
-    spec = json.loads(Path(spec_path).read_text())
-    world = int(spec.get("world", 1))
+@contextlib.contextmanager
+def measuring(rank: int, world: int, result: dict[str, Any]) -> Iterator[None]:
+    """One rank's measurement: its gloo group (world > 1) and torch threads around the
+    block, and the outcome in ``result``: ``na`` (NotApplicable) or ``error`` (the
+    traceback goes to the log)."""
     if world > 1:
         import torch.distributed as dist
 
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = data.spec_from_json(spec["model"])
-    loader = LOADERS[spec["loader"]]
-    clock = Clock(world)
-    result: dict[str, Any] = {"rank": rank}
     try:
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        out, stats = loader(spec, model, rank, world, clock)
-        result.update(stats)
-        result["seconds"] = clock.seconds
-        result["rss_before"] = clock.rss_before
-        result["rss_peak"] = peak_rss()
-        checked, wrong = verify(spec, out, rank)
-        result["checked"] = checked
-        result["wrong"] = wrong
+        yield
     except NotApplicable as e:
         result["na"] = str(e)
     except Exception as e:  # noqa: BLE001 - reported in the table, with the traceback in the log
@@ -441,7 +433,45 @@ def run(spec_path: str, rank: int) -> dict[str, Any]:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def run(spec_path: str, rank: int) -> dict[str, Any]:
+    spec = json.loads(Path(spec_path).read_text())
+    world = int(spec.get("world", 1))
+    result: dict[str, Any] = {"rank": rank}
+    with measuring(rank, world, result):
+        model = data.spec_from_json(spec["model"])
+        loader = LOADERS[spec["loader"]]
+        clock = Clock(world)
+        out, stats = loader(spec, model, rank, world, clock)
+        result.update(stats)
+        result["seconds"] = clock.seconds
+        result["rss_before"] = clock.rss_before
+        result["rss_peak"] = peak_rss()
+        checked, wrong = verify(spec, out, rank)
+        result["checked"] = checked
+        result["wrong"] = wrong
     return result
+
+
+def fill_outcome(sample: Any, results: list[dict[str, Any]], errors: list[str], world: int) -> bool:
+    """The parent's side of ``measuring``: every rank's result (``report_and_exit``) into
+    ``sample``'s ``na``/``error``, or its ``rss_peak``/``rss_delta``/``ok`` (max over ranks;
+    correctness summed). Returns whether all ranks measured, so the caller adds its own figures."""
+    nas = [r["na"] for r in results if "na" in r]
+    errs = [r["error"] for r in results if "error" in r] + errors
+    if nas:
+        sample.na = nas[0]
+        return False
+    if errs or len(results) != world:
+        sample.error = (errs or ["no result"])[0]
+        return False
+    sample.rss_peak = max(r["rss_peak"] for r in results)
+    sample.rss_delta = max(r["rss_peak"] - r["rss_before"] for r in results)
+    checked = sum(r.get("checked", 0) for r in results)
+    wrong = sum(r.get("wrong", 0) for r in results)
+    sample.ok = "—" if checked == 0 else ("yes" if wrong == 0 else f"NO ({wrong}/{checked} wrong)")
+    return True
 
 
 def report_and_exit(spec_path: str, rank: int, result: dict[str, Any]) -> None:

@@ -8,16 +8,17 @@ holds more than the budget, whatever the allocator would have done with thousand
 freed tensors, and the block is reused by the next save instead of paying its page
 faults (and, pinned, its registration) again. Without a budget the block is sized to the
 share (``size``) and kept for the next save whose share fits it: a training loop saving
-every N steps pays the block's page faults once. On the CPU the block asks the kernel for
-huge pages (``MADV_HUGEPAGE``), so a first save takes 512× fewer page faults.
+every N steps pays the block's page faults once (here: 0.05 s instead of 0.17 s to stage
+242 MiB). On the CPU the block asks the kernel for huge pages (``MADV_HUGEPAGE``), which
+takes fewer page faults where the kernel grants them; the kernel still zeroes every page.
 """
 
 from __future__ import annotations
 
 import collections
-import collections.abc
 import mmap
 import threading
+from typing import Iterable
 
 import torch
 
@@ -57,15 +58,15 @@ class StagingArea:
             return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def _block(self, n: int) -> torch.Tensor:
-        if self.gpu is not None:
+        if self.gpu is not None or n == 0:
             return self._empty((n,), torch.uint8)
-        mem = mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mem = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             mem.madvise(mmap.MADV_HUGEPAGE)
-        return torch.frombuffer(mem, dtype=torch.uint8, count=n) if n else torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(mem, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
     @staticmethod
-    def needed(sizes: "collections.abc.Iterable[int]") -> int:
+    def needed(sizes: Iterable[int]) -> int:
         """The block that holds copies of ``sizes`` bytes all at once."""
         return sum(_aligned(max(n, 1)) for n in sizes)
 

@@ -1,10 +1,12 @@
-"""Writing one rank's data file: shards streamed chunk by chunk with CRC32C.
+"""Writing one rank's data files: shards copied into upload buffers with a CRC32C per chunk.
 
-Uncompressed files are valid safetensors files (one entry per shard, named
-``key@offset`` plus ``#start-stop`` for flat ranges); the header is known
-before any byte is written, so the file streams. zstd files hold independent
+``write_data_files`` (what ``save`` uses) packs the shards into files of about
+``UploadShape.object_bytes``, each one PUT, several in flight; ``write_data_file`` streams
+one file of any size (a multipart upload). Uncompressed files are valid safetensors files
+(one entry per shard, named ``key@offset`` plus ``#start-stop`` for flat ranges); the
+header is known before any byte is written. zstd files hold independent
 frames back to back (one per chunk) and no header: the manifest holds every
-frame's length. A CPU tensor is read in place, chunk by chunk; a GPU tensor's
+frame's length. A CPU tensor is read in place, once; a GPU tensor's
 bytes come to the host through two reused pinned blocks (``device.DeviceToHost``):
 the next block's copy runs while the host checksums and uploads this one.
 """

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import pytest
 from hypothesis import settings
 
-from streamckpt.testing import LocalGCS, LocalS3
+from streamckpt.testing import FaultProxy, LocalGCS, LocalS3
 
 BUCKET = "streamckpt-test"
 
@@ -69,3 +69,18 @@ def gcs_uri(request: pytest.FixtureRequest, local_gcs: LocalGCS) -> str:
 def tmp_uri(tmp_path: Any) -> str:
     """A fresh local directory path (not yet created) for a checkpoint."""
     return str(tmp_path / "ckpt")
+
+
+@pytest.fixture
+def proxy_factory(local_s3: LocalS3) -> Iterator[Any]:
+    """FaultProxy instances in front of the session's S3 server, stopped after the test."""
+    started: list[FaultProxy] = []
+
+    def make(**kw: Any) -> FaultProxy:
+        p = FaultProxy(local_s3.endpoint_url, **kw).start()
+        started.append(p)
+        return p
+
+    yield make
+    for p in started:
+        p.stop()

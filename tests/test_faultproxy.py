@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -48,20 +48,6 @@ def _read_all(st: Storage, reads: list[RangeRead]) -> tuple[list[bytes], int]:
     bufs = [bytearray(r.length) for r in reads]
     requests = st.read_into(reads, [memoryview(b) for b in bufs]).result(timeout=120)
     return [bytes(b) for b in bufs], requests
-
-
-@pytest.fixture
-def proxy_factory(local_s3: LocalS3) -> Iterator[Any]:
-    started: list[FaultProxy] = []
-
-    def make(**kw: Any) -> FaultProxy:
-        p = FaultProxy(local_s3.endpoint_url, **kw).start()
-        started.append(p)
-        return p
-
-    yield make
-    for p in started:
-        p.stop()
 
 
 @pytest.mark.parametrize(

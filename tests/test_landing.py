@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +19,6 @@ import streamckpt as sc
 from streamckpt.checksum import crc32c
 from streamckpt.errors import CorruptCheckpointError
 from streamckpt.storage import Landing, RangeRead, RetryPolicy, Storage
-from streamckpt.testing import FaultProxy, LocalS3
 
 MiB = 1 << 20
 
@@ -43,20 +42,6 @@ def saved(s3_uri: str, s3_opts: dict[str, Any]) -> tuple[str, dict[str, torch.Te
     src = _state()
     sc.save(src, s3_uri, storage_options=s3_opts)
     return s3_uri, src
-
-
-@pytest.fixture
-def proxy_factory(local_s3: LocalS3) -> Iterator[Any]:
-    started: list[FaultProxy] = []
-
-    def make(**kw: Any) -> FaultProxy:
-        p = FaultProxy(local_s3.endpoint_url, **kw).start()
-        started.append(p)
-        return p
-
-    yield make
-    for p in started:
-        p.stop()
 
 
 def _data_gets(method: str, path: str) -> bool:

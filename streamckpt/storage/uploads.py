@@ -147,7 +147,6 @@ class Upload:
         self._free.clear()
 
 
-
 class ObjectQueue:
     """Whole objects uploaded in the background, several at once, from a bounded set of
     reused buffers: one request per object (no multipart round trips or server-side
@@ -187,13 +186,9 @@ class ObjectQueue:
         self._sending.append((name, self._put(name, memoryview(buf)[:nbytes]), buf))
 
     def finish(self) -> list[str]:
-        """Wait for every upload; the names written (raises the first failure)."""
-        try:
-            while self._sending:
-                self._wait_oldest()
-        except BaseException:
-            self.abort()
-            raise
+        """Wait for every upload; the names written (raises the first failure: then ``abort``)."""
+        while self._sending:
+            self._wait_oldest()
         self._free.clear()
         return list(self._written)
 
@@ -218,11 +213,10 @@ class ObjectQueue:
         name, fut, buf = self._sending.popleft()
         try:
             fut.result()
-        except CheckpointError:
+        except Exception as e:  # noqa: BLE001 - a sink failing outside the policy's kinds is a StorageError
             self._sending.appendleft((name, fut, buf))  # abort() sees it as failed
-            raise
-        except Exception as e:  # noqa: BLE001 - a sink failing outside the policy's kinds
-            self._sending.appendleft((name, fut, buf))
+            if isinstance(e, CheckpointError):
+                raise
             raise StorageError(f"writing {name} failed: {type(e).__name__}: {e}") from None
         self._written.append(name)
         self._free.append(buf)
