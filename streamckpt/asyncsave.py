@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -44,7 +45,7 @@ from .comm import GroupComm, SoloComm, make_comm
 from .errors import CheckpointError
 from .results import SaveResult
 from .saver import Prepared, prepare, write_and_commit
-from .staging import StagingArea
+from .staging import StagingArea, copy_all
 from .storage import Storage
 from .targets import TargetSpec
 
@@ -211,30 +212,59 @@ def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, area: S
             shard.fail(CheckpointError("the save was cancelled (the process is exiting); nothing was committed"))
 
     uploader = threading.Thread(target=background, name="streamckpt-async-save", daemon=True)
-    # When everything fits the budget, stage first and upload after: the copies alone are
-    # memory-bound and ~3x faster without the uploader competing for the cores (256 MiB:
-    # 0.07 s vs 0.22 s blocked). Otherwise the upload must free room as staging goes.
-    share = sum(it.spec.nbytes for it in prep.items)
-    if area.budget is not None and share > area.budget:
-        uploader.start()
     tensors = {t.spec: t.tensor for t in prep.local}
+    pieces = [writeplan.piece_of(item, tensors[item.source]) for item in prep.items]
     try:
-        for k, (item, shard) in enumerate(zip(prep.items, shards)):
-            try:
-                staged = area.copy(writeplan.piece_of(item, tensors[item.source]))
-                if staged is None:
-                    break  # the upload failed or was cancelled: the handle raises its error
-                shard.set(staged)
-            except BaseException as e:
-                for rest in shards[k:]:
-                    rest.fail(e)  # the uploader raises it, and every rank learns of it through the agreement
-                raise
+        # When everything fits, stage first (on all cores: copy_all) and upload after: the
+        # copies alone are memory-bound and ~3x faster without the uploader competing for
+        # the cores (256 MiB: 0.07 s vs 0.22 s blocked). Otherwise the upload must free
+        # room as staging goes.
+        fits = area.budget is None or sum(it.spec.nbytes for it in prep.items) <= area.budget
+        if fits and area.gpu is None:
+            _stage_all(area, pieces, shards)
+        else:
+            if not fits:
+                uploader.start()
+            _stage_in_turn(area, pieces, shards)
     finally:
-        if not uploader.is_alive() and uploader.ident is None:
+        if uploader.ident is None:
             uploader.start()
     for shard in shards:
         shard.fail(RuntimeError("staging stopped after the upload failed"))  # no-op for staged shards
     return SaveHandle(future, storage.describe("").rstrip("/"), cancel)
+
+
+def _stage_in_turn(area: StagingArea, pieces: list[torch.Tensor], shards: list[StagedShard]) -> None:
+    """Stage one item after the other, each as soon as there is room (the uploader frees it)."""
+    for k, (piece, shard) in enumerate(zip(pieces, shards)):
+        try:
+            staged = area.copy(piece)
+        except BaseException as e:
+            _fail_from(shards, k, e)
+            raise
+        if staged is None:
+            return  # the upload failed or was cancelled: the handle raises its error
+        shard.set(staged)
+
+
+def _stage_all(area: StagingArea, pieces: list[torch.Tensor], shards: list[StagedShard]) -> None:
+    """Everything fits: take the room for every item, then copy them all at once on every core."""
+    outs = [area.reserve(p) for p in pieces]  # never waits: the block holds the whole share
+    try:
+        copy_all([(o, p) for o, p in zip(outs, pieces) if o is not None], os.cpu_count() or 1)
+    except BaseException as e:
+        _fail_from(shards, 0, e)
+        raise
+    for out, shard in zip(outs, shards):
+        if out is not None:
+            shard.set(out)
+
+
+def _fail_from(shards: list[StagedShard], k: int, error: BaseException) -> None:
+    """Shards from ``k`` on will never be staged: the uploader raises ``error`` for them, and
+    every rank learns of it through the agreement."""
+    for rest in shards[k:]:
+        rest.fail(error)
 
 
 @atexit.register

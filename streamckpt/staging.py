@@ -18,11 +18,12 @@ from __future__ import annotations
 import collections
 import mmap
 import threading
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
 ALIGN = 64  # every copy starts 64-byte aligned (any dtype view is valid)
+PIECE = 4 << 20  # copy_all's unit of work
 
 
 def _aligned(n: int) -> int:
@@ -99,12 +100,17 @@ class StagingArea:
 
     def copy(self, t: torch.Tensor) -> torch.Tensor | None:
         """A host copy of ``t`` that its owner cannot change any more; None after ``fail``."""
-        t = t.detach()
+        out = self.reserve(t)
+        if out is not None:
+            out.copy_(t.detach())  # blocking: returns once the bytes are in host memory
+        return out
+
+    def reserve(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Room for a copy of ``t`` (its shape and dtype), taken in FIFO order but not yet
+        filled; None after ``fail``. ``copy`` is ``reserve`` and the copy."""
         nbytes = t.numel() * t.element_size()
         if self.block is None:
-            out = self._empty(t.shape, t.dtype)
-            out.copy_(t)
-            return out
+            return self._empty(t.shape, t.dtype)
         n = _aligned(max(nbytes, 1))
         with self._cond:
             while True:
@@ -122,11 +128,8 @@ class StagingArea:
             self._used += n
             self.peak = max(self.peak, self._used)
         if at < 0:
-            out = self._empty(t.shape, t.dtype)
-        else:
-            out = self.block[at:at + nbytes].view(t.dtype).view(t.shape)
-        out.copy_(t)  # blocking: returns once the bytes are in host memory
-        return out
+            return self._empty(t.shape, t.dtype)
+        return self.block[at:at + nbytes].view(t.dtype).view(t.shape)
 
     def release(self) -> None:
         """The oldest live copy has been written."""
@@ -143,3 +146,50 @@ class StagingArea:
         with self._cond:
             self.failed = True
             self._cond.notify_all()
+
+
+def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], workers: int) -> None:
+    """``dst.copy_(src)`` for every pair, on the CPU, spread over ``workers`` threads.
+
+    Why: a first save copies into fresh memory, and the kernel's page faults and zeroing
+    run on the thread that first touches a page. One thread leaves the other cores idle;
+    torch's own intra-op threads do not help a plain same-dtype copy. Tensors are cut
+    into pieces of ``PIECE`` bytes so that one large tensor spreads too.
+    """
+    pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for dst, src in pairs:
+        d, s = _flat_bytes(dst), _flat_bytes(src.detach())
+        if d is None or s is None:
+            dst.copy_(src.detach())
+            continue
+        for at in range(0, len(d), PIECE):
+            pieces.append((d[at:at + PIECE], s[at:at + PIECE]))
+    workers = max(1, min(workers, len(pieces)))
+    if workers == 1:
+        for d, s in pieces:
+            d.copy_(s)
+        return
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            for d, s in pieces[k::workers]:
+                d.copy_(s)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,), name="streamckpt-stage") for k in range(1, workers)]
+    for th in threads:
+        th.start()
+    run(0)
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor | None:
+    """A contiguous CPU tensor's bytes as one flat uint8 view (None: anything else)."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+        return None
+    return t.reshape(-1).view(torch.uint8)

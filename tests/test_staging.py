@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from streamckpt.staging import StagingArea
+from streamckpt.staging import StagingArea, copy_all
 
 
 def _offset(area: StagingArea, t: torch.Tensor) -> int:
@@ -102,3 +102,37 @@ def test_without_a_budget_the_share_sized_block_is_reused() -> None:
     area.reset()
     again = area.copy(torch.full((100,), 9, dtype=torch.uint8))
     assert _offset(area, again) == 0 and torch.equal(again, torch.full((100,), 9, dtype=torch.uint8))
+
+
+def test_copy_all_spreads_pieces_over_threads_and_copies_every_byte() -> None:
+    """Reserved room filled by ``copy_all``: tensors larger than a piece are cut, odd
+    sizes, bools, 0-d and non-contiguous sources all arrive exact; the copies own their
+    bytes (the sources change afterwards, the copies do not)."""
+    src = [torch.arange((5 << 20) // 4 + 3, dtype=torch.int32),  # > 1 piece, ragged tail
+           torch.rand(33, 7, dtype=torch.float64).to(torch.bfloat16),
+           torch.tensor([True, False, True]), torch.tensor(3.5),
+           torch.arange(64, dtype=torch.int64).reshape(8, 8).t(),  # not contiguous
+           torch.empty(0, 4)]
+    area = StagingArea(None, size=StagingArea.needed(t.numel() * t.element_size() for t in src))
+    outs = [area.reserve(t) for t in src]
+    assert all(o is not None for o in outs)
+    copy_all([(o, t) for o, t in zip(outs, src)], workers=3)
+    expected = [t.clone() for t in src]
+    for t in src:
+        if t.numel():
+            t.zero_() if t.dtype != torch.bool else t.fill_(False)
+    for o, e in zip(outs, expected):
+        assert o.dtype == e.dtype and o.shape == e.shape and torch.equal(o, e)
+    assert area.peak == StagingArea.needed(t.numel() * t.element_size() for t in src)
+
+
+def test_copy_all_raises_a_workers_error_on_the_caller() -> None:
+    dst = torch.empty(3 << 20, dtype=torch.uint8)
+    src = torch.ones(3 << 20, dtype=torch.uint8)
+    bad = (torch.empty(5), torch.ones(6))  # shapes differ: copy_ raises
+    try:
+        copy_all([(dst, src), bad], workers=2)
+    except RuntimeError as e:
+        assert "size" in str(e) or "match" in str(e)
+    else:
+        raise AssertionError("copy_all swallowed a failing copy")
