@@ -18,6 +18,7 @@ from .cudaapi import CudaApi, TorchCuda
 from .device import Placement, cuda_devices, place
 from .errors import CheckpointError, MissingKeysError
 from .formats import read_manifest
+from .formats.native import read_native_bytes
 from .pipeline import Destinations, Executor
 from .plan import IdentityView, LoadPlan, PlanOptions, build_plan, settle_rounds
 from .results import LoadResult
@@ -29,14 +30,19 @@ log = logging.getLogger(__name__)
 
 
 def share_manifest(comm: SoloComm | GroupComm, storage: Storage) -> mf.Manifest:
-    """Rank 0 reads the checkpoint's metadata; every rank gets the same Manifest."""
+    """Rank 0 reads the checkpoint's metadata; every rank gets the same Manifest.
+
+    Our own manifest goes out as the bytes stored and every rank parses it at once;
+    a manifest built from other formats' headers goes out as our JSON.
+    """
     if isinstance(comm, SoloComm):
         return read_manifest(storage)
     blob: bytes | None = None
     own: BaseException | None = None
     if comm.rank == 0:
         try:
-            blob = b"M" + mf.to_json(read_manifest(storage))
+            raw = read_native_bytes(storage)
+            blob = b"M" + (raw if raw is not None else mf.to_json(read_manifest(storage)))
         except CheckpointError as e:
             own = e
             blob = b"E" + json.dumps(encode_error(e, 0)).encode()

@@ -229,7 +229,7 @@ def test_credentials_never_logged_raised_or_stored(
     key, secret = "AKIASTREAMCKPTKEY0001", "s3cr3t/StreamckptValue+Do-Not-Print"
     texts: list[str] = []
     with caplog.at_level(logging.DEBUG), FaultProxy(
-        local_s3.endpoint_url, faults=["reset", "short", "flip"], rate=0.3, seed=2
+        local_s3.endpoint_url, faults=["reset", "short", "flip"], rate=0.3, seed=1
     ) as proxy:
         opts = {"endpoint_url": proxy.endpoint_url, "key": key, "secret": secret}
         sd = {"w": torch.arange(5000.0)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import posixpath
 
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, from_json
 from ..storage import Storage
 
@@ -14,16 +14,18 @@ log = logging.getLogger(__name__)
 
 def read_native_manifest(storage: Storage) -> Manifest | None:
     """The manifest at the prefix, validated; None when there is none."""
+    data = read_native_bytes(storage)
+    return None if data is None else from_json(data, where=storage.describe(MANIFEST_NAME))
+
+
+def read_native_bytes(storage: Storage) -> bytes | None:
+    """The manifest's bytes as stored (one GET, refused over ``MAX_MANIFEST_BYTES`` and
+    checked against an MD5 ETag), unparsed; None when there is none. A group of ranks
+    passes these on and parses them everywhere at once (``loader.share_manifest``)."""
     try:
-        size = storage.size(MANIFEST_NAME)
+        return storage.read_bytes(MANIFEST_NAME, max_bytes=MAX_MANIFEST_BYTES)
     except CheckpointNotFoundError:
         return None
-    if size > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(
-            f"{storage.describe(MANIFEST_NAME)}: {size} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit"
-        )
-    data = storage.read_bytes(MANIFEST_NAME, 0, size) if size else b""
-    return from_json(data, where=storage.describe(MANIFEST_NAME))
 
 
 def latest_committed(storage: Storage) -> str | None:
