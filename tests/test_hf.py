@@ -253,6 +253,30 @@ def test_sharded_index_over_s3(tmp_path: Path, s3_uri: str, s3_opts: dict[str, A
         assert _bytes_at(storage, s.file, s.byte_offset, s.byte_length) == _tensor_bytes(t)
 
 
+def test_sharded_index_metadata_requests(tmp_path: Path, s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """Reading a sharded checkpoint's metadata: one LIST, the index in one GET (no HEAD),
+    one HEAD per data file (asked together) and one header read each; a file the index
+    names but storage lacks is named in the error."""
+    from collections import Counter
+
+    from streamckpt.errors import CheckpointNotFoundError
+
+    _sharded(tmp_path)
+    _put_dir(tmp_path, s3_uri, s3_opts)
+    with FaultProxy(s3_opts["endpoint_url"], rate=0.0) as proxy:  # counts requests, injects nothing
+        m = read_hf_manifest(Storage(s3_uri, proxy.storage_options))
+        seen = Counter((method, path.split("?")[0].rsplit("/", 1)[-1].endswith(".json")) for method, path, _ in proxy.history)
+    assert m is not None and len(m.files) == 3
+    assert seen[("HEAD", True)] == 0 and seen[("GET", True)] == 1  # the index
+    assert seen[("HEAD", False)] == 3 and seen[("GET", False)] == 3 + 1  # the data files' heads, and the LIST
+    storage = Storage(s3_uri, s3_opts)
+    assert storage.sizes([]) == {}
+    files = sorted(m.files)
+    assert storage.sizes(files) == {f: m.files[f] for f in files}
+    with pytest.raises(CheckpointNotFoundError, match="absent.safetensors"):
+        storage.sizes([files[0], "absent.safetensors"])
+
+
 def test_hostile_header_over_s3(tmp_path: Path, s3_uri: str, s3_opts: dict[str, Any]) -> None:
     _write_raw(tmp_path / "model.safetensors", {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
                b"\0" * 4, length=2 ** 60)

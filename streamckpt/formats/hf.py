@@ -180,10 +180,7 @@ def _layout(storage: Storage) -> tuple[list[str], dict[str, str] | None]:
 
 def _read_index(storage: Storage, name: str) -> dict[str, str]:
     where = storage.describe(name)
-    size = storage.size(name)
-    if size > MAX_INDEX_BYTES:
-        raise CorruptCheckpointError(f"{where}: {size} bytes exceeds the {MAX_INDEX_BYTES}-byte index limit")
-    try:
+    try:  # one GET, refused over the limit before its body is read
         doc = json.loads(storage.read_bytes(name, max_bytes=MAX_INDEX_BYTES).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: not valid UTF-8 JSON ({e})") from None
@@ -205,7 +202,7 @@ def read_headers(storage: Storage, files: list[str]) -> dict[str, tuple[int, Par
     """Fetch and validate every file's header: one range read per file when the
     header fits ``FIRST_READ_BYTES``, a second for larger headers. Never a
     read or allocation sized by an unchecked length."""
-    sizes = {f: storage.size(f) for f in files}
+    sizes = storage.sizes(files)
     first = [RangeRead(f, 0, min(sizes[f], FIRST_READ_BYTES)) for f in files]
     heads = _fetch(storage, first)
     lengths = {f: header_length(heads[f], sizes[f], where=storage.describe(f)) for f in files}
