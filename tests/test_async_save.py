@@ -23,9 +23,10 @@ MiB = 1 << 20
 
 
 def _state(seed: int = 0) -> dict[str, Any]:
+    """w (5 MiB) is staged in two pieces by copy_all when the share fits."""
     g = torch.Generator().manual_seed(seed)
     return {
-        "model": {"w": torch.randn(1024, 512, generator=g), "b": torch.randn(512, generator=g).to(torch.bfloat16)},
+        "model": {"w": torch.randn(2048, 640, generator=g), "b": torch.randn(512, generator=g).to(torch.bfloat16)},
         "optim": {"step": 10, "m": torch.randn(300, 7, generator=g)},
     }
 
