@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from .. import dtypes
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..manifest import MAX_NDIM, Manifest, Shard, TensorMeta, check_relative_name, validate
 from ..storage import RangeRead, Storage
 from ..values import RESTORABLE, unrestorable
@@ -514,11 +514,25 @@ class RangeCache:
         self.requests = 0
         self.bytes_read = 0
 
-    def prefetch(self, wanted: list[tuple[str, int, int]]) -> None:
+    def prefetch(self, wanted: list[tuple[str, int, int]], meanwhile: Callable[[], None] | None = None) -> None:
+        """Fetch the windows ``wanted`` (coalesced) in one batch; ``meanwhile`` runs while
+        it is in flight, and its error, if any, is the one raised."""
         reads = _coalesce(wanted)
         bufs = [bytearray(r.length) for r in reads]
-        if reads:
-            self.requests += self.storage.read_into(reads, [memoryview(b) for b in bufs]).result()
+        fut = self.storage.read_into(reads, [memoryview(b) for b in bufs]) if reads else None
+        first: CheckpointError | None = None
+        try:
+            if meanwhile is not None:
+                meanwhile()
+        except CheckpointError as e:
+            first = e
+        try:
+            self.requests += fut.result() if fut is not None else 0
+        except CheckpointError:
+            if first is None:
+                raise
+        if first is not None:
+            raise first
         for r, b in zip(reads, bufs):
             self._keep(r.name, r.start, bytes(b))
             self.bytes_read += r.length
@@ -720,23 +734,26 @@ def _plain(v: Any) -> bool:
 def read_dcp_manifest(storage: Storage) -> Manifest | None:
     """The Manifest of a DCP checkpoint at ``storage``'s prefix, or None when the
     prefix has no ``.metadata``."""
-    if not storage.exists(METADATA_NAME):
-        return None
     where = storage.describe(METADATA_NAME)
-    size = storage.size(METADATA_NAME)
-    if size > MAX_METADATA_BYTES:
-        raise CorruptCheckpointError(f"{where}: {size} bytes exceeds the {MAX_METADATA_BYTES}-byte limit")
-    md = parse_metadata(storage.read_bytes(METADATA_NAME, max_bytes=MAX_METADATA_BYTES), where=where)
+    try:  # one GET (its size is checked before the body is read), no HEAD first
+        raw = storage.read_bytes(METADATA_NAME, max_bytes=MAX_METADATA_BYTES)
+    except CheckpointNotFoundError:
+        return None
+    md = parse_metadata(raw, where=where)
     items = [c[2] for t in md.tensors.values() for c in t.chunks] + list(md.values.values())
-    files = {name: storage.size(name) for name in sorted({i.file for i in items})}
-    for item in items:
-        if item.offset + item.length > files[item.file]:
-            raise CorruptCheckpointError(
-                f"{storage.describe(item.file)}: item [{item.offset}, {item.offset + item.length}) runs past "
-                f"the end of the {files[item.file]}-byte file"
-            )
+    files: dict[str, int] = {}
+
+    def sizes() -> None:  # while the locating reads are in flight
+        files.update({name: storage.size(name) for name in sorted({i.file for i in items})})
+        for item in items:
+            if item.offset + item.length > files[item.file]:
+                raise CorruptCheckpointError(
+                    f"{storage.describe(item.file)}: item [{item.offset}, {item.offset + item.length}) runs past "
+                    f"the end of the {files[item.file]}-byte file"
+                )
+
     cache = RangeCache(storage)
-    cache.prefetch(_locating_windows(md))
+    cache.prefetch(_locating_windows(md), meanwhile=sizes)
     parsed: dict[bytes, TensorRef] = {}
     tensors = {fqn: _tensor_meta(cache, storage, fqn, t, parsed) for fqn, t in md.tensors.items()}
     values, unloadable = _values(cache, storage, md)
