@@ -51,8 +51,8 @@ METADATA_NAME = ".metadata"
 MAX_METADATA_BYTES = 512 << 20
 MAX_PICKLE_BYTES = 1 << 20  # an item's data.pkl: a few hundred bytes in practice
 MAX_VALUE_ITEM_BYTES = 16 << 20  # non-tensor entries larger than this are not restored
-HEAD_BYTES = 4096  # local headers of data.pkl and the storage record
-TAIL_BYTES = 4096  # end-of-central-directory and the central directory
+HEAD_BYTES = 2048  # local headers and data.pkl up to the storage record (~700 bytes as torch 2.x writes items)
+TAIL_BYTES = 2048  # the last records, the central directory and the end records (~900 bytes)
 MAX_GAP = 64 << 10  # coalesce locating reads closer than this
 MAX_WINDOW = 8 << 20
 
