@@ -162,6 +162,17 @@ class ShardExtents:
         return i == len(starts) or starts[i] >= hi
 
 
+def _bare_gap(last: Need, stop: int, nxt: Need, extents: ShardExtents) -> bool:
+    """The bytes between one shard's end and the next shard's start hold no tensor
+    bytes. Asked only where both reads meet their shards' ends (so a slice of a
+    native checkpoint, whose gaps are other rows, never builds the index)."""
+    a, b = last.shard, nxt.shard
+    return (
+        stop == a.byte_offset + a.byte_length and nxt.fetch_start == b.byte_offset
+        and extents.bare(a.file, stop, nxt.fetch_start)
+    )
+
+
 def _private_reads(
     file: str, units: list[list[Need]], focus: set[int], ctx: PlanContext, own: list[Read], edges: list[Read],
     extents: ShardExtents,
@@ -196,9 +207,9 @@ def _private_reads(
             merged = u_stop - start
             if (
                 owners == cur_owners
-                and (gap == 0 or unit[0].shard is cur[-1].shard or (gap > 0 and extents.bare(file, stop, u_start)))
                 and (gap <= small or (gap <= opts.max_gap_bytes and gap <= ratio * merged))
                 and merged <= max(opts.max_piece_bytes, 1)
+                and (gap == 0 or unit[0].shard is cur[-1].shard or _bare_gap(cur[-1], stop, unit[0], extents))
             ):
                 cur.extend(unit)
                 stop = u_stop

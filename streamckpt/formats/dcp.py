@@ -680,7 +680,7 @@ def _one(infos: list[Any], match: Callable[[str], bool], what: str, where: str) 
 
 def _data_start(cache: RangeCache, item: ItemInfo, zi: Any, where: str) -> int:
     """Offset (in the item) of a member's data: after its local header."""
-    lo = item.offset + min(zi.header_offset, item.length)
+    lo = item.offset + min(max(0, zi.header_offset), item.length)
     fixed = cache.get(item.file, lo, min(lo + 30, item.offset + item.length))
     if len(fixed) != 30 or fixed[:4] != b"PK\x03\x04":
         raise CorruptCheckpointError(f"{where}: bad local header for {zi.filename!r}")
