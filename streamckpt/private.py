@@ -9,6 +9,7 @@ every rank of an edge read derives it alike. docs/PLANNER.md, step 4. Pure.
 
 from __future__ import annotations
 
+import bisect
 import math
 import zlib
 from typing import Sequence
@@ -97,6 +98,7 @@ def plan_private(uids: Sequence[int], focus: set[int], ctx: PlanContext) -> tupl
             by_file.setdefault(need.file, []).append(need)
     own: list[Read] = []
     edges: list[Read] = []
+    extents = ShardExtents(ctx)
     for file in sorted(by_file):
         ns = by_file[file]
         ns.sort(key=lambda n: (n.fetch_start, n.fetch_stop))
@@ -111,7 +113,7 @@ def plan_private(uids: Sequence[int], focus: set[int], ctx: PlanContext) -> tupl
             else:
                 units.append(comp)  # not ours: it only fences our reads off its bytes
         units.sort(key=lambda u: u[0].fetch_start)
-        _private_reads(file, units, focus, ctx, own, edges)
+        _private_reads(file, units, focus, ctx, own, edges, extents)
     return own, edges
 
 
@@ -129,13 +131,57 @@ def _chains(ns: Sequence[Need]) -> list[list[Need]]:
     return out
 
 
+class ShardExtents:
+    """Per file, the byte ranges the manifest's shards occupy (built on first use):
+    whether a gap between two shards holds no tensor bytes at all (a DCP item's ZIP
+    headers between two tensors, say). Derived from the manifest alone, so every
+    rank answers alike."""
+
+    def __init__(self, ctx: PlanContext) -> None:
+        self._ctx = ctx
+        self._by_file: dict[str, tuple[list[int], list[int]]] | None = None
+
+    def bare(self, file: str, lo: int, hi: int) -> bool:
+        """No shard has bytes in ``[lo, hi)``."""
+        if self._by_file is None:
+            spans: dict[str, list[tuple[int, int]]] = {}
+            for t in self._ctx.manifest.tensors.values():
+                for sh in t.shards:
+                    if sh.byte_length > 0:
+                        spans.setdefault(sh.file, []).append((sh.byte_offset, sh.byte_offset + sh.byte_length))
+            self._by_file = {}
+            for f, sp in spans.items():
+                sp.sort()
+                ends, reach = [], 0
+                for _, b in sp:  # running maximum: shards may nest or overlap in a hostile manifest
+                    reach = max(reach, b)
+                    ends.append(reach)
+                self._by_file[f] = ([a for a, _ in sp], ends)
+        starts, ends = self._by_file.get(file, ([], []))
+        i = bisect.bisect_right(ends, lo)  # first shard (in start order) still reaching past lo
+        return i == len(starts) or starts[i] >= hi
+
+
+def _bare_gap(last: Need, stop: int, nxt: Need, extents: ShardExtents) -> bool:
+    """The bytes between one shard's end and the next shard's start hold no tensor
+    bytes. Asked only where both reads meet their shards' ends (so a slice of a
+    native checkpoint, whose gaps are other rows, never builds the index)."""
+    a, b = last.shard, nxt.shard
+    return (
+        stop == a.byte_offset + a.byte_length and nxt.fetch_start == b.byte_offset
+        and extents.bare(a.file, stop, nxt.fetch_start)
+    )
+
+
 def _private_reads(
     file: str, units: list[list[Need]], focus: set[int], ctx: PlanContext, own: list[Read], edges: list[Read],
+    extents: ShardExtents,
 ) -> None:
     """Turn chains into reads. Chains of the same ranks merge across small gaps
-    inside one shard, or with no gap at all, never across another's bytes: every
-    rank of an edge read sees the same chains between its ends, so all of them
-    merge alike."""
+    inside one shard, across small gaps that hold no shard's bytes (between the
+    items of a DCP file), or with no gap at all; never across another's bytes:
+    every rank of an edge read sees the same chains between its ends, so all of
+    them merge alike."""
     opts = ctx.options
     small = CoalesceOptions().small_gap_bytes
     ratio = CoalesceOptions().max_gap_ratio
@@ -161,9 +207,9 @@ def _private_reads(
             merged = u_stop - start
             if (
                 owners == cur_owners
-                and (gap == 0 or unit[0].shard is cur[-1].shard)
                 and (gap <= small or (gap <= opts.max_gap_bytes and gap <= ratio * merged))
                 and merged <= max(opts.max_piece_bytes, 1)
+                and (gap == 0 or unit[0].shard is cur[-1].shard or _bare_gap(cur[-1], stop, unit[0], extents))
             ):
                 cur.extend(unit)
                 stop = u_stop

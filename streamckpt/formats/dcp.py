@@ -22,6 +22,7 @@ only, and kept when made of dicts, lists, tuples and scalars
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import logging
@@ -37,10 +38,11 @@ from typing import Any, Callable
 import torch
 
 from .. import dtypes
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..manifest import MAX_NDIM, Manifest, Shard, TensorMeta, check_relative_name, validate
 from ..storage import RangeRead, Storage
 from ..values import RESTORABLE, unrestorable
+from .zipdir import central_directory
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +51,8 @@ METADATA_NAME = ".metadata"
 MAX_METADATA_BYTES = 512 << 20
 MAX_PICKLE_BYTES = 1 << 20  # an item's data.pkl: a few hundred bytes in practice
 MAX_VALUE_ITEM_BYTES = 16 << 20  # non-tensor entries larger than this are not restored
-HEAD_BYTES = 4096  # local headers of data.pkl and the storage record
-TAIL_BYTES = 4096  # end-of-central-directory and the central directory
+HEAD_BYTES = 2048  # local headers and data.pkl up to the storage record (~700 bytes as torch 2.x writes items)
+TAIL_BYTES = 2048  # the last records, the central directory and the end records (~900 bytes)
 MAX_GAP = 64 << 10  # coalesce locating reads closer than this
 MAX_WINDOW = 8 << 20
 
@@ -507,28 +509,52 @@ class RangeCache:
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
-        self._windows: dict[str, list[tuple[int, bytes]]] = {}
+        self._starts: dict[str, list[int]] = {}  # per file, sorted; the windows' bytes alongside
+        self._data: dict[str, list[bytes]] = {}
         self.requests = 0
         self.bytes_read = 0
 
-    def prefetch(self, wanted: list[tuple[str, int, int]]) -> None:
+    def prefetch(self, wanted: list[tuple[str, int, int]], meanwhile: Callable[[], None] | None = None) -> None:
+        """Fetch the windows ``wanted`` (coalesced) in one batch; ``meanwhile`` runs while
+        it is in flight, and its error, if any, is the one raised."""
         reads = _coalesce(wanted)
         bufs = [bytearray(r.length) for r in reads]
-        if reads:
-            self.requests += self.storage.read_into(reads, [memoryview(b) for b in bufs]).result()
+        fut = self.storage.read_into(reads, [memoryview(b) for b in bufs]) if reads else None
+        first: CheckpointError | None = None
+        try:
+            if meanwhile is not None:
+                meanwhile()
+        except CheckpointError as e:
+            first = e
+        try:
+            self.requests += fut.result() if fut is not None else 0
+        except CheckpointError:
+            if first is None:
+                raise
+        if first is not None:
+            raise first
         for r, b in zip(reads, bufs):
-            self._windows.setdefault(r.name, []).append((r.start, bytes(b)))
+            self._keep(r.name, r.start, bytes(b))
             self.bytes_read += r.length
 
     def get(self, name: str, start: int, stop: int) -> bytes:
-        for w_start, data in self._windows.get(name, ()):
-            if w_start <= start and stop <= w_start + len(data):
-                return data[start - w_start:stop - w_start]
+        starts = self._starts.get(name, [])
+        i = bisect.bisect_right(starts, start) - 1
+        if i >= 0:
+            data = self._data[name][i]
+            if stop <= starts[i] + len(data):
+                return data[start - starts[i]:stop - starts[i]]
         data = self.storage.read_bytes(name, start, stop)
         self.requests += 1
         self.bytes_read += stop - start
-        self._windows.setdefault(name, []).append((start, data))
+        self._keep(name, start, data)
         return data
+
+    def _keep(self, name: str, start: int, data: bytes) -> None:
+        starts = self._starts.setdefault(name, [])
+        i = bisect.bisect_right(starts, start)
+        starts.insert(i, start)
+        self._data.setdefault(name, []).insert(i, data)
 
 
 def _coalesce(wanted: list[tuple[str, int, int]]) -> list[RangeRead]:
@@ -590,13 +616,14 @@ class LocatedTensor:
     ref: TensorRef
 
 
-def locate_tensor(cache: RangeCache, item: ItemInfo, *, where: str) -> LocatedTensor:
-    """Find the raw bytes of the tensor inside one ``torch.save`` item."""
-    try:
-        zf = zipfile.ZipFile(_ItemFile(cache, item))
-    except (zipfile.BadZipFile, ValueError, EOFError, struct.error) as e:
-        raise CorruptCheckpointError(f"{where}: not a torch.save ZIP record ({e})") from None
-    infos = zf.infolist()
+def locate_tensor(cache: RangeCache, item: ItemInfo, *, where: str,
+                  parsed: dict[bytes, TensorRef] | None = None) -> LocatedTensor:
+    """Find the raw bytes of the tensor inside one ``torch.save`` item.
+
+    ``parsed``: data.pkl bytes already parsed while reading this checkpoint (items
+    of one dtype and shape have identical pickles), filled as items are read.
+    """
+    infos = _directory(cache, item, where)
     pkl = _one(infos, lambda n: n.endswith("/data.pkl") or n == "data.pkl", "data.pkl", where)
     root = pkl.filename[: -len("data.pkl")]
     for zi in infos:
@@ -605,7 +632,12 @@ def locate_tensor(cache: RangeCache, item: ItemInfo, *, where: str) -> LocatedTe
                 raise CorruptCheckpointError(f"{where}: big-endian torch.save records are not supported")
     if pkl.file_size > MAX_PICKLE_BYTES:
         raise CorruptCheckpointError(f"{where}: data.pkl of {pkl.file_size} bytes is too large for one tensor")
-    ref = parse_tensor_pickle(_member(cache, item, pkl, where), where=where)
+    raw = _member(cache, item, pkl, where)
+    ref = parsed.get(raw) if parsed is not None else None
+    if ref is None:
+        ref = parse_tensor_pickle(raw, where=where)
+        if parsed is not None:
+            parsed[raw] = ref
     rec = _one(infos, lambda n: n == f"{root}data/{ref.storage_key}", f"data/{ref.storage_key}", where)
     itemsize = ref.dtype.itemsize
     if rec.compress_type != zipfile.ZIP_STORED or rec.file_size != ref.storage_numel * itemsize:
@@ -625,43 +657,54 @@ def locate_tensor(cache: RangeCache, item: ItemInfo, *, where: str) -> LocatedTe
     return LocatedTensor(item.offset + start + ref.storage_offset * itemsize, ref)
 
 
-def _one(infos: list[zipfile.ZipInfo], match: Callable[[str], bool], what: str, where: str) -> zipfile.ZipInfo:
+def _directory(cache: RangeCache, item: ItemInfo, where: str) -> list[Any]:
+    """The record's members (``ZipEntry`` or ``zipfile.ZipInfo``): parsed directly from
+    its last bytes when torch's plain layout is there, else through ``zipfile``."""
+    tail_start = max(0, item.length - TAIL_BYTES)
+    tail = cache.get(item.file, item.offset + tail_start, item.offset + item.length)
+    entries = central_directory(tail, tail_start)
+    if entries is not None:
+        return entries
+    try:
+        return zipfile.ZipFile(_ItemFile(cache, item)).infolist()
+    except (zipfile.BadZipFile, ValueError, EOFError, struct.error) as e:
+        raise CorruptCheckpointError(f"{where}: not a torch.save ZIP record ({e})") from None
+
+
+def _one(infos: list[Any], match: Callable[[str], bool], what: str, where: str) -> Any:
     found = [zi for zi in infos if match(zi.filename)]
     if len(found) != 1:
         raise CorruptCheckpointError(f"{where}: expected one {what} in the torch.save record, found {len(found)}")
     return found[0]
 
 
-def _data_start(cache: RangeCache, item: ItemInfo, zi: zipfile.ZipInfo, where: str) -> int:
+def _data_start(cache: RangeCache, item: ItemInfo, zi: Any, where: str) -> int:
     """Offset (in the item) of a member's data: after its local header."""
-    head = _ItemFile(cache, item)
-    head.seek(zi.header_offset)
-    fixed = head.read(30)
+    lo = item.offset + min(max(0, zi.header_offset), item.length)
+    fixed = cache.get(item.file, lo, min(lo + 30, item.offset + item.length))
     if len(fixed) != 30 or fixed[:4] != b"PK\x03\x04":
         raise CorruptCheckpointError(f"{where}: bad local header for {zi.filename!r}")
     name_len, extra_len = struct.unpack("<HH", fixed[26:30])
     return zi.header_offset + 30 + name_len + extra_len
 
 
-def _member(cache: RangeCache, item: ItemInfo, zi: zipfile.ZipInfo, where: str) -> bytes:
+def _member(cache: RangeCache, item: ItemInfo, zi: Any, where: str) -> bytes:
+    """A small member's bytes (callers bound ``file_size`` first)."""
     if zi.compress_type != zipfile.ZIP_STORED:
         raise CorruptCheckpointError(f"{where}: {zi.filename!r} is compressed; torch.save stores members")
     start = _data_start(cache, item, zi, where)
-    f = _ItemFile(cache, item)
-    f.seek(start)
-    data = f.read(zi.file_size)
-    if len(data) != zi.file_size:
+    if start + zi.file_size > item.length:
         raise CorruptCheckpointError(f"{where}: {zi.filename!r} runs past the end of the item")
-    return data
+    return cache.get(item.file, item.offset + start, item.offset + start + zi.file_size)
 
 
 def read_value(cache: RangeCache, item: ItemInfo, *, where: str) -> Any:
     """A non-tensor entry's Python value (builtins only), or raise ``CorruptCheckpointError``."""
     try:
-        zf = zipfile.ZipFile(_ItemFile(cache, item))
-    except (zipfile.BadZipFile, ValueError, EOFError, struct.error):
+        infos = _directory(cache, item, where)
+    except CorruptCheckpointError:
         raise CorruptCheckpointError(f"{where}: raw bytes, not a torch.save record") from None
-    pkl = _one(zf.infolist(), lambda n: n.endswith("/data.pkl") or n == "data.pkl", "data.pkl", where)
+    pkl = _one(infos, lambda n: n.endswith("/data.pkl") or n == "data.pkl", "data.pkl", where)
     if pkl.file_size > MAX_VALUE_ITEM_BYTES:
         raise CorruptCheckpointError(f"{where}: value of {pkl.file_size} bytes is too large to restore")
     return safe_unpickle(_member(cache, item, pkl, where), allowed=_VALUE_GLOBALS, where=where, dtypes_ok=False)
@@ -691,24 +734,28 @@ def _plain(v: Any) -> bool:
 def read_dcp_manifest(storage: Storage) -> Manifest | None:
     """The Manifest of a DCP checkpoint at ``storage``'s prefix, or None when the
     prefix has no ``.metadata``."""
-    if not storage.exists(METADATA_NAME):
-        return None
     where = storage.describe(METADATA_NAME)
-    size = storage.size(METADATA_NAME)
-    if size > MAX_METADATA_BYTES:
-        raise CorruptCheckpointError(f"{where}: {size} bytes exceeds the {MAX_METADATA_BYTES}-byte limit")
-    md = parse_metadata(storage.read_bytes(METADATA_NAME, max_bytes=MAX_METADATA_BYTES), where=where)
+    try:  # one GET (its size is checked before the body is read), no HEAD first
+        raw = storage.read_bytes(METADATA_NAME, max_bytes=MAX_METADATA_BYTES)
+    except CheckpointNotFoundError:
+        return None
+    md = parse_metadata(raw, where=where)
     items = [c[2] for t in md.tensors.values() for c in t.chunks] + list(md.values.values())
-    files = {name: storage.size(name) for name in sorted({i.file for i in items})}
-    for item in items:
-        if item.offset + item.length > files[item.file]:
-            raise CorruptCheckpointError(
-                f"{storage.describe(item.file)}: item [{item.offset}, {item.offset + item.length}) runs past "
-                f"the end of the {files[item.file]}-byte file"
-            )
+    files: dict[str, int] = {}
+
+    def sizes() -> None:  # while the locating reads are in flight
+        files.update({name: storage.size(name) for name in sorted({i.file for i in items})})
+        for item in items:
+            if item.offset + item.length > files[item.file]:
+                raise CorruptCheckpointError(
+                    f"{storage.describe(item.file)}: item [{item.offset}, {item.offset + item.length}) runs past "
+                    f"the end of the {files[item.file]}-byte file"
+                )
+
     cache = RangeCache(storage)
-    cache.prefetch(_locating_windows(md))
-    tensors = {fqn: _tensor_meta(cache, storage, fqn, t) for fqn, t in md.tensors.items()}
+    cache.prefetch(_locating_windows(md), meanwhile=sizes)
+    parsed: dict[bytes, TensorRef] = {}
+    tensors = {fqn: _tensor_meta(cache, storage, fqn, t, parsed) for fqn, t in md.tensors.items()}
     values, unloadable = _values(cache, storage, md)
     metadata: dict[str, Any] = {"dcp_version": md.version}
     if unloadable:
@@ -734,11 +781,12 @@ def _locating_windows(md: DcpMetadata) -> list[tuple[str, int, int]]:
     return out
 
 
-def _tensor_meta(cache: RangeCache, storage: Storage, fqn: str, t: DcpTensor) -> TensorMeta:
+def _tensor_meta(cache: RangeCache, storage: Storage, fqn: str, t: DcpTensor,
+                 parsed: dict[bytes, TensorRef]) -> TensorMeta:
     shards = []
     for offs, sizes, item in t.chunks:
         where = f"{storage.describe(item.file)} [{item.offset}, {item.offset + item.length}) ({fqn!r} chunk {list(offs)})"
-        loc = locate_tensor(cache, item, where=where)
+        loc = locate_tensor(cache, item, where=where, parsed=parsed)
         code = dtypes.to_code(loc.ref.dtype, where=where) if loc.ref.dtype in _CODES else None
         if code != t.dtype or loc.ref.size != sizes:
             raise CorruptCheckpointError(
