@@ -48,6 +48,8 @@ WORLD = {"a": 1, "b": 1, "c": data.LOAD_COL_WORLD, "d": 2, "e": 1, "g1": CAPPED_
 DATASET = {
     "streamckpt": {"a": "hf", "b": "hf", "c": "sc_rows4", "d": "hf", "e": "sc_rows4_zstd"},
     "streamckpt.s3fs": {"a": "hf", "b": "hf", "c": "sc_rows4", "d": "hf", "e": "sc_rows4_zstd"},
+    "streamckpt.obstore": {"a": "hf", "b": "hf", "c": "sc_rows4", "d": "hf", "e": "sc_rows4_zstd"},
+    "streamckpt.http": {"a": "hf", "b": "hf", "c": "sc_rows4", "d": "hf", "e": "sc_rows4_zstd"},
     "streamckpt.load_full": {"a": "hf", "e": "sc_rows4_zstd"},
     "streamckpt.dcp": {"a": "dcp_full", "b": "dcp_full"},
     "naive": {"a": "hf", "b": "hf", "c": "naive_rows4", "d": "hf", "e": "naive_zst"},

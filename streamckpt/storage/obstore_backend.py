@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 PIECE = 4 << 20  # reads larger than this become concurrent GETs
 
 BACKEND_ENV = "STREAMCKPT_S3_BACKEND"
-BACKENDS = ("auto", "obstore", "s3fs")
+BACKENDS = ("auto", "http", "obstore", "s3fs")
 AUTO_PICKS_OBSTORE = True  # see the module docstring
 
 # s3fs options that change nothing about a ranged GET (caches, block sizes, s3fs's own retries).
