@@ -161,6 +161,21 @@ def test_faults_never_give_wrong_bytes(
     assert n > len(reads)  # the faulted pieces were fetched again
 
 
+def test_persistent_slowdown_is_bounded_and_scrubbed(
+    monkeypatch: pytest.MonkeyPatch, stored: tuple[str, bytes], proxy_factory: Any
+) -> None:
+    """503 SlowDown on every request: each of the policy's attempts is ``client_attempts``
+    requests (the client's own status-level retries), then a StorageError without secrets."""
+    uri, _ = stored
+    proxy = proxy_factory(faults=["slowdown"], rate=1.0, max_repeats=10**9)
+    policy = RetryPolicy(max_attempts=3, client_attempts=2, base_delay=0.02, total_timeout=20.0)
+    st = _http(monkeypatch, uri, proxy.storage_options, policy=policy)
+    with pytest.raises(StorageError, match=r"\[100, 200\) failed after 3 attempt\(s\): HTTP 503 SlowDown") as ei:
+        st.read_bytes(NAME, 100, 200)
+    assert NAME in str(ei.value) and proxy.storage_options["secret"] not in str(ei.value)
+    assert proxy.counts["slowdown"] == 3 * 2
+
+
 def test_persistent_stall_is_bounded(monkeypatch: pytest.MonkeyPatch, stored: tuple[str, bytes],
                                      proxy_factory: Any) -> None:
     uri, _ = stored

@@ -16,7 +16,8 @@ load path). Path-style addressing only; options this path does not reproduce
 (virtual-hosted requests to a custom endpoint, AWS_* settings object_store would read)
 leave reads on obstore (``http_target`` raises ``NotConfigurable``).
 
-One attempt per call, like every backend: a connection is kept alive in a shared pool
+One attempt per call, like every backend (but for status-level errors, which it tries
+``client_attempts`` times as the other S3 clients do): a connection is kept alive in a shared pool
 only after a response was read to its end; after any failure or a partly read body it
 is closed. The one exception is a reused idle connection the server closed meanwhile
 (no response byte came): that request is sent again once on a fresh connection, as
@@ -30,6 +31,7 @@ import hashlib
 import hmac
 import http.client
 import os
+import random
 import re
 import socket
 import ssl
@@ -42,7 +44,7 @@ from urllib.parse import quote, urlsplit
 from .backend import Fetched, NotFound, Permanent, RangeNotSatisfiable, Stalled, Transient
 from .obstore_backend import PIECE, NotConfigurable, ObstoreBackend
 
-AUTO_PICKS_HTTP = False  # ``STREAMCKPT_S3_BACKEND=auto`` reads through this path (else obstore)
+AUTO_PICKS_HTTP = True  # ``STREAMCKPT_S3_BACKEND=auto`` reads through this path (else obstore)
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 SLICE = 16 << 20  # a body is read in slices of this much, checking the trickle backstop between them
 # object_store settings read from the environment that this path would not honour.
@@ -206,7 +208,23 @@ class HttpGetBackend(ObstoreBackend):
         return await self.threads.run(self.get, path, start, list(bufs))
 
     def get(self, path: str, start: int, bufs: list[memoryview]) -> Fetched:
-        """One ranged GET of ``sum(len(b) for b in bufs)`` bytes at ``start`` into ``bufs``."""
+        """One ranged GET of ``sum(len(b) for b in bufs)`` bytes at ``start`` into ``bufs``.
+
+        Status-level failures (an error status such as 503 SlowDown, a refused connection:
+        no body byte written) are sent again here, ``client_attempts`` in all with 50 ms–1 s
+        jittered backoff, as obstore's and botocore's clients do (``RetryPolicy.client_attempts``).
+        """
+        attempt = 1
+        while True:
+            try:
+                return self._get_once(path, start, bufs)
+            except StatusFailure:
+                if attempt >= self.client_attempts:
+                    raise
+            time.sleep(random.uniform(0, min(1.0, 0.05 * 2 ** attempt)))
+            attempt += 1
+
+    def _get_once(self, path: str, start: int, bufs: list[memoryview]) -> Fetched:
         bucket, _, key = path.partition("/")
         total = sum(len(b) for b in bufs)
         url = self.target.path(bucket, key)
@@ -226,7 +244,7 @@ class HttpGetBackend(ObstoreBackend):
         except BaseException as e:
             conn.close()
             raise _classified(e, self.request_timeout) from None
-        if complete and resp.isclosed() and not resp.will_close:
+        if complete and got == total and resp.isclosed() and not resp.will_close:  # a success, read to its end
             self.pool.give_back(conn)
         else:
             conn.close()
@@ -243,6 +261,8 @@ class HttpGetBackend(ObstoreBackend):
                 raise Transient(f"server sent bytes from {first} for a range from {start}")
         elif status == 200 and start == 0:  # the whole object: the server ignored the range
             size = resp.length
+        elif status == 200:
+            raise Transient(f"HTTP 200: the server ignored the range from byte {start}")
         else:
             raise _failure(status, resp.read(1 << 16), bucket)
         length = resp.length
@@ -275,8 +295,14 @@ def _send(conn: http.client.HTTPConnection, url: str, headers: dict[str, str]) -
     return conn.getresponse()
 
 
+class StatusFailure(Transient):
+    """An error status worth another attempt, or a refused connection: nothing was written."""
+
+
 def _classified(e: BaseException, timeout: float) -> BaseException:
     """A client-side exception as the policy's kind (others, e.g. cancellation, pass as they are)."""
+    if isinstance(e, ConnectionRefusedError):
+        return StatusFailure(f"{type(e).__name__}: {e}")
     if isinstance(e, (TimeoutError, socket.timeout)):
         return Stalled(f"no response within {timeout:g} s")
     if isinstance(e, ssl.SSLCertVerificationError):
@@ -306,7 +332,7 @@ def _failure(status: int, body: bytes, bucket: str) -> Exception:
     if status == 416 or code == "InvalidRange":
         return RangeNotSatisfiable(what)
     if code in _TRANSIENT_CODES or status in (408, 429) or status >= 500:
-        return Transient(what)
+        return StatusFailure(what)
     if code in _PERMANENT_CODES or 300 <= status < 500:
         return Permanent(what)  # credentials, permissions, a wrong region (301), bad requests
     return Transient(what)
