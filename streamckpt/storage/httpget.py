@@ -46,7 +46,7 @@ from .obstore_backend import PIECE, NotConfigurable, ObstoreBackend
 
 AUTO_PICKS_HTTP = True  # ``STREAMCKPT_S3_BACKEND=auto`` reads through this path (else obstore)
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
-SLICE = 16 << 20  # a body is read in slices of this much, checking the trickle backstop between them
+SLICE = 1 << 20  # a body is read in slices of this much, checking the trickle backstop between them
 # object_store settings read from the environment that this path would not honour.
 _ENV_NOT_REPRODUCED = ("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "AWS_SKIP_SIGNATURE", "AWS_S3_EXPRESS",
                        "AWS_REQUEST_PAYER", "AWS_CONDITIONAL_PUT", "AWS_SSE_CUSTOMER_KEY_BASE64")
@@ -266,7 +266,8 @@ class HttpGetBackend(ObstoreBackend):
         else:
             raise _failure(status, resp.read(1 << 16), bucket)
         length = resp.length
-        if length is None or length > total:
+        if length is None or length > total or length < total and size is not None and size >= start + total:
+            # a shorter body is read only when the object may end inside the range (a truncated object)
             raise Transient(f"response of {length} bytes for a {total}-byte range")
         deadline = time.monotonic() + self.backstop
         got = 0

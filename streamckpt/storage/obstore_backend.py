@@ -4,10 +4,12 @@ aiohttp / botocore stack costs more CPU per byte than the reads themselves on a 
 network; obstore does the HTTP, signing and body handling in Rust. Uploads stay on
 s3fs (``s3fs_backend``) for now.
 
-Selection: ``STREAMCKPT_S3_BACKEND`` = ``auto`` (the default), ``obstore`` or ``s3fs``.
-``auto`` and ``obstore`` use it whenever it is installed (a runtime dependency) and every
-storage option maps onto it; otherwise s3fs reads, with a warning when ``obstore`` was
-asked for. ``s3fs`` forces the fallback. A body is collected in Rust before its copy
+Selection: ``STREAMCKPT_S3_BACKEND`` = ``auto`` (the default), ``http``, ``obstore`` or ``s3fs``.
+``auto``, ``http`` and ``obstore`` use it whenever it is installed (a runtime dependency) and
+every storage option maps onto it; otherwise s3fs reads, with a warning when ``obstore`` or
+``http`` was asked for. ``auto`` and ``http`` then do the range reads with ``http.client``
+(``httpget``: bodies read straight into the buffers) where that path reproduces the config,
+obstore everything else. ``s3fs`` forces the fallback. A body is collected in Rust before its copy
 into the buffer, so the bodies in flight are bounded (``holds_bodies``: the policy's
 gate counts them against ``inflight_bytes``).
 
