@@ -93,6 +93,28 @@ def test_bodies_split_over_buffers_land_in_place(
     assert n == _gets(proxy) == -(-total // (256 * KiB))
 
 
+def test_connections_kept_only_after_a_success(
+    monkeypatch: pytest.MonkeyPatch, stored: tuple[str, bytes], proxy_factory: Any
+) -> None:
+    """FaultProxy keeps connections alive: one connection serves one read after another; a
+    failed response (404, a short body) leaves nothing in the pool."""
+    uri, data = stored
+    proxy = proxy_factory(faults=["short"], rate=0.0)
+    st = _http(monkeypatch, uri, proxy.storage_options, policy=RetryPolicy(max_attempts=2, base_delay=0.01))
+    pool = st._reader.backend.pool
+    for a in range(0, 20 * KiB, KiB):
+        assert st.read_bytes(NAME, a, a + 100) == data[a:a + 100]
+        assert pool.idle == 1
+    with pytest.raises(CheckpointNotFoundError):
+        st.read_bytes("missing.bin", 0, 10)
+    assert pool.idle == 0
+    assert st.read_bytes(NAME, 0, 10) == data[:10] and pool.idle == 1
+    proxy.rate = 1.0  # every body short: each attempt's connection is dropped
+    with pytest.raises(StorageError, match=r"2 attempt\(s\): response of \d+ bytes for a 1000-byte range"):
+        st.read_bytes(NAME, 0, 1000)
+    assert pool.idle == 0 and proxy.counts["short"] == 2
+
+
 def test_loads_round_trip(monkeypatch: pytest.MonkeyPatch, s3_uri: str, s3_opts: dict[str, Any],
                           proxy_factory: Any) -> None:
     g = torch.Generator().manual_seed(3)

@@ -152,6 +152,12 @@ class Connections:
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
+    @property
+    def idle(self) -> int:
+        """Connections kept for the next request."""
+        with self._lock:
+            return len(self._idle)
+
     def take(self) -> tuple[http.client.HTTPConnection, bool]:
         """A connection, and whether it was used before."""
         with self._lock:
