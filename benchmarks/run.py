@@ -67,7 +67,7 @@ def title(scenario: str) -> str:
     return CAPPED_TITLES.get(scenario) or SCENARIOS[scenario]
 PEER_MODULE = {
     "dcp-fsspec": "torch", "s3torchconnector": "s3torchconnector", "runai": "runai_model_streamer",
-    "naive": "safetensors", "ceiling.obstore": "obstore",
+    "naive": "safetensors", "ceiling.obstore": "obstore", "streamckpt.obstore": "obstore", "streamckpt.http": "obstore",
 }
 
 
@@ -403,8 +403,8 @@ class Harness:
         elif self.args.quick:
             base = ["streamckpt", "naive", "ceiling"]
         else:
-            base = ["streamckpt", "streamckpt.s3fs", "streamckpt.load_full", "streamckpt.dcp", *PEERS, "ceiling",
-                    "ceiling.obstore"]
+            base = ["streamckpt", "streamckpt.obstore", "streamckpt.s3fs", "streamckpt.load_full", "streamckpt.dcp",
+                    *PEERS, "ceiling", "ceiling.obstore"]
         return [b for b in base if b.startswith("ceiling") or scenario in DATASET.get(b, {}) or b == "runai"]
 
     def run_scenario(self, scenario: str) -> None:
