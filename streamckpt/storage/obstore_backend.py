@@ -1,8 +1,9 @@
-"""S3 through obstore (Rust ``object_store``): the default client for every read of an
-``s3://`` prefix (ranged GETs, whole small objects, HEAD, LIST, deletes). The s3fs /
-aiohttp / botocore stack costs more CPU per byte than the reads themselves on a fast
-network; obstore does the HTTP, signing and body handling in Rust. Uploads stay on
-s3fs (``s3fs_backend``) for now.
+"""S3 through obstore (Rust ``object_store``): the default client of an ``s3://`` prefix
+for whole small objects, HEAD, LIST, deletes and uploads, and for ranged GETs where the
+``http.client`` path (``httpget``, a subclass that reads bodies straight into the
+buffers) does not apply or ``STREAMCKPT_S3_BACKEND=obstore``. The s3fs / aiohttp /
+botocore stack costs more CPU per byte than the reads themselves on a fast network;
+obstore does the HTTP, signing and body handling in Rust.
 
 Selection: ``STREAMCKPT_S3_BACKEND`` = ``auto`` (the default), ``http``, ``obstore`` or ``s3fs``.
 ``auto``, ``http`` and ``obstore`` use it whenever it is installed (a runtime dependency) and
