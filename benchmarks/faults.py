@@ -47,7 +47,7 @@ def measure(s3: LocalS3, client: str, kind: str, data: bytes, uri: str) -> tuple
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kinds", default=",".join(KINDS))
-    ap.add_argument("--clients", default="obstore,s3fs")
+    ap.add_argument("--clients", default="http,obstore,s3fs")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     data = random.Random(0).randbytes(1 << 20)

@@ -48,6 +48,8 @@ WORLD = {"a": 1, "b": 1, "c": data.LOAD_COL_WORLD, "d": 2, "e": 1, "g1": CAPPED_
 DATASET = {
     "streamckpt": {"a": "hf", "b": "hf", "c": "sc_rows4", "d": "hf", "e": "sc_rows4_zstd"},
     "streamckpt.s3fs": {"a": "hf", "b": "hf", "c": "sc_rows4", "d": "hf", "e": "sc_rows4_zstd"},
+    "streamckpt.obstore": {"a": "hf", "b": "hf", "c": "sc_rows4", "d": "hf", "e": "sc_rows4_zstd"},
+    "streamckpt.http": {"a": "hf", "b": "hf", "c": "sc_rows4", "d": "hf", "e": "sc_rows4_zstd"},
     "streamckpt.load_full": {"a": "hf", "e": "sc_rows4_zstd"},
     "streamckpt.dcp": {"a": "dcp_full", "b": "dcp_full"},
     "naive": {"a": "hf", "b": "hf", "c": "naive_rows4", "d": "hf", "e": "naive_zst"},
@@ -65,7 +67,7 @@ def title(scenario: str) -> str:
     return CAPPED_TITLES.get(scenario) or SCENARIOS[scenario]
 PEER_MODULE = {
     "dcp-fsspec": "torch", "s3torchconnector": "s3torchconnector", "runai": "runai_model_streamer",
-    "naive": "safetensors", "ceiling.obstore": "obstore",
+    "naive": "safetensors", "ceiling.obstore": "obstore", "streamckpt.obstore": "obstore", "streamckpt.http": "obstore",
 }
 
 
@@ -401,8 +403,8 @@ class Harness:
         elif self.args.quick:
             base = ["streamckpt", "naive", "ceiling"]
         else:
-            base = ["streamckpt", "streamckpt.s3fs", "streamckpt.load_full", "streamckpt.dcp", *PEERS, "ceiling",
-                    "ceiling.obstore"]
+            base = ["streamckpt", "streamckpt.obstore", "streamckpt.s3fs", "streamckpt.load_full", "streamckpt.dcp",
+                    *PEERS, "ceiling", "ceiling.obstore"]
         return [b for b in base if b.startswith("ceiling") or scenario in DATASET.get(b, {}) or b == "runai"]
 
     def run_scenario(self, scenario: str) -> None:
@@ -609,9 +611,10 @@ def targets_check(h: Harness, figures: dict[str, dict[str, float]]) -> list[str]
     out = []
 
     g = figures.get("a", {})
-    # the ceiling of the same client stack: ceiling.obstore when streamckpt read through obstore
+    # the ceiling of the same client stack: ceiling.obstore (raw range reads) when streamckpt read through
+    # obstore or its http.client range reads, s3fs's cat_ranges when through s3fs
     backend = next((s.backend for s in h.results.get("a", {}).get("streamckpt", []) if s.backend), None)
-    ceiling = "ceiling.obstore" if backend == "obstore" else "ceiling"
+    ceiling = "ceiling.obstore" if backend in ("obstore", "http") else "ceiling"
     if "streamckpt" in g and ceiling in g:
         r = g["streamckpt"] / g[ceiling]
         out.append(f"- (a) ≥ 0.85× the range-read ceiling of the same client ({ceiling}; streamckpt read through "
@@ -725,8 +728,10 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
         "in a fresh process: the client stack's raw range-read speed); `ceiling.obstore` reads the same ranges "
         "through obstore (Rust) to show whether the Python client is the limit. × curl: ÷ curl full GETs of the objects holding "
         "those bytes (8 in parallel).",
-        "- `streamckpt` reads through its default client (obstore, when installed and the options map onto it); "
-        "`streamckpt.s3fs` is the same loader on its s3fs fallback (`STREAMCKPT_S3_BACKEND=s3fs`); "
+        "- `streamckpt` reads through its default client (`http.client` range reads into the targets, with obstore "
+        "for metadata, when obstore is installed and the options map onto it); `streamckpt.http`, `streamckpt.obstore` "
+        "and `streamckpt.s3fs` are the same loader with `STREAMCKPT_S3_BACKEND` set to `http`, `obstore` (range "
+        "reads through obstore too) or `s3fs` (the fallback); "
         "`streamckpt.dcp` is `sc.load` reading the DCP checkpoint `dcp_full` in place (the peers' own input).",
         "- read ampl.: body bytes the server sent (its own counter) ÷ the unique bytes needed; requests: every request "
         "the server answered (HEAD, LIST, GET) during the load.",

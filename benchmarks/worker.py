@@ -315,11 +315,12 @@ def load_ceiling_obstore(spec: dict[str, Any], model: data.ModelSpec, rank: int,
     return None, {"bytes_read": n}
 
 
-def _with_s3fs(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The same streamckpt loader on its fallback read path, s3fs (STREAMCKPT_S3_BACKEND=s3fs)."""
+def _with_backend(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
+    """The same streamckpt loader on another S3 read path (``STREAMCKPT_S3_BACKEND``): ``s3fs``
+    (the fallback), ``obstore`` or ``http`` (``http.client`` range reads into the targets)."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        os.environ["STREAMCKPT_S3_BACKEND"] = "s3fs"
+        os.environ["STREAMCKPT_S3_BACKEND"] = backend
         return fn(*args, **kwargs)
 
     return run
@@ -336,7 +337,9 @@ def _with_load_kwargs(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., An
 
 LOADERS: dict[str, Callable[..., Any]] = {
     "streamckpt": load_streamckpt,
-    "streamckpt.s3fs": _with_s3fs(load_streamckpt),
+    "streamckpt.s3fs": _with_backend(load_streamckpt, "s3fs"),
+    "streamckpt.obstore": _with_backend(load_streamckpt, "obstore"),
+    "streamckpt.http": _with_backend(load_streamckpt, "http"),
     "streamckpt.no_read_once": _with_load_kwargs(load_streamckpt, read_once=False),
     "streamckpt.load_full": load_streamckpt_full,
     "streamckpt.dcp": lambda spec, *a: load_streamckpt({**spec, "dataset": "dcp_full"}, *a),

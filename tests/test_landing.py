@@ -48,7 +48,7 @@ def _data_gets(method: str, path: str) -> bool:
     return method == "GET" and "/data/" in path
 
 
-@pytest.mark.parametrize("client", ["obstore", "s3fs"])
+@pytest.mark.parametrize("client", ["http", "obstore", "s3fs"])
 def test_full_load_lands_every_byte_in_its_target(
     saved: tuple[str, dict[str, torch.Tensor]], s3_opts: dict[str, Any], client: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -100,7 +100,7 @@ def test_targets_that_cannot_take_raw_bytes_are_staged(
     assert res.bytes_direct == _nbytes([src["norm"]])
 
 
-@pytest.mark.parametrize("client", ["obstore", "s3fs"])
+@pytest.mark.parametrize("client", ["http", "obstore", "s3fs"])
 def test_flipped_bodies_are_fetched_again_into_the_target(
     saved: tuple[str, dict[str, torch.Tensor]], proxy_factory: Any, client: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -170,7 +170,7 @@ def _checked(data: bytes, start: int, stop: int, chunk: int) -> RangeRead:
     return RangeRead("data/blob.bin", start, stop, checks)
 
 
-@pytest.mark.parametrize("client", ["obstore", "s3fs", "local"])
+@pytest.mark.parametrize("client", ["http", "obstore", "s3fs", "local"])
 def test_a_read_lands_across_buffers_with_pieces_straddling_them(
     blob: bytes, s3_uri: str, s3_opts: dict[str, Any], tmp_path: Path, client: str,
     monkeypatch: pytest.MonkeyPatch,

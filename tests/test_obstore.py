@@ -11,6 +11,7 @@ import pytest
 
 from streamckpt.checksum import crc32c
 from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from streamckpt.storage.httpget import AUTO_PICKS_HTTP
 from streamckpt.storage.obstore_backend import AUTO_PICKS_OBSTORE, BACKEND_ENV, NotConfigurable, ObstoreBackend, s3_config
 from streamckpt.storage import RangeRead, RetryPolicy, Storage
 from streamckpt.testing import FaultProxy, LocalS3
@@ -219,7 +220,7 @@ def test_a_cancelled_read_waits_for_its_worker(s3_opts: dict[str, Any]) -> None:
 
 
 def test_selection(monkeypatch: pytest.MonkeyPatch, s3_uri: str, s3_opts: dict[str, Any]) -> None:
-    auto = "obstore" if AUTO_PICKS_OBSTORE else "s3fs"
+    auto = ("http" if AUTO_PICKS_HTTP else "obstore") if AUTO_PICKS_OBSTORE else "s3fs"
     assert _storage(monkeypatch, "auto", s3_uri, s3_opts).read_backend == auto
     monkeypatch.delenv(BACKEND_ENV)
     assert Storage(s3_uri, s3_opts).read_backend == auto  # unset means auto

@@ -10,26 +10,31 @@ import pytest
 
 from streamckpt.checksum import crc32c
 from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from streamckpt.storage.httpget import AUTO_PICKS_HTTP
 from streamckpt.storage.obstore_backend import BACKEND_ENV
 from streamckpt.storage import RangeRead, RetryPolicy, Storage
 
 MiB = 1 << 20
 
 
-@pytest.fixture(params=["s3", "s3-s3fs", "local", "file"])
+_S3_CLIENTS = {"s3": "auto", "s3-obstore": "obstore", "s3-s3fs": "s3fs"}
+
+
+@pytest.fixture(params=["s3", "s3-obstore", "s3-s3fs", "local", "file"])
 def store(request: pytest.FixtureRequest, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Storage:
     """The same tests over every kind of URI that shares the code path; on S3 through the
-    default read client (obstore) and the s3fs fallback."""
+    default read client (``http.client`` range reads), obstore and the s3fs fallback."""
     if request.param.startswith("s3"):
         uri, opts = request.getfixturevalue("s3_uri"), request.getfixturevalue("s3_opts")
-        monkeypatch.setenv(BACKEND_ENV, "s3fs" if request.param == "s3-s3fs" else "auto")
+        monkeypatch.setenv(BACKEND_ENV, _S3_CLIENTS[request.param])
     elif request.param == "local":
         uri, opts = str(tmp_path / "ckpt"), None
     else:
         uri, opts = (tmp_path / "ckpt").as_uri(), None
     st = Storage(uri, opts, policy=RetryPolicy(total_timeout=20.0))
     if request.param.startswith("s3"):
-        assert st.read_backend == ("s3fs" if request.param == "s3-s3fs" else "obstore")
+        wanted = _S3_CLIENTS[request.param]
+        assert st.read_backend == (("http" if AUTO_PICKS_HTTP else "obstore") if wanted == "auto" else wanted)
     st.makedirs()
     return st
 

@@ -4,7 +4,7 @@ Layout (one idea per module):
 
 * ``backend``  — the small interface every client sits behind (one attempt per call,
   failures as a few kinds) and the plain data it returns;
-* ``obstore_backend``, ``s3fs_backend``, ``fsspec_backend``, ``local_backend`` — the clients,
+* ``httpget``, ``obstore_backend``, ``s3fs_backend``, ``fsspec_backend``, ``local_backend`` — the clients,
   each only translating its calls and errors;
 * ``policy``   — retries with jittered backoff and a deadline, the corruption verdict,
   messages without secrets;

@@ -1,13 +1,16 @@
-"""S3 through obstore (Rust ``object_store``): the default client for every read of an
-``s3://`` prefix (ranged GETs, whole small objects, HEAD, LIST, deletes). The s3fs /
-aiohttp / botocore stack costs more CPU per byte than the reads themselves on a fast
-network; obstore does the HTTP, signing and body handling in Rust. Uploads stay on
-s3fs (``s3fs_backend``) for now.
+"""S3 through obstore (Rust ``object_store``): the default client of an ``s3://`` prefix
+for whole small objects, HEAD, LIST, deletes and uploads, and for ranged GETs where the
+``http.client`` path (``httpget``, a subclass that reads bodies straight into the
+buffers) does not apply or ``STREAMCKPT_S3_BACKEND=obstore``. The s3fs / aiohttp /
+botocore stack costs more CPU per byte than the reads themselves on a fast network;
+obstore does the HTTP, signing and body handling in Rust.
 
-Selection: ``STREAMCKPT_S3_BACKEND`` = ``auto`` (the default), ``obstore`` or ``s3fs``.
-``auto`` and ``obstore`` use it whenever it is installed (a runtime dependency) and every
-storage option maps onto it; otherwise s3fs reads, with a warning when ``obstore`` was
-asked for. ``s3fs`` forces the fallback. A body is collected in Rust before its copy
+Selection: ``STREAMCKPT_S3_BACKEND`` = ``auto`` (the default), ``http``, ``obstore`` or ``s3fs``.
+``auto``, ``http`` and ``obstore`` use it whenever it is installed (a runtime dependency) and
+every storage option maps onto it; otherwise s3fs reads, with a warning when ``obstore`` or
+``http`` was asked for. ``auto`` and ``http`` then do the range reads with ``http.client``
+(``httpget``: bodies read straight into the buffers) where that path reproduces the config,
+obstore everything else. ``s3fs`` forces the fallback. A body is collected in Rust before its copy
 into the buffer, so the bodies in flight are bounded (``holds_bodies``: the policy's
 gate counts them against ``inflight_bytes``).
 
@@ -35,7 +38,7 @@ log = logging.getLogger(__name__)
 PIECE = 4 << 20  # reads larger than this become concurrent GETs
 
 BACKEND_ENV = "STREAMCKPT_S3_BACKEND"
-BACKENDS = ("auto", "obstore", "s3fs")
+BACKENDS = ("auto", "http", "obstore", "s3fs")
 AUTO_PICKS_OBSTORE = True  # see the module docstring
 
 # s3fs options that change nothing about a ranged GET (caches, block sizes, s3fs's own retries).

@@ -22,7 +22,7 @@ import fsspec.asyn
 from fsspec.core import url_to_fs
 
 from ..errors import CheckpointNotFoundError, StorageError
-from . import obstore_backend
+from . import httpget, obstore_backend
 from .backend import Backend, NotFound
 from .fsspec_backend import FsspecBackend
 from .local_backend import LocalBackend
@@ -95,7 +95,7 @@ class Storage:
         return fs
 
     def _pick_obstore(self, opts: dict[str, Any]) -> ObstoreBackend | None:
-        """The obstore client for these options, or None to read through s3fs."""
+        """The obstore client (or its ``http.client`` range reader) for these options, or None to read through s3fs."""
         try:
             wanted = obstore_backend.requested_backend()
         except ValueError as e:
@@ -106,19 +106,27 @@ class Storage:
             log.debug("reads of %s go through s3fs (query string or chained URL)", self._describe.public_uri)
             return None
         if not obstore_backend.available():
-            if wanted == "obstore":
+            if wanted in ("obstore", "http"):
                 raise StorageError(
-                    f"{obstore_backend.BACKEND_ENV}=obstore but obstore is not installed (pip install obstore)")
+                    f"{obstore_backend.BACKEND_ENV}={wanted} but obstore is not installed (pip install obstore)")
             return None
         try:
             config = obstore_backend.s3_config(opts)
         except obstore_backend.NotConfigurable as e:
-            (log.warning if wanted == "obstore" else log.debug)(
+            (log.warning if wanted in ("obstore", "http") else log.debug)(
                 "reads of %s go through s3fs: obstore cannot reproduce %s", self._describe.public_uri, e)
             return None
-        return ObstoreBackend(config, self.policy.request_timeout, self.policy.client_attempts, self.max_concurrency,
-                              write_attempts=self.policy.max_attempts * self.policy.client_attempts,
-                              write_timeout=self.policy.total_timeout)
+        args = (config, self.policy.request_timeout, self.policy.client_attempts, self.max_concurrency)
+        kw = dict(write_attempts=self.policy.max_attempts * self.policy.client_attempts,
+                  write_timeout=self.policy.total_timeout)
+        if wanted == "http" or (wanted == "auto" and httpget.AUTO_PICKS_HTTP):
+            try:
+                return httpget.HttpGetBackend(*args, **kw)
+            except obstore_backend.NotConfigurable as e:
+                (log.warning if wanted == "http" else log.debug)(
+                    "range reads of %s go through obstore: the http path cannot reproduce %s",
+                    self._describe.public_uri, e)
+        return ObstoreBackend(*args, **kw)
 
     @property
     def _write_backend(self) -> Backend:
@@ -153,7 +161,7 @@ class Storage:
 
     @property
     def read_backend(self) -> str:
-        """Which client does the range reads: ``obstore``, ``s3fs``, ``local`` or ``fsspec``."""
+        """Which client does the range reads: ``http``, ``obstore``, ``s3fs``, ``local`` or ``fsspec``."""
         name = self._reader.backend.name
         return "fsspec" if name == "local" else name
 

@@ -1,0 +1,359 @@
+"""S3 ranged GETs over plain ``http.client``, each body read straight into the caller's memory.
+
+Why it exists: through obstore a body lands in Rust's buffer and is then copied into
+our memoryviews with the GIL held (55% of a full load's CPU in scenario (a) of
+BENCHMARKS.md). Here ``HTTPResponse.readinto`` on the target's own memoryview goes
+nearly straight to ``recv_into`` with the GIL released: each byte crosses user memory
+once, and no response body is held anywhere but in its target (``holds_bodies`` is
+false, so the memory budget need not reserve room for bodies in flight).
+
+Only ``fetch`` / ``fetch_parts`` take this path; HEAD, LIST, whole small objects,
+deletes and writes stay on obstore (``HttpGetBackend`` subclasses ``ObstoreBackend``),
+so the endpoint, region, credentials and anonymous access come from the same
+``s3_config`` mapping. Requests are signed with SigV4 here (a few HMACs with a cached
+signing key: cheaper per request than botocore's signer, and no botocore import on the
+load path). Path-style addressing only; options this path does not reproduce
+(virtual-hosted requests to a custom endpoint, AWS_* settings object_store would read)
+leave reads on obstore (``http_target`` raises ``NotConfigurable``).
+
+One attempt per call, like every backend (but for status-level errors, which it tries
+``client_attempts`` times as the other S3 clients do): a connection is kept alive in a shared pool
+only after a response was read to its end; after any failure or a partly read body it
+is closed. The one exception is a reused idle connection the server closed meanwhile
+(no response byte came): that request is sent again once on a fresh connection, as
+HTTP clients do for idempotent requests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import http.client
+import os
+import random
+import re
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+from urllib.parse import quote, urlsplit
+
+from .backend import Fetched, NotFound, Permanent, RangeNotSatisfiable, Stalled, Transient
+from .obstore_backend import PIECE, NotConfigurable, ObstoreBackend
+
+AUTO_PICKS_HTTP = True  # ``STREAMCKPT_S3_BACKEND=auto`` reads through this path (else obstore)
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+SLICE = 1 << 20  # a body is read in slices of this much, checking the trickle backstop between them
+# object_store settings read from the environment that this path would not honour.
+_ENV_NOT_REPRODUCED = ("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "AWS_SKIP_SIGNATURE", "AWS_S3_EXPRESS",
+                       "AWS_REQUEST_PAYER", "AWS_CONDITIONAL_PUT", "AWS_SSE_CUSTOMER_KEY_BASE64")
+_PERMANENT_CODES = frozenset({"RequestTimeTooSkewed", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"})
+_TRANSIENT_CODES = frozenset({"RequestTimeout", "SlowDown", "InternalError", "ServiceUnavailable", "Throttling"})
+
+
+@dataclass(frozen=True)
+class HttpTarget:
+    """Where and how to send a bucket's GETs: the obstore config, resolved."""
+
+    scheme: str  # http or https
+    host: str
+    port: int | None
+    base_path: str  # a path prefix of the endpoint ("" usually)
+    region: str
+    access_key: str | None  # None: anonymous (no signature)
+    secret_key: str | None
+    token: str | None
+
+    @property
+    def host_header(self) -> str:
+        default = 443 if self.scheme == "https" else 80
+        return self.host if self.port in (None, default) else f"{self.host}:{self.port}"
+
+    def path(self, bucket: str, key: str) -> str:
+        return f"{self.base_path}/{quote(bucket, safe='')}/{quote(key, safe='/~')}"
+
+
+def http_target(config: dict[str, Any]) -> HttpTarget:
+    """The GET target for an obstore ``config`` (from ``s3_config``); ``NotConfigurable``
+    when this path cannot reproduce what obstore would do with it."""
+    env = [name for name in _ENV_NOT_REPRODUCED if os.environ.get(name)]
+    if env:
+        raise NotConfigurable(f"environment {', '.join(env)}")
+    region = str(config["region"])
+    endpoint = config.get("endpoint") or os.environ.get("AWS_ENDPOINT") or f"https://s3.{region}.amazonaws.com"
+    if config.get("virtual_hosted_style_request"):
+        raise NotConfigurable("virtual-hosted requests to a custom endpoint")
+    url = urlsplit(str(endpoint))
+    if url.scheme not in ("http", "https") or not url.hostname or url.query:
+        raise NotConfigurable(f"endpoint {url.scheme}://{url.hostname}")
+    if config.get("skip_signature"):
+        access = secret = token = None
+    else:
+        access = config.get("access_key_id") or os.environ.get("AWS_ACCESS_KEY_ID")
+        secret = config.get("secret_access_key") or os.environ.get("AWS_SECRET_ACCESS_KEY")
+        token = config.get("session_token") or (os.environ.get("AWS_SESSION_TOKEN") if "access_key_id" not in config
+                                                else None)
+        if not access or not secret:
+            raise NotConfigurable("an access key without its secret")
+    host = url.hostname if ":" not in url.hostname else f"[{url.hostname}]"
+    return HttpTarget(url.scheme, host, url.port, url.path.rstrip("/"), region, access, secret, token)
+
+
+class SigV4:
+    """AWS Signature Version 4 for GETs without a body (the signing key is cached per day)."""
+
+    def __init__(self, target: HttpTarget) -> None:
+        self._t = target
+        self._day = ""
+        self._key = b""
+        self._lock = threading.Lock()
+
+    def _signing_key(self, day: str) -> bytes:
+        with self._lock:
+            if day != self._day:
+                k = hmac.digest(("AWS4" + str(self._t.secret_key)).encode(), day.encode(), "sha256")
+                for part in (self._t.region, "s3", "aws4_request"):
+                    k = hmac.digest(k, part.encode(), "sha256")
+                self._day, self._key = day, k
+            return self._key
+
+    def headers(self, path: str, now: datetime.datetime | None = None) -> dict[str, str]:
+        """The headers of a signed GET of ``path`` (already URI-encoded, no query)."""
+        t = self._t
+        headers = {"host": t.host_header, "x-amz-content-sha256": EMPTY_SHA256}
+        if t.access_key is None:
+            return headers
+        stamp = (now or datetime.datetime.now(datetime.timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+        headers["x-amz-date"] = stamp
+        if t.token:
+            headers["x-amz-security-token"] = t.token
+        names = ";".join(headers)  # already lower-case and in sorted order
+        canonical = "\n".join(["GET", path, "", *(f"{k}:{v}" for k, v in headers.items()), "", names, EMPTY_SHA256])
+        scope = f"{stamp[:8]}/{t.region}/s3/aws4_request"
+        to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
+        sig = hmac.new(self._signing_key(stamp[:8]), to_sign.encode(), hashlib.sha256).hexdigest()
+        headers["authorization"] = (f"AWS4-HMAC-SHA256 Credential={t.access_key}/{scope}, "
+                                    f"SignedHeaders={names}, Signature={sig}")
+        return headers
+
+
+class Connections:
+    """Idle keep-alive connections to one endpoint, shared by the worker threads."""
+
+    def __init__(self, target: HttpTarget, timeout: float, keep: int) -> None:
+        self._t = target
+        self._timeout = timeout
+        self._keep = keep
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+        self._ssl: ssl.SSLContext | None = None
+        self._closed = False
+
+    @property
+    def idle(self) -> int:
+        """Connections kept for the next request."""
+        with self._lock:
+            return len(self._idle)
+
+    def take(self) -> tuple[http.client.HTTPConnection, bool]:
+        """A connection, and whether it was used before."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+        return self.new(), False
+
+    def new(self) -> http.client.HTTPConnection:
+        t = self._t
+        if t.scheme == "https":
+            with self._lock:
+                if self._ssl is None:
+                    self._ssl = ssl.create_default_context()
+            return http.client.HTTPSConnection(t.host.strip("[]"), t.port, timeout=self._timeout, context=self._ssl)
+        return http.client.HTTPConnection(t.host.strip("[]"), t.port, timeout=self._timeout)
+
+    def give_back(self, conn: http.client.HTTPConnection) -> None:
+        """Keep a connection whose last response was read to its end."""
+        with self._lock:
+            if not self._closed and len(self._idle) < self._keep:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
+
+
+class HttpGetBackend(ObstoreBackend):
+    """obstore for everything but range reads, which are ``http.client`` GETs read into the buffers."""
+
+    name = "http"
+    holds_bodies = False  # bodies go straight into their buffers
+    piece_size = PIECE
+
+    def __init__(self, config: dict[str, Any], request_timeout: float, client_attempts: int,
+                 max_concurrency: int, **kw: Any) -> None:
+        super().__init__(config, request_timeout, client_attempts, max_concurrency, **kw)
+        self.target = http_target(config)
+        self.signer = SigV4(self.target)
+        self.pool = Connections(self.target, request_timeout, max(4, max_concurrency))
+        self.backstop = max(60.0, 4 * request_timeout)  # a body that trickles in fails after this
+
+    async def fetch(self, path: str, start: int, buf: memoryview, *, want_meta: bool = False) -> Fetched:
+        if _express(path):
+            return await super().fetch(path, start, buf, want_meta=want_meta)
+        return await self.threads.run(self.get, path, start, [buf])
+
+    async def fetch_parts(self, path: str, start: int, bufs: Sequence[memoryview], *,
+                          want_meta: bool = False) -> Fetched:
+        """The body is read into each part in turn: no copy."""
+        if _express(path):
+            return await super().fetch_parts(path, start, bufs, want_meta=want_meta)
+        return await self.threads.run(self.get, path, start, list(bufs))
+
+    def get(self, path: str, start: int, bufs: list[memoryview]) -> Fetched:
+        """One ranged GET of ``sum(len(b) for b in bufs)`` bytes at ``start`` into ``bufs``.
+
+        Status-level failures (an error status such as 503 SlowDown, a refused connection:
+        no body byte written) are sent again here, ``client_attempts`` in all with 50 ms–1 s
+        jittered backoff, as obstore's and botocore's clients do (``RetryPolicy.client_attempts``).
+        """
+        attempt = 1
+        while True:
+            try:
+                return self._get_once(path, start, bufs)
+            except StatusFailure:
+                if attempt >= self.client_attempts:
+                    raise
+            time.sleep(random.uniform(0, min(1.0, 0.05 * 2 ** attempt)))
+            attempt += 1
+
+    def _get_once(self, path: str, start: int, bufs: list[memoryview]) -> Fetched:
+        bucket, _, key = path.partition("/")
+        total = sum(len(b) for b in bufs)
+        url = self.target.path(bucket, key)
+        headers = self.signer.headers(url)
+        headers["range"] = f"bytes={start}-{start + total - 1}"
+        conn, reused = self.pool.take()
+        try:
+            try:
+                resp = _send(conn, url, headers)
+            except (ConnectionError, http.client.RemoteDisconnected):
+                if not reused:
+                    raise
+                conn.close()  # an idle connection the server had closed: once more on a fresh one
+                conn = self.pool.new()
+                resp = _send(conn, url, headers)
+            got, size, complete = self._body(resp, bucket, start, total, bufs)
+        except BaseException as e:
+            conn.close()
+            raise _classified(e, self.request_timeout) from None
+        if complete and got == total and resp.isclosed() and not resp.will_close:  # a success, read to its end
+            self.pool.give_back(conn)
+        else:
+            conn.close()
+        return Fetched(got=got, size=size, etag=resp.getheader("ETag"))
+
+    def _body(self, resp: http.client.HTTPResponse, bucket: str, start: int, total: int,
+              bufs: list[memoryview]) -> tuple[int, int | None, bool]:
+        """Read a 206/200 body into ``bufs``: (bytes read, the object's size if known, whether the
+        whole body was read); other statuses raise."""
+        status = resp.status
+        if status == 206:
+            first, size = _content_range(resp.getheader("Content-Range"))
+            if first != start:
+                raise Transient(f"server sent bytes from {first} for a range from {start}")
+        elif status == 200 and start == 0:  # the whole object: the server ignored the range
+            size = resp.length
+        elif status == 200:
+            raise Transient(f"HTTP 200: the server ignored the range from byte {start}")
+        else:
+            raise _failure(status, resp.read(1 << 16), bucket)
+        length = resp.length
+        if length is None or length > total or length < total and size is not None and size >= start + total:
+            # a shorter body is read only when the object may end inside the range (a truncated object)
+            raise Transient(f"response of {length} bytes for a {total}-byte range")
+        deadline = time.monotonic() + self.backstop
+        got = 0
+        for b in bufs:
+            want = min(len(b), length - got)
+            pos = 0
+            while pos < want:
+                n = resp.readinto(b[pos:min(want, pos + SLICE)])
+                if not n:
+                    return got + pos, size, False  # short: the caller sees fewer bytes than asked
+                pos += n
+                if time.monotonic() > deadline:
+                    raise Stalled(f"body still incomplete after {self.backstop:g} s")
+            got += pos
+            if got == length:
+                break
+        return got, size, got == length
+
+    def close(self) -> None:
+        super().close()
+        self.pool.close()
+
+
+def _express(path: str) -> bool:
+    """An S3 Express One Zone bucket (its own session auth, which object_store does): obstore reads it."""
+    return path.partition("/")[0].endswith("--x-s3")
+
+
+def _send(conn: http.client.HTTPConnection, url: str, headers: dict[str, str]) -> http.client.HTTPResponse:
+    conn.request("GET", url, headers=headers)
+    return conn.getresponse()
+
+
+class StatusFailure(Transient):
+    """An error status worth another attempt, or a refused connection: nothing was written."""
+
+
+def _classified(e: BaseException, timeout: float) -> BaseException:
+    """A client-side exception as the policy's kind (others, e.g. cancellation, pass as they are)."""
+    if isinstance(e, ConnectionRefusedError):
+        return StatusFailure(f"{type(e).__name__}: {e}")
+    if isinstance(e, (TimeoutError, socket.timeout)):
+        return Stalled(f"no response within {timeout:g} s")
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return Permanent(f"TLS: {e}")
+    if isinstance(e, (OSError, http.client.HTTPException)):
+        return Transient(f"{type(e).__name__}: {e}")
+    return e
+
+
+def _content_range(value: str | None) -> tuple[int, int | None]:
+    """(first byte, total size or None) from ``Content-Range: bytes a-b/total``."""
+    m = re.fullmatch(r"\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*", value or "")
+    if m is None:
+        raise Transient(f"206 with Content-Range {value!r}")
+    return int(m.group(1)), None if m.group(3) == "*" else int(m.group(3))
+
+
+def _failure(status: int, body: bytes, bucket: str) -> Exception:
+    """An error response as the policy's kind, from its status and S3 error code."""
+    text = body.decode("utf-8", "replace")
+    code, message = _tag(text, "Code"), _tag(text, "Message")
+    what = f"HTTP {status}" + (f" {code}" if code else "") + (f": {message}" if message else "")
+    if code == "NoSuchBucket":
+        return NotFound(f"bucket {bucket!r} does not exist", bucket=bucket)
+    if status == 404:
+        return NotFound(what)
+    if status == 416 or code == "InvalidRange":
+        return RangeNotSatisfiable(what)
+    if code in _TRANSIENT_CODES or status in (408, 429) or status >= 500:
+        return StatusFailure(what)
+    if code in _PERMANENT_CODES or 300 <= status < 500:
+        return Permanent(what)  # credentials, permissions, a wrong region (301), bad requests
+    return Transient(what)
+
+
+def _tag(text: str, name: str) -> str | None:
+    m = re.search(f"<{name}>(.*?)</{name}>", text, re.S)
+    return m.group(1).strip() if m else None
