@@ -242,7 +242,7 @@ def metadata(ranks: int, layers: int = LAYERS, rank: int = 0) -> list[dict[str, 
         if specs != targets:
             raise AssertionError(f"{name}: decoded specs differ from the originals")
         _, plan = _cpu(lambda: build_plan(manifest, specs, PlanOptions(), rank=rank))
-        specs.clear()
+        specs = None  # free it before the next path
         total = row["encode ms"] / 1e3 + row["gather s"] + row["decode s"] + plan
         rows.append({"ranks": ranks, "path": name, "target specs": sum(map(len, targets)),
                      "received MiB/rank": round(row["received MiB"], 2),
@@ -287,7 +287,7 @@ def compare(ranks: int, against: Any, reps: int = 5, layers: int = LAYERS) -> li
             gc.collect()
             specs, dec = _cpu(received)
             _, t = _cpu(lambda: plan.build_plan(manifest, specs, plan.PlanOptions(), rank=0))
-            specs.clear()
+            specs = None  # free it before the next path
             got.setdefault((name, "decode s"), []).append(dec)
             got.setdefault((name, "plan from decoded s"), []).append(t)
             got.setdefault((name, "metadata + plan s"), []).append(dec + t)

@@ -25,6 +25,7 @@ from itertools import repeat
 from typing import Any, Iterable, Iterator, Sequence
 
 from .errors import IncompatibleStateDictError, TransformError
+from .gathered import Distinct, distinct as number_targets
 from .manifest import Manifest
 from .needs import Need, PlanContext, coalesce_needs, fresh_copy, group_needs, make_read
 from .plandata import (
@@ -106,7 +107,7 @@ def _build_plan(
 ) -> LoadPlan:
     view = view or IdentityView(manifest)
     world = len(targets_by_rank)
-    distinct = _dedupe(targets_by_rank)
+    distinct = number_targets(targets_by_rank)
     census = _census(distinct, view)
     targets = list(map(tuple.__new__, repeat(Target), zip(distinct.specs, distinct.needers)))
     rank_targets = distinct.rank_targets
@@ -158,51 +159,6 @@ def _build_plan(
 
 
 @dataclass(slots=True)
-class _Distinct:
-    """The distinct target specs (ids in first-seen order) and the ranks holding each."""
-
-    specs: list[TargetSpec]
-    needers: list[list[int]]
-    rank_targets: list[list[int]]  # per rank: the id of each of its specs
-    several: list[int]  # ids held by more than one rank
-
-
-def _dedupe(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> _Distinct:
-    """Number the distinct specs and list each one's holders.
-
-    The targets one rank alone holds share one holder list per rank (none is
-    ever appended to): at scale they are most targets, and fewer live objects
-    make the collection after the plan cheaper.
-    """
-    uid_of: dict[TargetSpec, int] = {}
-    seen = uid_of.setdefault
-    rank_targets: list[list[int]] = []
-    needers: list[list[int]] = []
-    several: list[int] = []
-    for r, specs in enumerate(targets_by_rank):
-        before = len(uid_of)
-        mine = [seen(s, len(uid_of)) for s in specs]
-        rank_targets.append(mine)
-        fresh = len(uid_of) - before
-        needers.extend([[r]] * fresh)  # first held here: one shared list
-        if fresh == len(mine):
-            continue
-        for u in mine:
-            if u < before:
-                held = needers[u]
-                if held[-1] != r:
-                    if len(held) == 1:
-                        needers[u] = [held[0], r]  # a shared one-rank list: copied, never appended to
-                        several.append(u)
-                    else:
-                        held.append(r)
-    equal: dict[tuple[int, ...], list[int]] = {}
-    for u in several:  # equal holder lists of several ranks: one object (see rounds.reachable)
-        needers[u] = equal.setdefault(tuple(needers[u]), needers[u])
-    return _Distinct(list(uid_of), needers, rank_targets, several)
-
-
-@dataclass(slots=True)
 class _Census:
     """The live targets by key, and what the plan needs to know of each key."""
 
@@ -216,7 +172,7 @@ class _Census:
         return sorted(u for k in keys for u in by_key[k])
 
 
-def _census(distinct: _Distinct, view: ViewLike) -> _Census:
+def _census(distinct: Distinct, view: ViewLike) -> _Census:
     """One pass over the distinct targets: group them by key, and check each distinct
     (key, dtype, global shape) against the view once (the first failing target, in
     id order, raises)."""

@@ -1,0 +1,68 @@
+"""Every rank's specs as gathered pieces (``streamckpt.gathered``).
+
+``GatheredSpecs.distinct`` (numpy over the pieces) must give exactly what the
+plain ``dedupe`` gives on the decoded lists: the same ids in the same order, the
+same holders, and the same sharing of holder lists (the planner compares them
+by identity). Pure.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from streamckpt import specwire
+from streamckpt.gathered import GatheredSpecs, dedupe, distinct
+from streamckpt.targets import TargetSpec
+
+from test_specwire import layouts, simulate
+
+
+def same_distinct(a, b) -> None:
+    assert a.specs == b.specs
+    assert [type(s) for s in a.specs] == [type(s) for s in b.specs]
+    assert a.needers == b.needers
+    assert a.rank_targets == b.rank_targets
+    assert sorted(a.several) == sorted(b.several)
+    # holder lists shared alike: one object per equal list of several ranks, one per rank for single holders
+    pairs = {}
+    for x, y in zip(a.needers, b.needers):
+        assert pairs.setdefault(id(x), id(y)) == id(y)
+    assert len(set(pairs.values())) == len(pairs)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts(), st.randoms())
+def test_distinct_from_pieces_equals_dedupe_of_lists(lists, rnd):
+    if lists and rnd.random() < 0.5:  # a rank holding a spec twice, and an empty rank
+        r = rnd.randrange(len(lists))
+        lists[r] = lists[r] + lists[r][:1]
+        lists.append([])
+    (got,), _, _ = simulate(lists, ranks=(0,))
+    assert isinstance(got, GatheredSpecs)
+    same_distinct(got.distinct(), dedupe(lists))
+    same_distinct(distinct(got), distinct(lists))
+
+
+def test_planner_bench_layout_distinct():
+    from benchmarks.planner_bench import build_targets
+
+    targets = build_targets(256, layers=3)
+    (got,), _, _ = simulate(targets, ranks=(5,))
+    d = got.distinct()
+    same_distinct(d, dedupe(targets))
+    assert len(d.specs) < sum(map(len, targets))
+
+
+def test_gathered_specs_read_like_lists():
+    base = [TargetSpec("a", "F32", (4,), (0,), (4,)), TargetSpec("b", "F32", (8,), (0,), (8,), (0, 4))]
+    lists = [base, [base[0], base[1]._replace(flat_range=(4, 8))], []]
+    (got,), _, _ = simulate(lists, ranks=(1,))
+    assert len(got) == 3 and got == lists and list(got) == lists and got[-1] == [] and got[1:] == lists[1:]
+    assert got != lists[:2] and got != [[], [], []]
+    mine = got[0]
+    mine.clear()  # a rank's list is the caller's own copy
+    assert got[0] == base
+    assert "3 ranks" in repr(got)
+    empty = specwire.decode_all(specwire.route([]), [])
+    assert len(empty) == 0 and empty.distinct().specs == []
