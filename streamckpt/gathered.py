@@ -30,6 +30,15 @@ class Distinct:
     needers: list[list[int]]  # ascending; one shared list per rank for its single-holder ids, equal lists shared
     rank_targets: list[list[int]]  # per rank: the id of each of its specs
     several: list[int]  # ids held by more than one rank
+    kinds: Kinds | None = None  # from gathered pieces: each id's (key, dtype, global shape), numbered
+
+
+@dataclass(slots=True)
+class Kinds:
+    """The distinct (key, dtype, global shape) of the targets, and each target's."""
+
+    table: list[tuple[str, str, tuple[int, ...]]]
+    of_uid: np.ndarray  # index into ``table`` per target id
 
 
 def distinct(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> Distinct:
@@ -173,15 +182,21 @@ class _Numbering:
         self.lo = np.zeros(n, dtype=np.int64)
         self.hi = np.zeros(n, dtype=np.int64)
         at = np.concatenate([wheres[li] + s for (li, _), s in zip(of_rank, self.starts.tolist())] or [empty])
-        ranges = [np.array(flats[fi], dtype=np.int64).reshape(-1, 2) for fi in range(len(flats))]
+        ranges = [np.array(f, dtype=np.int64).reshape(-1, 2) for f in flats]
         got = np.concatenate([ranges[fi] for _, fi in of_rank] or [empty.reshape(0, 2)])
         self.lo[at] = got[:, 0]
         self.hi[at] = got[:, 1]
+        # the decoded range tuples themselves (few: one per distinct blob's slice), to build specs from
+        self.range_objs = np.fromiter((r for f in flats for r in f), dtype=object, count=sum(map(len, flats)))
+        self.range_of = np.full(n, -1, dtype=np.int64)
+        bounds = np.cumsum([0] + [len(f) for f in flats]).tolist()
+        ids = [np.arange(a, b, dtype=np.int64) for a, b in zip(bounds, bounds[1:])]
+        self.range_of[at] = np.concatenate([ids[fi] for _, fi in of_rank] or [empty])
 
     def distinct(self) -> Distinct:
         n = len(self.value)
         if n == 0:
-            return Distinct([], [], [[] for _ in range(self.world)], [])
+            return Distinct([], [], [[] for _ in range(self.world)], [], Kinds([], np.zeros(0, dtype=np.int64)))
         order = np.lexsort((self.hi, self.lo, self.value))  # stable: a class's entries in rank-major order
         v, lo, hi = self.value[order], self.lo[order], self.hi[order]
         new = np.ones(n, dtype=bool)
@@ -198,7 +213,12 @@ class _Numbering:
         flat_uids = uid.tolist()
         bounds = self.starts.tolist()
         rank_targets = [flat_uids[a:b] for a, b in zip(bounds, bounds[1:])]
-        return Distinct(specs, needers, rank_targets, several)
+        return Distinct(specs, needers, rank_targets, several, self._kinds(first[by_uid]))
+
+    def _kinds(self, first: np.ndarray) -> Kinds:
+        kind_of: dict[tuple, int] = {}
+        of_value = np.array([kind_of.setdefault(p[:3], len(kind_of)) for p in self.protos.tolist()], dtype=np.int64)
+        return Kinds(list(kind_of), of_value[self.value[first]])
 
     def _needers(self, order: np.ndarray, new: np.ndarray, entry_rank: np.ndarray,
                  by_uid: np.ndarray) -> tuple[list[list[int]], list[int]]:
@@ -215,7 +235,7 @@ class _Numbering:
         out = np.empty(len(by_uid), dtype=object)
         one = np.nonzero(count == 1)[0]
         alone = np.empty(self.world, dtype=object)
-        for r in np.unique(held[start[one]]).tolist():
+        for r in range(self.world):
             alone[r] = [r]
         out[one] = alone[held[start[one]]]
         several = np.nonzero(count > 1)[0].tolist()
@@ -238,7 +258,7 @@ class _Numbering:
         if len(flat):
             at, of = first[flat], value[flat]
             columns = [col[of].tolist() for col in self._columns()]
-            ranges = zip(self.lo[at].tolist(), self.hi[at].tolist())
+            ranges = self.range_objs[self.range_of[at]].tolist()
             made = map(tuple.__new__, repeat(TargetSpec), zip(*columns, ranges))
             specs[flat] = np.fromiter(made, dtype=object, count=len(flat))
         return specs.tolist()

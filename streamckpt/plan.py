@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, Iterable, Iterator, Sequence
 
+import numpy as np
+
 from .errors import IncompatibleStateDictError, TransformError
-from .gathered import Distinct, distinct as number_targets
+from .gathered import Distinct, Kinds, distinct as number_targets
 from .manifest import Manifest
 from .needs import Need, PlanContext, coalesce_needs, fresh_copy, group_needs, make_read
 from .plandata import (
@@ -176,6 +178,8 @@ def _census(distinct: Distinct, view: ViewLike) -> _Census:
     """One pass over the distinct targets: group them by key, and check each distinct
     (key, dtype, global shape) against the view once (the first failing target, in
     id order, raises)."""
+    if distinct.kinds is not None:
+        return _census_of_kinds(distinct, distinct.kinds, view)
     tensors = view.tensors
     transformed = getattr(view, "transformed", True)
     info: dict[str, tuple[list[int], str, tuple[int, ...], list[tuple[str, tuple[int, ...]]]]] = {}
@@ -197,6 +201,33 @@ def _census(distinct: Distinct, view: ViewLike) -> _Census:
         got[0].append(uid)
     by_key = {k: v[0] for k, v in info.items()}
     replicated = {k for k in (distinct.specs[u][0] for u in distinct.several) if k in by_key}
+    return _Census(by_key, dead, replicated)
+
+
+def _census_of_kinds(distinct: Distinct, kinds: Kinds, view: ViewLike) -> _Census:
+    """``_census`` from the targets' numbered kinds (gathered pieces): each kind checked
+    once, in the order of its first target, and the targets grouped by key with numpy."""
+    tensors = view.tensors
+    transformed = getattr(view, "transformed", True)
+    found, first = np.unique(kinds.of_uid, return_index=True)
+    by_first = np.argsort(first, kind="stable")
+    key_ids: dict[str, int] = {}
+    key_of_kind = np.zeros(len(kinds.table), dtype=np.int64)
+    for k, u in zip(found[by_first].tolist(), first[by_first].tolist()):
+        key = kinds.table[k][0]
+        vt = tensors.get(key)
+        if vt is not None:
+            _check_target(distinct.specs[u], vt, transformed, distinct.needers[u])
+        key_of_kind[k] = key_ids.setdefault(key, len(key_ids))
+    keys = list(key_ids)
+    alive = np.array([k in tensors for k in keys], dtype=bool)
+    key_of_uid = key_of_kind[kinds.of_uid]
+    grouped = np.argsort(key_of_uid, kind="stable").tolist()
+    bounds = np.cumsum(np.bincount(key_of_uid, minlength=len(keys))).tolist()
+    by_key = {k: grouped[a:b] for k, a, b, live in zip(keys, [0] + bounds, bounds, alive.tolist()) if live}
+    dead = np.nonzero(~alive[key_of_uid])[0].tolist()
+    several = np.unique(key_of_uid[distinct.several]) if distinct.several else np.zeros(0, dtype=np.int64)
+    replicated = {keys[i] for i in several.tolist() if alive[i]}
     return _Census(by_key, dead, replicated)
 
 

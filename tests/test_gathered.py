@@ -66,3 +66,44 @@ def test_gathered_specs_read_like_lists():
     assert "3 ranks" in repr(got)
     empty = specwire.decode_all(specwire.route([]), [])
     assert len(empty) == 0 and empty.distinct().specs == []
+
+
+class _Tensor:
+    def __init__(self, spec: TargetSpec) -> None:
+        self.shape, self.dtype = spec.global_shape, spec.dtype
+
+
+class _View:
+    """Some of the layouts' keys, each with the dtype and shape of one of its specs."""
+
+    transformed = False
+
+    def __init__(self, lists, rnd) -> None:
+        specs = [s for specs in lists for s in specs]
+        rnd.shuffle(specs)
+        self.tensors = {s.key: _Tensor(s) for s in specs if rnd.random() < 0.8}
+        for t in self.tensors.values():
+            if rnd.random() < 0.2:
+                t.dtype = "X"  # no spec of the key has it: the first of the key's kinds raises
+
+
+def _census_or_error(distinct, view):
+    from streamckpt.plan import _census
+
+    try:
+        c = _census(distinct, view)
+    except Exception as e:  # both must raise the same error
+        return type(e).__name__, str(e)
+    return c.by_key, list(c.by_key), c.dead, c.replicated
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts(), st.randoms())
+def test_census_from_kinds_equals_census_of_lists(lists, rnd):
+    names = {}  # few keys, so that keys repeat with other dtypes and shapes
+    lists = [[s._replace(key=names.setdefault(s.key, rnd.choice("abc"))) for s in specs] for specs in lists]
+    (got,), _, _ = simulate(lists, ranks=(0,))
+    d = got.distinct()
+    assert d.kinds is not None
+    view = _View(lists, rnd)
+    assert _census_or_error(d, view) == _census_or_error(dedupe(lists), view)
