@@ -107,3 +107,17 @@ def test_census_from_kinds_equals_census_of_lists(lists, rnd):
     assert d.kinds is not None
     view = _View(lists, rnd)
     assert _census_or_error(d, view) == _census_or_error(dedupe(lists), view)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.lists(st.integers(0, 3), min_size=1, max_size=40), st.randoms())
+def test_equal_rows_groups_rows_like_numpy_unique(width, picks, rnd):
+    import numpy as np
+
+    from streamckpt.gathered import _equal_rows
+
+    pool = np.array([[rnd.randrange(-(1 << 62), 1 << 62) for _ in range(width)] for _ in range(4)], dtype=np.int64)
+    rows = pool[picks]
+    reps, which = _equal_rows(rows)
+    assert (reps[which.reshape(-1)] == rows).all()
+    assert len(reps) == len(np.unique(rows, axis=0))
