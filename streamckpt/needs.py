@@ -199,6 +199,7 @@ def _flat_fast_path(
     dtype, isz = index.dtype, index.itemsize
     max_elems = max(1, max_piece // isz)
     out: list[Need] = []
+    new = tuple.__new__  # a Box at C speed
     for sh in shards:
         # a row band's flattening is the target's flattening shifted by d elements
         d = (sh.offset[0] - row0) * inner
@@ -211,7 +212,7 @@ def _flat_fast_path(
         align = sh.chunk_size // isz if sh.chunk_size and sh.chunk_size % isz == 0 else 0
         for x, y in _aligned_cuts(src0, src0 + hi - lo, max(max_elems, align), align):
             n = y - x
-            copy = Copy(uid, -1, n * isz, dtype, (n,), (1,), Box((0,), (n,)), lo - a + (x - src0), (n,), None)
+            copy = Copy(uid, -1, n * isz, dtype, (n,), (1,), new(Box, ((0,), (n,))), lo - a + (x - src0), (n,), None)
             out.append(need_bytes(sh, x * isz, y * isz, copy, isz, offsets))
     return out
 

@@ -321,12 +321,7 @@ def _plan_shared(
     if not uids:
         return []
     needs = [n for uid in uids for n in ctx.needs(uid)]
-    fences: dict[str, list[tuple[int, int]]] = {}
-    for key in private_keys:
-        for sh in ctx.manifest.tensors[key].shards:
-            fences.setdefault(sh.file, []).append((sh.byte_offset, sh.byte_offset + sh.byte_length))
-    files = {n.file for n in needs}
-    barriers = {f: _merge_ranges(fences[f]) for f in files if f in fences}
+    barriers = _barriers(ctx.manifest, private_keys, {n.file for n in needs})
     groups = group_needs(needs, ctx.options, ctx.targets, barriers)
     keep = reachable(groups, rank, world, ctx.targets) if rank is not None else [True] * len(groups)
     reads = [make_read(*g, ctx.offsets) if k else None for g, k in zip(groups, keep)]
@@ -334,11 +329,30 @@ def _plan_shared(
     return reads
 
 
+def _barriers(manifest: Manifest, private_keys: set[str], files: set[str]) -> dict[str, list[tuple[int, int]]]:
+    """Per file of ``files``: the merged byte ranges of private tensors' shards, which
+    shared reads never read through. Walked in manifest order, not the set's (whose order
+    follows string hashes): shards then come mostly sorted, and sorting them costs the
+    same in every process."""
+    fences: dict[str, list[tuple[int, int]]] = {}
+    for key, meta in manifest.tensors.items():
+        if key in private_keys:
+            for sh in meta.shards:
+                if sh.file in files:
+                    fences.setdefault(sh.file, []).append((sh.byte_offset, sh.byte_offset + sh.byte_length))
+    return {f: _merge_ranges(ranges) for f, ranges in fences.items()}
+
+
 def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
-    for a, b in sorted(ranges):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
+    ranges.sort()
+    lo, hi = ranges[0]
+    for a, b in ranges:
+        if a <= hi:
+            if b > hi:
+                hi = b
         else:
-            out.append((a, b))
+            out.append((lo, hi))
+            lo, hi = a, b
+    out.append((lo, hi))
     return out
