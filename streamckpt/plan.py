@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from .errors import IncompatibleStateDictError, TransformError
-from .gathered import Distinct, Kinds, distinct as number_targets
+from .gathered import Distinct, Kinds, distinct as number_targets, unique
 from .manifest import Manifest
 from .needs import Need, PlanContext, coalesce_needs, fresh_copy, group_needs, make_read
 from .plandata import (
@@ -209,7 +209,7 @@ def _census_of_kinds(distinct: Distinct, kinds: Kinds, view: ViewLike) -> _Censu
     once, in the order of its first target, and the targets grouped by key with numpy."""
     tensors = view.tensors
     transformed = getattr(view, "transformed", True)
-    found, first = np.unique(kinds.of_uid, return_index=True)
+    found, first, _ = unique(kinds.of_uid)
     by_first = np.argsort(first, kind="stable")
     key_ids: dict[str, int] = {}
     key_of_kind = np.zeros(len(kinds.table), dtype=np.int64)
@@ -226,7 +226,7 @@ def _census_of_kinds(distinct: Distinct, kinds: Kinds, view: ViewLike) -> _Censu
     bounds = np.cumsum(np.bincount(key_of_uid, minlength=len(keys))).tolist()
     by_key = {k: grouped[a:b] for k, a, b, live in zip(keys, [0] + bounds, bounds, alive.tolist()) if live}
     dead = np.nonzero(~alive[key_of_uid])[0].tolist()
-    several = np.unique(key_of_uid[distinct.several]) if distinct.several else np.zeros(0, dtype=np.int64)
+    several = unique(key_of_uid[distinct.several])[0]
     replicated = {keys[i] for i in several.tolist() if alive[i]}
     return _Census(by_key, dead, replicated)
 

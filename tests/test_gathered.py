@@ -121,3 +121,16 @@ def test_equal_rows_groups_rows_like_numpy_unique(width, picks, rnd):
     reps, which = _equal_rows(rows)
     assert (reps[which.reshape(-1)] == rows).all()
     assert len(reps) == len(np.unique(rows, axis=0))
+
+
+@given(st.lists(st.integers(-5, 5), max_size=30))
+def test_unique_is_numpy_unique(values):
+    import numpy as np
+
+    from streamckpt.gathered import unique
+
+    arr = np.array(values, dtype=np.int64)
+    got = unique(arr)
+    want = np.unique(arr, return_index=True, return_inverse=True)
+    for g, w in zip(got, want):
+        assert g.tolist() == w.reshape(-1).tolist()
