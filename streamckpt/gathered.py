@@ -6,13 +6,12 @@ a large part of a plan. ``specwire`` receives them as few distinct pieces (a
 (names, boxes) pair per layout, a flat-range list per ZeRO slice set) and keeps
 them that way in a ``GatheredSpecs``. Deduplicating those pieces hashes only the
 distinct layouts' fields; the ranks × specs entries are then numbered with numpy
-(a sort of integer triples), so the Python work grows with the distinct specs,
+(one integer per entry, one sort), so the Python work grows with the distinct specs,
 not with ranks × specs. Both paths give exactly the same ``Distinct``. Pure.
 """
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, Iterator, Sequence, overload
@@ -186,7 +185,8 @@ class _Numbering:
         self.range_of = np.full(n, -1, dtype=np.int64)
         at = np.concatenate([wheres[li] + s for (li, _), s in zip(of_rank, self.starts.tolist())] or [empty])
         self.range_of[at] = np.concatenate([numbered[fi] for _, fi in of_rank] or [empty])
-        # one integer per entry: equal integers are equal specs
+        # one integer per entry: equal integers are equal specs (values and ranges number at most n
+        # each, and n·(n + 1) fits in 63 bits for any n below 3·10⁹ entries)
         self.key = self.value * (len(canon) + 1) + (self.range_of + 1)
 
     def distinct(self) -> Distinct:

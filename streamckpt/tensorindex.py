@@ -51,27 +51,35 @@ class _Parts:
 
 
 class TensorIndex:
-    """One tensor's shards: as parts for box queries (built on the first query: the
-    flat fast path alone never needs them) and grouped by box for 1-D lookups."""
+    """One tensor's shards: as parts for box queries and grouped by box for 1-D lookups,
+    each built on its first use (the flat fast path never needs the parts, a box query
+    never the groups)."""
 
     def __init__(self, shards: Sequence[Shard], dtype: str) -> None:
         self.shards = shards
         self.dtype = dtype
         self.itemsize = dtypes.itemsize(dtype)
         self._parts: _Parts | None = None
-        # shards grouped by box, flat ranges sorted: the flat fast path's 1-D lookups
-        groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[Shard]] = {}
-        for s in shards:
-            groups.setdefault((s.offset, s.shape), []).append(s)
-        # per box: its inner dims (offset, shape after dim 0), stops and shards
-        self.boxes: list[tuple[Box, Box, list[int], list[Shard]]] = []
-        for (off, shape), group in groups.items():
-            if len(group) > 1:
-                group.sort(key=lambda sh: sh.flat_range[0] if sh.flat_range else 0)
-            numel = math.prod(shape)
-            stops = [sh.flat_range[1] if sh.flat_range else numel for sh in group]
-            self.boxes.append((Box(off, shape), Box(off[1:], shape[1:]), stops, group))
-        self.boxes.sort(key=lambda x: x[0][0][0] if x[0][0] else 0)
+        self._boxes: list[tuple[Box, Box, list[int], list[Shard]]] | None = None
+
+    @property
+    def boxes(self) -> list[tuple[Box, Box, list[int], list[Shard]]]:
+        """Per box of the shards, ordered by first row: the box, its inner dims (offset
+        and shape after dim 0), the shards' flat-range stops, ascending, and the shards."""
+        if self._boxes is None:
+            groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[Shard]] = {}
+            for s in self.shards:
+                groups.setdefault((s.offset, s.shape), []).append(s)
+            boxes = []
+            for (off, shape), group in groups.items():
+                if len(group) > 1:
+                    group.sort(key=lambda sh: sh.flat_range[0] if sh.flat_range else 0)
+                numel = math.prod(shape)
+                stops = [sh.flat_range[1] if sh.flat_range else numel for sh in group]
+                boxes.append((Box(off, shape), Box(off[1:], shape[1:]), stops, group))
+            boxes.sort(key=lambda x: x[0][0][0] if x[0][0] else 0)
+            self._boxes = boxes
+        return self._boxes
 
     def shards_in_rows(
         self, offset: tuple[int, ...], shape: tuple[int, ...], r0: int, r1: int, lo: int, hi: int,
