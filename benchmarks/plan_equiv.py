@@ -11,7 +11,9 @@ Inputs: the planner benchmark's 70B-like job (``--ranks``: the all-ranks plan an
 one-rank plans of a spread of ranks, edges placed with the claims of those
 ranks), and random cases drawn from the generators of ``tests/test_plan.py``
 (replicated, ZeRO, and mixed layouts) and ``tests/gpu_cases.py`` (zstd frames,
-transforms, read_once off), every rank's plan each. A tool for refactoring the
+transforms, read_once off), every rank's plan each. With ``--wire`` the new
+planner plans from the specs as a load receives them (``specwire``'s gathered
+pieces), the reference from the plain lists. A tool for refactoring the
 planner, not a benchmark: it prints what differs and exits non-zero.
 """
 
@@ -88,8 +90,10 @@ def _diff(what: str, a: tuple, b: tuple) -> str:
 class Checker:
     """Plans each input with both planners and counts what differs."""
 
-    def __init__(self, new: Any, ref: Any) -> None:
+    def __init__(self, new: Any, ref: Any, wire: bool = False) -> None:
         self.new, self.ref = new, ref
+        self.wire = wire  # the new planner plans from specs sent through this tree's specwire
+        self.wired = 0
         self.plans = 0
         self.raised = 0  # inputs both planners rejected with the same error
         self.failures: list[str] = []
@@ -116,9 +120,13 @@ class Checker:
     def case(self, what: str, manifest: Any, targets: list, opts: dict, view: Callable[[Any], Any] | None = None,
              ranks: list[int] | None = None) -> None:
         """The all-ranks plan, then one-rank plans of ``ranks`` (all by default), before and after settling."""
+        sent = _through_wire(targets) if self.wire else None
+        self.wired += sent is not None
+
         def plan(mod: Any, rank: int | None) -> Any:
             v = view(mod) if view is not None else None
-            return mod.build_plan(manifest, targets, mod.PlanOptions(**opts), v, rank=rank)
+            given = sent if sent is not None and mod is self.new else targets
+            return mod.build_plan(manifest, given, mod.PlanOptions(**opts), v, rank=rank)
 
         errors = []
         for mod in (self.new, self.ref):
@@ -143,6 +151,21 @@ class Checker:
         self.ref.settle_all([b for _, b in pairs])
         for r, (a, b) in zip(ranks or range(len(targets)), pairs):
             self.same(f"{what} rank {r} settled", a, b)
+
+
+def _through_wire(targets: list) -> Any:
+    """Every rank's specs as a load receives them (``specwire``: encode, route, decode);
+    None when a rank's specs cannot be encoded (a load raises that on every rank)."""
+    from streamckpt import specwire
+    from streamckpt.errors import CheckpointError
+
+    try:
+        encs = [specwire.encode(t) for t in targets]
+    except CheckpointError:
+        return None
+    routing = specwire.route([specwire.parse_header(e.header(), r) for r, e in enumerate(encs)])
+    payloads = [specwire.payload(routing, r, e) for r, e in enumerate(encs)]
+    return specwire.decode_all(routing, specwire.assemble(routing, payloads))
 
 
 def bench_job(check: Checker, ranks: int, layers: int) -> None:
@@ -234,16 +257,19 @@ def main() -> int:
     ap.add_argument("--examples", type=int, default=300, help="random cases from tests/test_plan.py's generators")
     ap.add_argument("--gpu-cases", type=int, default=100, help="random cases from tests/gpu_cases.py")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--wire", action="store_true",
+                    help="the new planner plans from the specs as specwire delivers them (gathered pieces)")
     args = ap.parse_args()
     import streamckpt.plan as new
 
     with tempfile.TemporaryDirectory() as tmp:
-        check = Checker(new, load_reference(args.against, Path(tmp)))
+        check = Checker(new, load_reference(args.against, Path(tmp)), args.wire)
         for n in args.ranks:
             bench_job(check, n, args.layers)
         random_cases(check, args.examples, args.seed)
         gpu_cases(check, args.gpu_cases, args.seed)
-    print(f"{check.plans} plans compared, {len(check.failures)} differ, {check.raised} inputs rejected alike; "
+    print(f"{check.plans} plans compared, {len(check.failures)} differ, {check.raised} inputs rejected alike, "
+          f"{check.wired} inputs sent through specwire; "
           f"planning s: new "
           f"{check.seconds['new']:.1f}, ref {check.seconds['ref']:.1f}")
     return 1 if check.failures else 0

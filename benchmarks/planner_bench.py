@@ -226,9 +226,10 @@ def _specwire_path(targets: list[list[Any]], rank: int) -> tuple[list[list[Any]]
                    "decode s": route + dec, "distinct blobs": len(routing.blobs)}
 
 
-def metadata(ranks: int, layers: int = LAYERS, rank: int = 0) -> list[dict[str, Any]]:
+def metadata(ranks: int, layers: int = LAYERS, rank: int = 0, json_too: bool = True) -> list[dict[str, Any]]:
     """Rows (JSON, specwire) of one rank's metadata path onto ``ranks`` ranks: encode,
-    gather, decode every rank's specs, then this rank's plan from the decoded specs."""
+    gather, decode every rank's specs, then this rank's plan from the decoded specs
+    (specwire alone without ``json_too``)."""
     import gc
 
     from streamckpt.plan import PlanOptions, build_plan
@@ -236,13 +237,14 @@ def metadata(ranks: int, layers: int = LAYERS, rank: int = 0) -> list[dict[str, 
     manifest = build_manifest(layers=layers)
     targets = build_targets(ranks, layers=layers)
     rows = []
-    for name, path in (("JSON (before)", _json_path), ("specwire", _specwire_path)):
+    paths = (("JSON (before)", _json_path), ("specwire", _specwire_path))
+    for name, path in paths if json_too else paths[1:]:
         gc.collect()
         specs, row = path(targets, rank)
         if specs != targets:
             raise AssertionError(f"{name}: decoded specs differ from the originals")
         _, plan = _cpu(lambda: build_plan(manifest, specs, PlanOptions(), rank=rank))
-        specs.clear()
+        specs = None  # free it before the next path
         total = row["encode ms"] / 1e3 + row["gather s"] + row["decode s"] + plan
         rows.append({"ranks": ranks, "path": name, "target specs": sum(map(len, targets)),
                      "received MiB/rank": round(row["received MiB"], 2),
@@ -287,7 +289,7 @@ def compare(ranks: int, against: Any, reps: int = 5, layers: int = LAYERS) -> li
             gc.collect()
             specs, dec = _cpu(received)
             _, t = _cpu(lambda: plan.build_plan(manifest, specs, plan.PlanOptions(), rank=0))
-            specs.clear()
+            specs = None  # free it before the next path
             got.setdefault((name, "decode s"), []).append(dec)
             got.setdefault((name, "plan from decoded s"), []).append(t)
             got.setdefault((name, "metadata + plan s"), []).append(dec + t)
@@ -310,6 +312,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="Scenario (f): the planner alone on a simulated 70B-like job.")
     ap.add_argument("ranks", type=int, nargs="*", default=[512], help="simulated world sizes (multiples of 64)")
     ap.add_argument("--metadata", action="store_true", help="time the per-rank metadata path, JSON vs specwire")
+    ap.add_argument("--specwire-only", action="store_true", help="with --metadata: skip the JSON path")
     ap.add_argument("--against", metavar="REV", help="compare with the planner at git revision REV, alternating")
     ap.add_argument("--reps", type=int, default=5, help="repetitions for --against")
     args = ap.parse_args()
@@ -324,7 +327,7 @@ if __name__ == "__main__":
                 for row in compare(n, reference, args.reps):
                     print(json.dumps(row), flush=True)
             elif args.metadata:
-                for row in metadata(n):
+                for row in metadata(n, json_too=not args.specwire_only):
                     print(json.dumps(row), flush=True)
             else:
                 print(json.dumps(bench(n)), flush=True)

@@ -295,7 +295,8 @@ def make_comm(process_group: Any | None) -> SoloComm | GroupComm:
     return comm
 
 
-def gather_targets(comm: SoloComm | GroupComm, specs: list[TargetSpec], own: BaseException | None) -> list[list[TargetSpec]]:
+def gather_targets(comm: SoloComm | GroupComm, specs: list[TargetSpec], own: BaseException | None,
+                   ) -> Sequence[Sequence[TargetSpec]]:
     """Every rank's target specs, or an agreed failure.
 
     Two all-gathers (``specwire``): fixed-size headers (an error, or each

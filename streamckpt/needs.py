@@ -158,13 +158,15 @@ def _dst_box(piece: Box, to_dst: tuple[int, ...], perm: tuple[int, ...] | None) 
 
 def need_bytes(s: Shard, raw_start: int, raw_stop: int, copy: Copy, isz: int, offsets: "FrameOffsets") -> Need:
     """The stored byte range (widened to whole chunks/frames) that raw bytes need."""
-    raw_len = s.numel * isz
-    if s.chunk_size:
-        lo = raw_start // s.chunk_size
-        hi = -(-raw_stop // s.chunk_size)
+    flat = s.flat_range  # s.numel, inlined: a plan asks once per need
+    raw_len = (flat[1] - flat[0] if flat is not None else math.prod(s.shape)) * isz
+    cs = s.chunk_size
+    if cs:
+        lo = raw_start // cs
+        hi = -(-raw_stop // cs)
         if s.frame_lengths is None:
-            f_start = s.byte_offset + lo * s.chunk_size
-            f_stop = s.byte_offset + min(hi * s.chunk_size, raw_len)
+            f_start = s.byte_offset + lo * cs
+            f_stop = s.byte_offset + min(hi * cs, raw_len)
         else:
             f_start = offsets.of(s, lo)
             f_stop = offsets.of(s, hi - 1) + s.frame_lengths[hi - 1]
@@ -199,6 +201,7 @@ def _flat_fast_path(
     dtype, isz = index.dtype, index.itemsize
     max_elems = max(1, max_piece // isz)
     out: list[Need] = []
+    new = tuple.__new__  # a Box at C speed
     for sh in shards:
         # a row band's flattening is the target's flattening shifted by d elements
         d = (sh.offset[0] - row0) * inner
@@ -209,9 +212,11 @@ def _flat_fast_path(
             continue
         src0 = lo - d - s0  # element offset in the shard's raw bytes
         align = sh.chunk_size // isz if sh.chunk_size and sh.chunk_size % isz == 0 else 0
-        for x, y in _aligned_cuts(src0, src0 + hi - lo, max(max_elems, align), align):
+        step = max_elems if max_elems > align else align
+        cuts = ((src0, src0 + hi - lo),) if hi - lo <= step else _aligned_cuts(src0, src0 + hi - lo, step, align)
+        for x, y in cuts:
             n = y - x
-            copy = Copy(uid, -1, n * isz, dtype, (n,), (1,), Box((0,), (n,)), lo - a + (x - src0), (n,), None)
+            copy = Copy(uid, -1, n * isz, dtype, (n,), (1,), new(Box, ((0,), (n,))), lo - a + (x - src0), (n,), None)
             out.append(need_bytes(sh, x * isz, y * isz, copy, isz, offsets))
     return out
 

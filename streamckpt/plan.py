@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, Iterable, Iterator, Sequence
 
+import numpy as np
+
 from .errors import IncompatibleStateDictError, TransformError
+from .gathered import Distinct, Kinds, distinct as number_targets, unique
 from .manifest import Manifest
 from .needs import Need, PlanContext, coalesce_needs, fresh_copy, group_needs, make_read
 from .plandata import (
@@ -106,7 +109,7 @@ def _build_plan(
 ) -> LoadPlan:
     view = view or IdentityView(manifest)
     world = len(targets_by_rank)
-    distinct = _dedupe(targets_by_rank)
+    distinct = number_targets(targets_by_rank)
     census = _census(distinct, view)
     targets = list(map(tuple.__new__, repeat(Target), zip(distinct.specs, distinct.needers)))
     rank_targets = distinct.rank_targets
@@ -158,51 +161,6 @@ def _build_plan(
 
 
 @dataclass(slots=True)
-class _Distinct:
-    """The distinct target specs (ids in first-seen order) and the ranks holding each."""
-
-    specs: list[TargetSpec]
-    needers: list[list[int]]
-    rank_targets: list[list[int]]  # per rank: the id of each of its specs
-    several: list[int]  # ids held by more than one rank
-
-
-def _dedupe(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> _Distinct:
-    """Number the distinct specs and list each one's holders.
-
-    The targets one rank alone holds share one holder list per rank (none is
-    ever appended to): at scale they are most targets, and fewer live objects
-    make the collection after the plan cheaper.
-    """
-    uid_of: dict[TargetSpec, int] = {}
-    seen = uid_of.setdefault
-    rank_targets: list[list[int]] = []
-    needers: list[list[int]] = []
-    several: list[int] = []
-    for r, specs in enumerate(targets_by_rank):
-        before = len(uid_of)
-        mine = [seen(s, len(uid_of)) for s in specs]
-        rank_targets.append(mine)
-        fresh = len(uid_of) - before
-        needers.extend([[r]] * fresh)  # first held here: one shared list
-        if fresh == len(mine):
-            continue
-        for u in mine:
-            if u < before:
-                held = needers[u]
-                if held[-1] != r:
-                    if len(held) == 1:
-                        needers[u] = [held[0], r]  # a shared one-rank list: copied, never appended to
-                        several.append(u)
-                    else:
-                        held.append(r)
-    equal: dict[tuple[int, ...], list[int]] = {}
-    for u in several:  # equal holder lists of several ranks: one object (see rounds.reachable)
-        needers[u] = equal.setdefault(tuple(needers[u]), needers[u])
-    return _Distinct(list(uid_of), needers, rank_targets, several)
-
-
-@dataclass(slots=True)
 class _Census:
     """The live targets by key, and what the plan needs to know of each key."""
 
@@ -216,10 +174,12 @@ class _Census:
         return sorted(u for k in keys for u in by_key[k])
 
 
-def _census(distinct: _Distinct, view: ViewLike) -> _Census:
+def _census(distinct: Distinct, view: ViewLike) -> _Census:
     """One pass over the distinct targets: group them by key, and check each distinct
     (key, dtype, global shape) against the view once (the first failing target, in
     id order, raises)."""
+    if distinct.kinds is not None:
+        return _census_of_kinds(distinct, distinct.kinds, view)
     tensors = view.tensors
     transformed = getattr(view, "transformed", True)
     info: dict[str, tuple[list[int], str, tuple[int, ...], list[tuple[str, tuple[int, ...]]]]] = {}
@@ -241,6 +201,33 @@ def _census(distinct: _Distinct, view: ViewLike) -> _Census:
         got[0].append(uid)
     by_key = {k: v[0] for k, v in info.items()}
     replicated = {k for k in (distinct.specs[u][0] for u in distinct.several) if k in by_key}
+    return _Census(by_key, dead, replicated)
+
+
+def _census_of_kinds(distinct: Distinct, kinds: Kinds, view: ViewLike) -> _Census:
+    """``_census`` from the targets' numbered kinds (gathered pieces): each kind checked
+    once, in the order of its first target, and the targets grouped by key with numpy."""
+    tensors = view.tensors
+    transformed = getattr(view, "transformed", True)
+    found, first, _ = unique(kinds.of_uid)
+    by_first = np.argsort(first, kind="stable")
+    key_ids: dict[str, int] = {}
+    key_of_kind = np.zeros(len(kinds.table), dtype=np.int64)
+    for k, u in zip(found[by_first].tolist(), first[by_first].tolist()):
+        key = kinds.table[k][0]
+        vt = tensors.get(key)
+        if vt is not None:
+            _check_target(distinct.specs[u], vt, transformed, distinct.needers[u])
+        key_of_kind[k] = key_ids.setdefault(key, len(key_ids))
+    keys = list(key_ids)
+    alive = np.array([k in tensors for k in keys], dtype=bool)
+    key_of_uid = key_of_kind[kinds.of_uid]
+    grouped = np.argsort(key_of_uid, kind="stable").tolist()
+    bounds = np.cumsum(np.bincount(key_of_uid, minlength=len(keys))).tolist()
+    by_key = {k: grouped[a:b] for k, a, b, live in zip(keys, [0] + bounds, bounds, alive.tolist()) if live}
+    dead = np.nonzero(~alive[key_of_uid])[0].tolist()
+    several = unique(key_of_uid[distinct.several])[0]
+    replicated = {keys[i] for i in several.tolist() if alive[i]}
     return _Census(by_key, dead, replicated)
 
 
@@ -334,12 +321,7 @@ def _plan_shared(
     if not uids:
         return []
     needs = [n for uid in uids for n in ctx.needs(uid)]
-    fences: dict[str, list[tuple[int, int]]] = {}
-    for key in private_keys:
-        for sh in ctx.manifest.tensors[key].shards:
-            fences.setdefault(sh.file, []).append((sh.byte_offset, sh.byte_offset + sh.byte_length))
-    files = {n.file for n in needs}
-    barriers = {f: _merge_ranges(fences[f]) for f in files if f in fences}
+    barriers = _barriers(ctx.manifest, private_keys, {n.file for n in needs})
     groups = group_needs(needs, ctx.options, ctx.targets, barriers)
     keep = reachable(groups, rank, world, ctx.targets) if rank is not None else [True] * len(groups)
     reads = [make_read(*g, ctx.offsets) if k else None for g, k in zip(groups, keep)]
@@ -347,11 +329,30 @@ def _plan_shared(
     return reads
 
 
+def _barriers(manifest: Manifest, private_keys: set[str], files: set[str]) -> dict[str, list[tuple[int, int]]]:
+    """Per file of ``files``: the merged byte ranges of private tensors' shards, which
+    shared reads never read through. Walked in manifest order, not the set's (whose order
+    follows string hashes): shards then come mostly sorted, and sorting them costs the
+    same in every process."""
+    fences: dict[str, list[tuple[int, int]]] = {}
+    for key, meta in manifest.tensors.items():
+        if key in private_keys:
+            for sh in meta.shards:
+                if sh.file in files:
+                    fences.setdefault(sh.file, []).append((sh.byte_offset, sh.byte_offset + sh.byte_length))
+    return {f: _merge_ranges(ranges) for f, ranges in fences.items()}
+
+
 def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
-    for a, b in sorted(ranges):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
+    ranges.sort()
+    lo, hi = ranges[0]
+    for a, b in ranges:
+        if a <= hi:
+            if b > hi:
+                hi = b
         else:
-            out.append((a, b))
+            out.append((lo, hi))
+            lo, hi = a, b
+    out.append((lo, hi))
     return out

@@ -42,7 +42,7 @@ def _rows(box: Box, flat: tuple[int, int] | None) -> tuple[int, int]:
 
 def _region(s: TargetSpec | Shard) -> tuple[Box, tuple[int, int]]:
     """A target's or shard's bounding box and the dim-0 rows it covers."""
-    box = Box(s.offset, s.shape)
+    box = tuple.__new__(Box, (s.offset, s.shape))  # a Box at C speed: closures make thousands
     return box, _rows(box, s.flat_range)
 
 

@@ -137,7 +137,7 @@ def reachable(groups: list[Group], rank: int, world: int, targets: list[Target])
     and states, and a read changes only its own ranks'. So the reads of ranks that
     share no read with this rank's connected set, directly or through others, never
     change what this rank's reads get (a PP stage's DP groups, at scale, never meet
-    another stage's files). Holder lists are compared by identity: ``_dedupe`` gives
+    another stage's files). Holder lists are compared by identity: ``gathered.distinct`` gives
     equal lists of several ranks one object.
     """
     parent = list(range(world))

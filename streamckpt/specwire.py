@@ -16,7 +16,8 @@ section's digest and length. From the headers every rank derives the same
 routing: each distinct blob is cut into as many pieces as it has holders and
 each holder sends one piece, so the second all-gather carries every distinct
 blob once, spread over its holders. A rank then decodes each distinct blob
-once and shares the resulting objects between the ranks that hold them.
+once and keeps the lists as those pieces (``gathered.GatheredSpecs``), from
+which the planner numbers the distinct specs without a Python step per spec.
 
 What a rank receives is ``world × (header + widest payload)``: about the sum of
 the distinct blobs when holders spread evenly, and never more than a padded
@@ -32,12 +33,12 @@ import gc
 import hashlib
 import struct
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from .errors import CheckpointError, IncompatibleStateDictError
+from .gathered import GatheredSpecs, Layout
 from .targets import TargetSpec
 
 VERSION = 1
@@ -244,6 +245,7 @@ def route(heads: Sequence[Sequence[Ref]]) -> Routing:
         of_rank.append(tuple(ids))
     blobs = list(index)
     fill = [0] * len(heads)
+    new = tuple.__new__
     parts: list[list[Part]] = []
     sends: list[list[Part]] = [[] for _ in heads]
     for i, ((_, length), hs) in enumerate(zip(blobs, holders)):
@@ -252,7 +254,7 @@ def route(heads: Sequence[Sequence[Ref]]) -> Routing:
         for j, r in enumerate(hs):
             start, stop = min(length, j * step), min(length, (j + 1) * step)
             if stop > start:
-                p = Part(i, start, stop, r, fill[r])
+                p = new(Part, (i, start, stop, r, fill[r]))  # Part(...) at C speed: one per rank and section
                 fill[r] += stop - start
                 mine.append(p)
                 sends[r].append(p)
@@ -314,17 +316,7 @@ def _names(blob: bytes, what: str) -> _Names:
     return _Names(keys, [table[i] for i in ids], ndims, shapes)
 
 
-@dataclass(frozen=True, slots=True)
-class _Bases:
-    """The specs of one (names, boxes) pair: whole where they have no flat range,
-    and for those that take one, their first five fields by column."""
-
-    specs: list[TargetSpec]
-    where: list[int]  # positions of the specs that take a flat range
-    columns: tuple[list, ...]  # key, dtype, global shape, offset, shape of those
-
-
-def _bases(names: _Names, blob: bytes, what: str) -> _Bases:
+def _layout(names: _Names, blob: bytes, what: str) -> Layout:
     rd = _Reader(blob, what)
     n = rd.start(b"B")
     if n != len(names.keys):
@@ -337,7 +329,7 @@ def _bases(names: _Names, blob: bytes, what: str) -> _Bases:
     specs = list(map(TargetSpec, names.keys, names.dtypes, names.shapes, offsets, shapes))
     where = [i for i, f in enumerate(has_flat) if f]
     columns = tuple([col[i] for i in where] for col in (names.keys, names.dtypes, names.shapes, offsets, shapes))
-    return _Bases(specs, where, columns)
+    return Layout(specs, where, columns)
 
 
 def _flats(blob: bytes, what: str) -> list[tuple[int, int]]:
@@ -348,41 +340,37 @@ def _flats(blob: bytes, what: str) -> list[tuple[int, int]]:
     return list(zip(v[0::2], v[1::2]))
 
 
-def decode_all(routing: Routing, blobs: Sequence[bytes]) -> list[list[TargetSpec]]:
-    """Every rank's spec list; each distinct blob (and pairing) decoded once.
+def decode_all(routing: Routing, blobs: Sequence[bytes]) -> GatheredSpecs:
+    """Every rank's spec list, each distinct blob (and pairing) decoded once.
 
-    Specs without a flat range are shared objects across the ranks holding
-    them; ZeRO slices are built column-wise at C speed (``tuple.__new__`` over
-    ``zip``), since there are ranks × slices of them.
+    The lists stay as their distinct pieces (``gathered.GatheredSpecs``): a
+    rank's list is built when asked for, and the planner numbers the distinct
+    specs from the pieces without building the ranks × specs objects.
     """
     names: dict[int, _Names] = {}
-    bases: dict[tuple[int, int], _Bases] = {}
-    flats: dict[int, list[tuple[int, int]]] = {}
-    lists: dict[tuple[int, ...], list[TargetSpec]] = {}
-    new = tuple.__new__
-    out = []
+    layouts: dict[tuple[int, int], int] = {}
+    flats: dict[int, int] = {}
+    lay_list: list[Layout] = []
+    flat_list: list[list[tuple[int, int]]] = []
+    of_rank: list[tuple[int, int]] = []
     with _gc_paused():
-        for r, ids in enumerate(routing.of_rank):
-            done = lists.get(ids)
-            if done is None:
-                ni, bi, fi = ids
-                if ni not in names:
-                    names[ni] = _names(blobs[ni], f"names of rank {r}")
-                if (ni, bi) not in bases:
-                    bases[ni, bi] = _bases(names[ni], blobs[bi], f"boxes of rank {r}")
-                if fi not in flats:
-                    flats[fi] = _flats(blobs[fi], f"flat ranges of rank {r}")
-                base, ranges = bases[ni, bi], flats[fi]
-                if len(ranges) != len(base.where):
-                    raise _Reader(blobs[fi], f"flat ranges of rank {r}").fail(
-                        f"{len(ranges)} flat ranges for {len(base.where)} specs that take one"
-                    )
-                done = list(base.specs)
-                for i, spec in zip(base.where, map(new, repeat(TargetSpec), zip(*base.columns, ranges))):
-                    done[i] = spec
-                lists[ids] = done
-            out.append(list(done))
-    return out
+        for r, (ni, bi, fi) in enumerate(routing.of_rank):
+            if ni not in names:
+                names[ni] = _names(blobs[ni], f"names of rank {r}")
+            li = layouts.get((ni, bi))
+            if li is None:
+                li = layouts[ni, bi] = len(lay_list)
+                lay_list.append(_layout(names[ni], blobs[bi], f"boxes of rank {r}"))
+            if fi not in flats:
+                flats[fi] = len(flat_list)
+                flat_list.append(_flats(blobs[fi], f"flat ranges of rank {r}"))
+            lay, ranges = lay_list[li], flat_list[flats[fi]]
+            if len(ranges) != len(lay.where):
+                raise _Reader(blobs[fi], f"flat ranges of rank {r}").fail(
+                    f"{len(ranges)} flat ranges for {len(lay.where)} specs that take one"
+                )
+            of_rank.append((li, flats[fi]))
+    return GatheredSpecs(lay_list, flat_list, of_rank)
 
 
 @contextlib.contextmanager
@@ -399,7 +387,7 @@ def _gc_paused() -> Iterator[None]:
 
 
 def exchange(enc: Encoded, heads: Sequence[bytes], rank: int,
-             all_gather: Callable[[bytes], list[bytes]]) -> list[list[TargetSpec]]:
+             all_gather: Callable[[bytes], list[bytes]]) -> GatheredSpecs:
     """The second half of the gather, after the headers: route, send, assemble, decode."""
     routing = route([parse_header(h, r) for r, h in enumerate(heads)])
     return decode_all(routing, assemble(routing, all_gather(payload(routing, rank, enc))))

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from . import dtypes
 from .manifest import Shard
 from .regions import Box, flat_range_boxes, intersect, row_major_strides
 
 
-@dataclass(frozen=True, slots=True)
-class SourcePart:
-    """A box of a stored shard, contiguous in a frame of the shard's raw bytes."""
+class SourcePart(NamedTuple):
+    """A box of a stored shard, contiguous in a frame of the shard's raw bytes (a tuple:
+    every stored shard of every tensor a plan touches makes one)."""
 
     box: Box
     frame: Box
@@ -33,10 +32,14 @@ class _Parts:
 
     def __init__(self, shards: Sequence[Shard]) -> None:
         parts: list[SourcePart] = []
+        strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # shapes repeat: one per shape
+        new = tuple.__new__
         for s in shards:
             if s.flat_range is None:
-                if not s.box.is_empty():
-                    parts.append(SourcePart(s.box, s.box, 0, s, row_major_strides(s.shape)))
+                if 0 not in s.shape:
+                    box = new(Box, (s.offset, s.shape))
+                    st = strides.get(s.shape) or strides.setdefault(s.shape, row_major_strides(s.shape))
+                    parts.append(new(SourcePart, (box, box, 0, s, st)))
             else:
                 for flat_start, b in flat_range_boxes(s.box, *s.flat_range):
                     parts.append(SourcePart(b, b, flat_start - s.flat_range[0], s, row_major_strides(b.shape)))
@@ -48,25 +51,35 @@ class _Parts:
 
 
 class TensorIndex:
-    """One tensor's shards: as parts for box queries (built on the first query: the
-    flat fast path alone never needs them) and grouped by box for 1-D lookups."""
+    """One tensor's shards: as parts for box queries and grouped by box for 1-D lookups,
+    each built on its first use (the flat fast path never needs the parts, a box query
+    never the groups)."""
 
     def __init__(self, shards: Sequence[Shard], dtype: str) -> None:
         self.shards = shards
         self.dtype = dtype
         self.itemsize = dtypes.itemsize(dtype)
         self._parts: _Parts | None = None
-        # shards grouped by box, flat ranges sorted: the flat fast path's 1-D lookups
-        groups: dict[Box, list[Shard]] = {}
-        for s in shards:
-            groups.setdefault(s.box, []).append(s)
-        # per box: its inner dims (offset, shape after dim 0), stops and shards
-        self.boxes: list[tuple[Box, Box, list[int], list[Shard]]] = []
-        for b, group in groups.items():
-            group.sort(key=lambda sh: sh.flat_range[0] if sh.flat_range else 0)
-            stops = [sh.flat_range[1] if sh.flat_range else math.prod(b.shape) for sh in group]
-            self.boxes.append((b, Box(b.offset[1:], b.shape[1:]), stops, group))
-        self.boxes.sort(key=lambda x: x[0].offset[0] if x[0].ndim else 0)
+        self._boxes: list[tuple[Box, Box, list[int], list[Shard]]] | None = None
+
+    @property
+    def boxes(self) -> list[tuple[Box, Box, list[int], list[Shard]]]:
+        """Per box of the shards, ordered by first row: the box, its inner dims (offset
+        and shape after dim 0), the shards' flat-range stops, ascending, and the shards."""
+        if self._boxes is None:
+            groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[Shard]] = {}
+            for s in self.shards:
+                groups.setdefault((s.offset, s.shape), []).append(s)
+            boxes = []
+            for (off, shape), group in groups.items():
+                if len(group) > 1:
+                    group.sort(key=lambda sh: sh.flat_range[0] if sh.flat_range else 0)
+                numel = math.prod(shape)
+                stops = [sh.flat_range[1] if sh.flat_range else numel for sh in group]
+                boxes.append((Box(off, shape), Box(off[1:], shape[1:]), stops, group))
+            boxes.sort(key=lambda x: x[0][0][0] if x[0][0] else 0)
+            self._boxes = boxes
+        return self._boxes
 
     def shards_in_rows(
         self, offset: tuple[int, ...], shape: tuple[int, ...], r0: int, r1: int, lo: int, hi: int,

@@ -1,0 +1,290 @@
+"""Every rank's target specs, numbered once: the distinct specs and the ranks holding each.
+
+The planner starts by deduplicating every rank's specs (``distinct``): at 4,096
+ranks that is 370k specs, 157k of them distinct, and hashing each in Python is
+a large part of a plan. ``specwire`` receives them as few distinct pieces (a
+(names, boxes) pair per layout, a flat-range list per ZeRO slice set) and keeps
+them that way in a ``GatheredSpecs``. Deduplicating those pieces hashes only the
+distinct layouts' fields; the ranks × specs entries are then numbered with numpy
+(one integer per entry, one sort), so the Python work grows with the distinct specs,
+not with ranks × specs. Both paths give exactly the same ``Distinct``. Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Any, Iterator, Sequence, overload
+
+import numpy as np
+
+from .targets import TargetSpec
+
+
+@dataclass(slots=True)
+class Distinct:
+    """The distinct target specs (ids in first-seen order) and the ranks holding each."""
+
+    specs: list[TargetSpec]
+    needers: list[list[int]]  # ascending; one shared list per rank for its single-holder ids, equal lists shared
+    rank_targets: list[list[int]]  # per rank: the id of each of its specs
+    several: list[int]  # ids held by more than one rank
+    kinds: Kinds | None = None  # from gathered pieces: each id's (key, dtype, global shape), numbered
+
+
+@dataclass(slots=True)
+class Kinds:
+    """The distinct (key, dtype, global shape) of the targets, and each target's."""
+
+    table: list[tuple[str, str, tuple[int, ...]]]
+    of_uid: np.ndarray  # index into ``table`` per target id
+
+
+def distinct(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> Distinct:
+    """Number the distinct specs of every rank and list each one's holders."""
+    if isinstance(targets_by_rank, GatheredSpecs):
+        return targets_by_rank.distinct()
+    return dedupe(targets_by_rank)
+
+
+def dedupe(targets_by_rank: Sequence[Sequence[TargetSpec]]) -> Distinct:
+    """``distinct`` for plain lists: one hash per spec.
+
+    The targets one rank alone holds share one holder list per rank (none is
+    ever appended to): at scale they are most targets, and fewer live objects
+    make the collection after the plan cheaper.
+    """
+    uid_of: dict[TargetSpec, int] = {}
+    seen = uid_of.setdefault
+    rank_targets: list[list[int]] = []
+    needers: list[list[int]] = []
+    several: list[int] = []
+    for r, specs in enumerate(targets_by_rank):
+        before = len(uid_of)
+        mine = [seen(s, len(uid_of)) for s in specs]
+        rank_targets.append(mine)
+        fresh = len(uid_of) - before
+        needers.extend([[r]] * fresh)  # first held here: one shared list
+        if fresh == len(mine):
+            continue
+        for u in mine:
+            if u < before:
+                held = needers[u]
+                if held[-1] != r:
+                    if len(held) == 1:
+                        needers[u] = [held[0], r]  # a shared one-rank list: copied, never appended to
+                        several.append(u)
+                    else:
+                        held.append(r)
+    equal: dict[tuple[int, ...], list[int]] = {}
+    for u in several:  # equal holder lists of several ranks: one object (see rounds.reachable)
+        needers[u] = equal.setdefault(tuple(needers[u]), needers[u])
+    return Distinct(list(uid_of), needers, rank_targets, several)
+
+
+# ----------------------------------------------------------------------------- gathered pieces
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The specs of one distinct (names, boxes) pair: whole where they take no flat
+    range; for those that do (at ``where``), their first five fields by column."""
+
+    specs: list[TargetSpec]
+    where: list[int]
+    columns: tuple[list, ...]  # key, dtype, global shape, offset, shape of the specs at ``where``
+
+
+class GatheredSpecs(Sequence[Sequence[TargetSpec]]):
+    """Every rank's spec list as distinct layouts and flat-range lists.
+
+    Rank r holds ``layouts[of_rank[r][0]]`` with the flat ranges
+    ``flats[of_rank[r][1]]`` put in at the layout's ``where``. Read-only: a rank's
+    list is built when asked for (ranks with the same pieces share the spec
+    objects), and ``distinct`` works from the pieces.
+    """
+
+    def __init__(self, layouts: list[Layout], flats: list[list[tuple[int, int]]],
+                 of_rank: list[tuple[int, int]]) -> None:
+        self._layouts = layouts
+        self._flats = flats
+        self._of_rank = of_rank
+        self._lists: dict[tuple[int, int], list[TargetSpec]] = {}
+
+    def __len__(self) -> int:
+        return len(self._of_rank)
+
+    @overload
+    def __getitem__(self, r: int) -> list[TargetSpec]: ...
+    @overload
+    def __getitem__(self, r: slice) -> list[list[TargetSpec]]: ...
+
+    def __getitem__(self, r: int | slice) -> Any:
+        if isinstance(r, slice):
+            return [self._rank(i) for i in range(*r.indices(len(self)))]
+        return self._rank(range(len(self))[r])
+
+    def __iter__(self) -> Iterator[list[TargetSpec]]:
+        return (self._rank(r) for r in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(other) == len(self) and all(mine == list(theirs) for mine, theirs in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"GatheredSpecs({len(self)} ranks, {len(self._layouts)} layouts, {len(self._flats)} flat-range lists)"
+
+    def _rank(self, r: int) -> list[TargetSpec]:
+        pieces = self._of_rank[r]
+        done = self._lists.get(pieces)
+        if done is None:
+            layout, ranges = self._layouts[pieces[0]], self._flats[pieces[1]]
+            done = list(layout.specs)
+            new = tuple.__new__
+            for i, spec in zip(layout.where, map(new, repeat(TargetSpec), zip(*layout.columns, ranges))):
+                done[i] = spec
+            self._lists[pieces] = done
+        return list(done)
+
+    def distinct(self) -> Distinct:
+        """What ``dedupe(list(self))`` returns, from the pieces (see the module docstring)."""
+        return _Numbering(self._layouts, self._flats, self._of_rank).distinct()
+
+
+class _Numbering:
+    """Every entry (rank, position) as one integer: from the value id of its layout
+    position (the spec, or the five fields of a flat one) and the number of its flat
+    range (none without one). Equal integers are equal specs."""
+
+    def __init__(self, layouts: list[Layout], flats: list[list[tuple[int, int]]],
+                 of_rank: list[tuple[int, int]]) -> None:
+        value_of: dict[tuple, int] = {}
+        ids: list[np.ndarray] = []
+        wheres: list[np.ndarray] = []
+        for lay in layouts:
+            keys: list[tuple] = list(lay.specs)
+            for i, five in zip(lay.where, zip(*lay.columns)):
+                keys[i] = five  # five fields: never equal to a (six-field) spec
+            ids.append(np.array([value_of.setdefault(k, len(value_of)) for k in keys], dtype=np.int64))
+            wheres.append(np.array(lay.where, dtype=np.int64))
+        self.protos = np.fromiter(value_of, dtype=object, count=len(value_of))  # by value id
+        self.flat_value = np.fromiter((len(k) == 5 for k in value_of), dtype=bool, count=len(value_of))
+        self.world = len(of_rank)
+        self.lens = np.array([len(layouts[li].specs) for li, _ in of_rank], dtype=np.int64)
+        self.starts = np.zeros(self.world + 1, dtype=np.int64)
+        np.cumsum(self.lens, out=self.starts[1:])
+        n = int(self.starts[-1])
+        empty = np.zeros(0, dtype=np.int64)
+        self.value = np.concatenate([ids[li] for li, _ in of_rank] or [empty])
+        # flat ranges numbered by value (equal ranges of different blobs alike); their tuples build the specs
+        canon: dict[tuple[int, int], int] = {}
+        numbered = [np.array([canon.setdefault(r, len(canon)) for r in f], dtype=np.int64) for f in flats]
+        self.range_objs = np.fromiter(canon, dtype=object, count=len(canon))
+        self.range_of = np.full(n, -1, dtype=np.int64)
+        at = np.concatenate([wheres[li] + s for (li, _), s in zip(of_rank, self.starts.tolist())] or [empty])
+        self.range_of[at] = np.concatenate([numbered[fi] for _, fi in of_rank] or [empty])
+        # one integer per entry: equal integers are equal specs (values and ranges number at most n
+        # each, and n·(n + 1) fits in 63 bits for any n below 3·10⁹ entries)
+        self.key = self.value * (len(canon) + 1) + (self.range_of + 1)
+
+    def distinct(self) -> Distinct:
+        n = len(self.value)
+        if n == 0:
+            return Distinct([], [], [[] for _ in range(self.world)], [], Kinds([], np.zeros(0, dtype=np.int64)))
+        order = np.argsort(self.key, kind="stable")  # stable: a class's entries in rank-major order
+        key = self.key[order]
+        new = np.ones(n, dtype=bool)
+        np.not_equal(key[1:], key[:-1], out=new[1:])
+        first = order[new]  # each class's first entry
+        by_uid = np.argsort(first, kind="stable")  # uid -> class: first-seen order
+        uid_of_class = np.empty(len(first), dtype=np.int64)
+        uid_of_class[by_uid] = np.arange(len(first))
+        uid = np.empty(n, dtype=np.int64)
+        uid[order] = uid_of_class[np.cumsum(new) - 1]
+        entry_rank = np.repeat(np.arange(self.world, dtype=np.int64), self.lens)
+        needers, several = self._needers(order, new, entry_rank, by_uid)
+        specs = self._specs(first[by_uid])
+        flat_uids = uid.tolist()
+        bounds = self.starts.tolist()
+        rank_targets = [flat_uids[a:b] for a, b in zip(bounds, bounds[1:])]
+        return Distinct(specs, needers, rank_targets, several, self._kinds(first[by_uid]))
+
+    def _kinds(self, first: np.ndarray) -> Kinds:
+        kind_of: dict[tuple, int] = {}
+        of_value = np.array([kind_of.setdefault(p[:3], len(kind_of)) for p in self.protos.tolist()], dtype=np.int64)
+        return Kinds(list(kind_of), of_value[self.value[first]])
+
+    def _needers(self, order: np.ndarray, new: np.ndarray, entry_rank: np.ndarray,
+                 by_uid: np.ndarray) -> tuple[list[list[int]], list[int]]:
+        """Each uid's holders, ascending and once each; single holders share one list per rank."""
+        ranks = entry_rank[order]  # ascending within a class
+        keep = new.copy()
+        keep[1:] |= ranks[1:] != ranks[:-1]
+        held = ranks[keep]
+        cls = np.cumsum(new)[keep] - 1
+        count = np.bincount(cls, minlength=len(by_uid))
+        start = np.zeros(len(count) + 1, dtype=np.int64)
+        np.cumsum(count, out=start[1:])
+        count, start = count[by_uid], start[:-1][by_uid]  # by uid
+        out = np.empty(len(by_uid), dtype=object)
+        one = np.nonzero(count == 1)[0]
+        alone = np.empty(self.world, dtype=object)
+        for r in range(self.world):
+            alone[r] = [r]
+        out[one] = alone[held[start[one]]]
+        several = np.nonzero(count > 1)[0]
+        for c in unique(count[several])[0].tolist():  # equal holder lists: one object each
+            mine = several[count[several] == c]
+            rows, which = _equal_rows(held[start[mine][:, None] + np.arange(c)])
+            lists = np.empty(len(rows), dtype=object)
+            for i, row in enumerate(rows.tolist()):
+                lists[i] = row
+            out[mine] = lists[which.reshape(-1)]
+        return out.tolist(), several.tolist()
+
+    def _specs(self, first: np.ndarray) -> list[TargetSpec]:
+        """Each uid's spec (``first``: its first entry): a layout's own object, or a
+        ZeRO slice built from its five fields and range, column by column."""
+        value = self.value[first]
+        specs = self.protos[value]
+        flat = np.nonzero(self.flat_value[value])[0]
+        if len(flat):
+            at, of = first[flat], value[flat]
+            columns = [col[of].tolist() for col in self._columns()]
+            ranges = self.range_objs[self.range_of[at]].tolist()
+            made = map(tuple.__new__, repeat(TargetSpec), zip(*columns, ranges))
+            specs[flat] = np.fromiter(made, dtype=object, count=len(flat))
+        return specs.tolist()
+
+    def _columns(self) -> list[np.ndarray]:
+        """The five fields of every value id, by column (a spec's own fields for whole specs)."""
+        protos = self.protos.tolist()
+        return [np.fromiter((p[i] for p in protos), dtype=object, count=len(protos)) for i in range(5)]
+
+
+def _equal_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(rows, axis=0, return_inverse=True)`` up to the order of the distinct
+    rows, ten times faster: rows grouped by a hash, checked equal (sorted rows on a collision)."""
+    # odd multipliers from a fixed sequence (not numpy.random: its import costs 20 ms); products wrap
+    weights = (np.arange(1, rows.shape[1] + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.int64) | 1
+    with np.errstate(over="ignore"):
+        hashes = rows @ weights
+    _, first, which = unique(hashes)
+    if (rows[first][which] == rows).all():
+        return rows[first], which
+    return np.unique(rows, axis=0, return_inverse=True)
+
+
+def unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(values, return_index=True, return_inverse=True)`` for a 1-D integer
+    array (the distinct values ascending, each one's first index, each value's place),
+    without ``np.unique``'s first-call import of ``numpy.ma`` (15 ms)."""
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    new = np.ones(len(values), dtype=bool)
+    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+    which = np.empty(len(values), dtype=np.int64)
+    which[order] = np.cumsum(new) - 1
+    return ordered[new], order[new], which
