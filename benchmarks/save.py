@@ -311,8 +311,8 @@ def verify_saved(spec: dict[str, Any]) -> tuple[int, int]:
 # ------------------------------------------------------------------ running
 
 
-PREIMPORT = ("streamckpt", "streamckpt.storage.obstore_backend", "streamckpt.storage.s3fs_backend", "s3fs", "obstore",
-             "boto3", "safetensors.torch", "torch.distributed.checkpoint", "s3torchconnector.dcp", "psutil")
+PREIMPORT = ("streamckpt", "streamckpt.storage.obstore_backend", "streamckpt.storage.httpget",
+             "streamckpt.storage.s3fs_backend", "s3fs", "obstore", "boto3", "safetensors.torch", "torch.distributed.checkpoint", "s3torchconnector.dcp", "psutil")
 
 
 def preimport() -> None:

@@ -106,8 +106,15 @@ def local_of(v: Any) -> Any:
 
 
 def _sc():
+    import importlib
+
     import streamckpt as sc
 
+    for name in ("streamckpt.storage.obstore_backend", "streamckpt.storage.httpget"):
+        try:  # the clients' imports outside the clock, as every loader's are
+            importlib.import_module(name)
+        except ImportError:
+            pass
     if not hasattr(sc, "load"):
         raise NotApplicable("streamckpt.load is not in this checkout yet")
     return sc

@@ -125,7 +125,7 @@ def prepare(
         specs = [t.spec for t in local]
         values = {v.key: v.value for v in slots}
         if comm.rank == 0:
-            if storage.exists(mf.MANIFEST_NAME):
+            if storage.modified(mf.MANIFEST_NAME) is not None:  # one HEAD (exists() would also LIST)
                 if not overwrite:
                     raise CheckpointExistsError(
                         f"{storage.describe(mf.MANIFEST_NAME)} exists: a committed checkpoint is there; "

@@ -73,6 +73,28 @@ def test_reads_are_byte_exact_and_one_get_per_piece(
     assert st.read_bytes(NAME) == data
 
 
+def test_heads_go_over_http_and_agree_with_obstore(
+    monkeypatch: pytest.MonkeyPatch, stored: tuple[str, bytes], proxy_factory: Any, s3_opts: dict[str, Any]
+) -> None:
+    """Sizes and modification times come from one HEAD each on the http path (kept-alive
+    connections), equal to what obstore reports; a missing key is CheckpointNotFoundError."""
+    uri, data = stored
+    proxy = proxy_factory(rate=0.0)
+    st = _http(monkeypatch, uri, proxy.storage_options)
+    assert st.size(NAME) == len(data)
+    assert st.sizes([NAME, NAME]) == {NAME: len(data)}
+    when = st.modified(NAME)
+    assert st.modified("absent.bin") is None
+    with pytest.raises(CheckpointNotFoundError, match="absent.bin"):
+        st.size("absent.bin")
+    heads = [(m, p) for m, p, _ in proxy.history if m == "HEAD"]
+    assert len(heads) == 6 and len(proxy.history) == 6, proxy.history  # no LIST, no GET, no retry
+    monkeypatch.setenv(BACKEND_ENV, "obstore")
+    ref = Storage(uri, s3_opts)
+    assert ref.read_backend == "obstore"
+    assert when is not None and when == ref.modified(NAME) and ref.size(NAME) == len(data)
+
+
 def test_bodies_split_over_buffers_land_in_place(
     monkeypatch: pytest.MonkeyPatch, stored: tuple[str, bytes], proxy_factory: Any
 ) -> None:

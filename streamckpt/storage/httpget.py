@@ -27,6 +27,7 @@ HTTP clients do for idempotent requests.
 from __future__ import annotations
 
 import datetime
+import email.utils
 import hashlib
 import hmac
 import http.client
@@ -38,15 +39,16 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 from urllib.parse import quote, urlsplit
 
-from .backend import Fetched, NotFound, Permanent, RangeNotSatisfiable, Stalled, Transient
+from .backend import Fetched, NotFound, ObjectInfo, Permanent, RangeNotSatisfiable, Stalled, Transient
 from .obstore_backend import PIECE, NotConfigurable, ObstoreBackend
 
 AUTO_PICKS_HTTP = True  # ``STREAMCKPT_S3_BACKEND=auto`` reads through this path (else obstore)
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 SLICE = 1 << 20  # a body is read in slices of this much, checking the trickle backstop between them
+T = TypeVar("T")
 # object_store settings read from the environment that this path would not honour.
 _ENV_NOT_REPRODUCED = ("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "AWS_SKIP_SIGNATURE", "AWS_S3_EXPRESS",
                        "AWS_REQUEST_PAYER", "AWS_CONDITIONAL_PUT", "AWS_SSE_CUSTOMER_KEY_BASE64")
@@ -103,7 +105,7 @@ def http_target(config: dict[str, Any]) -> HttpTarget:
 
 
 class SigV4:
-    """AWS Signature Version 4 for GETs without a body (the signing key is cached per day)."""
+    """AWS Signature Version 4 for GETs and HEADs, without a body (the signing key is cached per day)."""
 
     def __init__(self, target: HttpTarget) -> None:
         self._t = target
@@ -120,8 +122,8 @@ class SigV4:
                 self._day, self._key = day, k
             return self._key
 
-    def headers(self, path: str, now: datetime.datetime | None = None) -> dict[str, str]:
-        """The headers of a signed GET of ``path`` (already URI-encoded, no query)."""
+    def headers(self, path: str, now: datetime.datetime | None = None, method: str = "GET") -> dict[str, str]:
+        """The headers of a signed ``method`` of ``path`` (already URI-encoded, no query)."""
         t = self._t
         headers = {"host": t.host_header, "x-amz-content-sha256": EMPTY_SHA256}
         if t.access_key is None:
@@ -131,7 +133,7 @@ class SigV4:
         if t.token:
             headers["x-amz-security-token"] = t.token
         names = ";".join(headers)  # already lower-case and in sorted order
-        canonical = "\n".join(["GET", path, "", *(f"{k}:{v}" for k, v in headers.items()), "", names, EMPTY_SHA256])
+        canonical = "\n".join([method, path, "", *(f"{k}:{v}" for k, v in headers.items()), "", names, EMPTY_SHA256])
         scope = f"{stamp[:8]}/{t.region}/s3/aws4_request"
         to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
         sig = hmac.new(self._signing_key(stamp[:8]), to_sign.encode(), hashlib.sha256).hexdigest()
@@ -191,7 +193,8 @@ class Connections:
 
 
 class HttpGetBackend(ObstoreBackend):
-    """obstore for everything but range reads, which are ``http.client`` GETs read into the buffers."""
+    """obstore for everything but range reads, which are ``http.client`` GETs read into the
+    buffers, and HEADs (a load's and a save's first requests: no obstore client to build)."""
 
     name = "http"
     holds_bodies = False  # bodies go straight into their buffers
@@ -217,22 +220,71 @@ class HttpGetBackend(ObstoreBackend):
             return await super().fetch_parts(path, start, bufs, want_meta=want_meta)
         return await self.threads.run(self.get, path, start, list(bufs))
 
-    def get(self, path: str, start: int, bufs: list[memoryview]) -> Fetched:
-        """One ranged GET of ``sum(len(b) for b in bufs)`` bytes at ``start`` into ``bufs``.
+    async def head(self, path: str) -> ObjectInfo:
+        if _express(path):
+            return await super().head(path)
+        return await self.threads.run(self._retrying, self._head_once, path)
 
-        Status-level failures (an error status such as 503 SlowDown, a refused connection:
-        no body byte written) are sent again here, ``client_attempts`` in all with 50 ms–1 s
-        jittered backoff, as obstore's and botocore's clients do (``RetryPolicy.client_attempts``).
-        """
+    def get(self, path: str, start: int, bufs: list[memoryview]) -> Fetched:
+        """One ranged GET of ``sum(len(b) for b in bufs)`` bytes at ``start`` into ``bufs``."""
+        return self._retrying(self._get_once, path, start, bufs)
+
+    def _retrying(self, once: Callable[..., T], *args: Any) -> T:
+        """``once(*args)``, with status-level failures (an error status such as 503 SlowDown, a
+        refused connection: no body byte written) sent again, ``client_attempts`` in all with
+        50 ms–1 s jittered backoff, as obstore's and botocore's clients do
+        (``RetryPolicy.client_attempts``)."""
         attempt = 1
         while True:
             try:
-                return self._get_once(path, start, bufs)
+                return once(*args)
             except StatusFailure:
                 if attempt >= self.client_attempts:
                     raise
             time.sleep(random.uniform(0, min(1.0, 0.05 * 2 ** attempt)))
             attempt += 1
+
+    def _open(self, method: str, url: str, headers: dict[str, str]) -> tuple[http.client.HTTPConnection,
+                                                                             http.client.HTTPResponse]:
+        """A pooled connection and the response head of one request on it (the caller closes
+        the connection if anything fails after this)."""
+        conn, reused = self.pool.take()
+        try:
+            return conn, _send(conn, method, url, headers)
+        except (ConnectionError, http.client.RemoteDisconnected):
+            conn.close()
+            if not reused:
+                raise
+        conn = self.pool.new()  # an idle connection the server had closed: once more on a fresh one
+        try:
+            return conn, _send(conn, method, url, headers)
+        except BaseException:
+            conn.close()
+            raise
+
+    def _head_once(self, path: str) -> ObjectInfo:
+        bucket, _, key = path.partition("/")
+        url = self.target.path(bucket, key)
+        try:
+            conn, resp = self._open("HEAD", url, self.signer.headers(url, method="HEAD"))
+        except BaseException as e:
+            raise _classified(e, self.request_timeout) from None
+        try:
+            resp.read()  # a HEAD has no body: this only ends the response
+            if resp.status != 200:
+                raise _failure(resp.status, b"", bucket)
+            length = resp.getheader("Content-Length")
+            if length is None or not length.isdigit():
+                raise Transient(f"HEAD without a Content-Length ({length!r})")
+        except BaseException as e:
+            conn.close()
+            raise _classified(e, self.request_timeout) from None
+        if resp.will_close:
+            conn.close()
+        else:
+            self.pool.give_back(conn)
+        return ObjectInfo(size=int(length), etag=resp.getheader("ETag"),
+                          modified=_http_date(resp.getheader("Last-Modified")))
 
     def _get_once(self, path: str, start: int, bufs: list[memoryview]) -> Fetched:
         bucket, _, key = path.partition("/")
@@ -240,16 +292,11 @@ class HttpGetBackend(ObstoreBackend):
         url = self.target.path(bucket, key)
         headers = self.signer.headers(url)
         headers["range"] = f"bytes={start}-{start + total - 1}"
-        conn, reused = self.pool.take()
         try:
-            try:
-                resp = _send(conn, url, headers)
-            except (ConnectionError, http.client.RemoteDisconnected):
-                if not reused:
-                    raise
-                conn.close()  # an idle connection the server had closed: once more on a fresh one
-                conn = self.pool.new()
-                resp = _send(conn, url, headers)
+            conn, resp = self._open("GET", url, headers)
+        except BaseException as e:
+            raise _classified(e, self.request_timeout) from None
+        try:
             got, size, complete = self._body(resp, bucket, start, total, bufs)
         except BaseException as e:
             conn.close()
@@ -306,9 +353,19 @@ def _express(path: str) -> bool:
     return path.partition("/")[0].endswith("--x-s3")
 
 
-def _send(conn: http.client.HTTPConnection, url: str, headers: dict[str, str]) -> http.client.HTTPResponse:
-    conn.request("GET", url, headers=headers)
+def _send(conn: http.client.HTTPConnection, method: str, url: str, headers: dict[str, str]) -> http.client.HTTPResponse:
+    conn.request(method, url, headers=headers)
     return conn.getresponse()
+
+
+def _http_date(value: str | None) -> float | None:
+    """POSIX seconds from a ``Last-Modified`` header (None when absent or unreadable)."""
+    if not value:
+        return None
+    try:
+        return email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError):
+        return None
 
 
 class StatusFailure(Transient):
