@@ -17,7 +17,7 @@ from .comm import GroupComm, SoloComm, encode_error, gather_targets, raise_agree
 from .cudaapi import CudaApi, TorchCuda
 from .device import Placement, cuda_devices, place
 from .errors import CheckpointError, MissingKeysError
-from .formats import read_manifest
+from .formats import read_foreign_manifest, read_manifest
 from .formats.native import read_native_bytes
 from .pipeline import Destinations, Executor
 from .plan import IdentityView, LoadPlan, PlanOptions, build_plan, settle_rounds
@@ -42,7 +42,7 @@ def share_manifest(comm: SoloComm | GroupComm, storage: Storage) -> mf.Manifest:
     if comm.rank == 0:
         try:
             raw = read_native_bytes(storage)
-            blob = b"M" + (raw if raw is not None else mf.to_json(read_manifest(storage)))
+            blob = b"M" + (raw if raw is not None else mf.to_json(read_foreign_manifest(storage)))
         except CheckpointError as e:
             own = e
             blob = b"E" + json.dumps(encode_error(e, 0)).encode()

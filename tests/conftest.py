@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import uuid
 from typing import Any, Iterator
@@ -84,3 +85,22 @@ def proxy_factory(local_s3: LocalS3) -> Iterator[Any]:
     yield make
     for p in started:
         p.stop()
+
+
+def put_random(uri: str, opts: dict[str, Any], name: str, size: int, seed: int) -> bytes:
+    """Store ``size`` seeded random bytes as ``name`` under ``uri``; returns them."""
+    from streamckpt.storage import Storage
+
+    data = random.Random(seed).randbytes(size)
+    Storage(uri, opts).write_bytes(name, data)
+    return data
+
+
+def storage_on(monkeypatch: pytest.MonkeyPatch, backend: str, uri: str, opts: dict[str, Any] | None,
+               **kw: Any) -> Any:
+    """A Storage whose reads go through ``backend`` (``STREAMCKPT_S3_BACKEND``)."""
+    from streamckpt.storage import Storage
+    from streamckpt.storage.obstore_backend import BACKEND_ENV
+
+    monkeypatch.setenv(BACKEND_ENV, backend)
+    return Storage(uri, opts, **kw)

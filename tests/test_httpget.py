@@ -27,6 +27,8 @@ from streamckpt.storage.obstore_backend import AUTO_PICKS_OBSTORE, BACKEND_ENV, 
 from streamckpt.storage.reads import Landing
 from streamckpt.testing.s3server import free_port
 
+from conftest import put_random, storage_on
+
 pytest.importorskip("obstore")
 
 KiB = 1 << 10
@@ -36,14 +38,11 @@ NAME = "data/00000.bin"
 
 @pytest.fixture
 def stored(s3_uri: str, s3_opts: dict[str, Any]) -> tuple[str, bytes]:
-    data = random.Random(5).randbytes(9 * MiB + 321)
-    Storage(s3_uri, s3_opts).write_bytes(NAME, data)
-    return s3_uri, data
+    return s3_uri, put_random(s3_uri, s3_opts, NAME, 9 * MiB + 321, seed=5)
 
 
 def _http(monkeypatch: pytest.MonkeyPatch, uri: str, opts: dict[str, Any], **kw: Any) -> Storage:
-    monkeypatch.setenv(BACKEND_ENV, "http")
-    st = Storage(uri, opts, **kw)
+    st = storage_on(monkeypatch, "http", uri, opts, **kw)
     assert st.read_backend == "http"
     return st
 
@@ -81,7 +80,9 @@ def test_heads_go_over_http_and_agree_with_obstore(
     uri, data = stored
     proxy = proxy_factory(rate=0.0)
     st = _http(monkeypatch, uri, proxy.storage_options)
+    pool = st._reader.backend.pool
     assert st.size(NAME) == len(data)
+    assert pool.idle == 1  # the HEAD went over http.client, and its connection was kept
     assert st.sizes([NAME, NAME]) == {NAME: len(data)}
     when = st.modified(NAME)
     assert st.modified("absent.bin") is None

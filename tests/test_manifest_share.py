@@ -47,3 +47,20 @@ def test_one_process_reads_the_manifest_in_one_get(s3_uri: str, proxy_factory: A
     sc.load(out, s3_uri, storage_options=proxy.storage_options)
     assert all(torch.equal(out[k], v) for k, v in _state().items())
     assert _manifest_requests(proxy) == Counter({"GET": 1})
+
+
+def test_two_ranks_of_a_safetensors_checkpoint_look_for_the_manifest_once(
+    s3_uri: str, proxy_factory: Any, local_s3: Any
+) -> None:
+    """No manifest.json: rank 0 looks for it once (404), reads the safetensors headers and
+    passes the manifest built from them on."""
+    from safetensors.torch import save
+
+    from streamckpt.storage import Storage
+
+    Storage(s3_uri, local_s3.storage_options).write_bytes("model.safetensors", save(_state()))
+    proxy = proxy_factory(faults=["slowdown"], rate=0.0)
+    ranks = run_ranks(2, load_rows, kwargs={"uri": s3_uri, "opts": proxy.storage_options}, timeout=180)
+    for r in ranks:
+        assert r.value == {"rows_exact": True, "b_exact": True, "kind": "safetensors"}, r
+    assert _manifest_requests(proxy) == Counter({"GET": 1})

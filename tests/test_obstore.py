@@ -14,6 +14,7 @@ from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, S
 from streamckpt.storage.httpget import AUTO_PICKS_HTTP
 from streamckpt.storage.obstore_backend import AUTO_PICKS_OBSTORE, BACKEND_ENV, NotConfigurable, ObstoreBackend, s3_config
 from streamckpt.storage import RangeRead, RetryPolicy, Storage
+from conftest import put_random, storage_on
 from streamckpt.testing import FaultProxy, LocalS3
 
 pytest.importorskip("obstore")
@@ -25,14 +26,10 @@ NAME = "data/00000.bin"
 
 @pytest.fixture
 def stored(s3_uri: str, s3_opts: dict[str, Any]) -> tuple[str, bytes]:
-    data = random.Random(21).randbytes(3 * MiB + 123)
-    Storage(s3_uri, s3_opts).write_bytes(NAME, data)
-    return s3_uri, data
+    return s3_uri, put_random(s3_uri, s3_opts, NAME, 3 * MiB + 123, seed=21)
 
 
-def _storage(monkeypatch: pytest.MonkeyPatch, backend: str, uri: str, opts: dict[str, Any], **kw: Any) -> Storage:
-    monkeypatch.setenv(BACKEND_ENV, backend)
-    return Storage(uri, opts, **kw)
+_storage = storage_on
 
 
 def _ranges(n: int, size: int, seed: int) -> list[RangeRead]:

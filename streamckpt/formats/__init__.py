@@ -19,8 +19,12 @@ log = logging.getLogger(__name__)
 def read_manifest(storage: Storage) -> Manifest:
     """The checkpoint at ``storage``'s prefix, as a validated Manifest."""
     m = read_native_manifest(storage)
-    if m is not None:
-        return m
+    return m if m is not None else read_foreign_manifest(storage)
+
+
+def read_foreign_manifest(storage: Storage) -> Manifest:
+    """A checkpoint that has no ``manifest.json`` (already looked for), from its Hugging Face
+    or DCP metadata."""
     try:
         from .hf import read_hf_manifest
     except ImportError:  # pragma: no cover - module lands separately

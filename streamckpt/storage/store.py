@@ -227,10 +227,7 @@ class Storage:
         return CheckpointNotFoundError(not_found_message(self._describe, name, e))
 
     def size(self, name: str) -> int:
-        try:
-            return self._call(f"sizing {self.describe(name)}", self._reader.backend.head, self.path(name)).size
-        except NotFound as e:
-            raise self._not_found(name, e) from None
+        return self.sizes([name])[name]
 
     def sizes(self, names: Sequence[str]) -> dict[str, int]:
         """``size`` of every name, asked all at once (one round trip's wait, not one each)."""
