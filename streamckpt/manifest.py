@@ -24,6 +24,7 @@ MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20  # ~20M chunk checksums: a multi-TB checkpoint
 MAX_TENSOR_BYTES = 1 << 50  # 1 PiB: anything larger is a hostile shape
 MAX_NDIM = 64
+_INT_ONLY = {int}  # the element types of a valid list of integers (bool is not int here)
 CODECS = ("raw", "zstd")
 
 
@@ -218,7 +219,7 @@ class _Parser:
             raise self.fail(path, f"must be a list of integers, got {type(v).__name__}")
         if max_len is not None and len(v) > max_len:
             raise self.fail(path, f"has {len(v)} entries, more than {max_len}")
-        if all(type(x) is int for x in v) and (not v or min(v) >= 0):  # the common case, in C loops
+        if not v or (set(map(type, v)) == _INT_ONLY and min(v) >= 0):  # the common case, in C loops
             return tuple(v)
         return tuple(self.int_(x, f"{path}[{i}]") for i, x in enumerate(v))
 
