@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import manifest as mf
+from . import speculation as spec
 from .comm import GroupComm, SoloComm, encode_error, gather_targets, raise_agreed
 from .cudaapi import CudaApi, TorchCuda
 from .device import Placement, cuda_devices, place
@@ -29,20 +30,22 @@ from .values import ValuePlan, plan_values
 log = logging.getLogger(__name__)
 
 
-def share_manifest(comm: SoloComm | GroupComm, storage: Storage) -> mf.Manifest:
+def share_manifest(comm: SoloComm | GroupComm, storage: Storage, *, speculative: bool = False) -> mf.Manifest:
     """Rank 0 reads the checkpoint's metadata; every rank gets the same Manifest.
 
     Our own manifest goes out as the bytes stored and every rank parses it at once;
     a manifest built from other formats' headers goes out as our JSON.
+    ``speculative`` (rank 0's decides): a DCP manifest may hold predicted offsets,
+    which ``run_load`` verifies (``speculation``).
     """
     if isinstance(comm, SoloComm):
-        return read_manifest(storage)
+        return read_manifest(storage, speculative=speculative)
     blob: bytes | None = None
     own: BaseException | None = None
     if comm.rank == 0:
         try:
             raw = read_native_bytes(storage)
-            blob = b"M" + (raw if raw is not None else mf.to_json(read_foreign_manifest(storage)))
+            blob = b"M" + (raw if raw is not None else mf.to_json(read_foreign_manifest(storage, speculative=speculative)))
         except CheckpointError as e:
             own = e
             blob = b"E" + json.dumps(encode_error(e, 0)).encode()
@@ -71,6 +74,9 @@ def _view(manifest: mf.Manifest, transforms: Any) -> Any:
 
 
 def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> LoadResult:
+    """One load. A DCP checkpoint is first tried with predicted item layouts (verified
+    as part of the load); if any rank finds a prediction wrong, every rank locates
+    the items exactly and loads again (targets' contents are unspecified until then)."""
     t0 = time.perf_counter()
     own: BaseException | None = None
     targets: list[LocalTarget] = []
@@ -81,28 +87,59 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
         comm.prefer_device(cuda_devices(cuda, (t.tensor for t in targets)))
     except CheckpointError as e:
         own = e
-    manifest = req.manifest if req.manifest is not None and isinstance(comm, SoloComm) else share_manifest(comm, storage)
-    all_specs = gather_targets(comm, [t.spec for t in targets], own)
+    if req.manifest is not None and isinstance(comm, SoloComm):
+        manifest = req.manifest
+    else:
+        manifest = share_manifest(comm, storage, speculative=req.transforms is None)
+    result, mismatch = _attempt(comm, storage, req, manifest, targets, values, own, cuda, t0)
+    if result is None:
+        log.info("streamckpt load %s: a DCP item's layout is not the predicted one (first: %s); "
+                 "locating every item exactly and loading again", storage.describe(""), mismatch)
+        result, mismatch = _attempt(comm, storage, req, share_manifest(comm, storage), targets, values, own, cuda, t0)
+        if result is None:  # pragma: no cover - an exact manifest predicts nothing
+            raise CheckpointError(f"internal: predicted layout after exact locating ({mismatch})")
+    return result
+
+
+def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, manifest: mf.Manifest,
+             targets: list[LocalTarget], values: list[ValueSlot], own: BaseException | None, cuda: CudaApi,
+             t0: float) -> tuple[LoadResult | None, str | None]:
+    """Plan and run the load; (None, first mismatch) when a predicted DCP head was wrong
+    on any rank (agreed)."""
+    checked: list[tuple[spec.Head, LocalTarget]] = []
+    heads: list[spec.Head] = []
+    if own is None:
+        try:
+            heads = spec.heads_of(manifest)
+            device = next((t.tensor.device for t in targets if t.tensor.device.type == "cuda"), torch.device("cpu"))
+            checked = spec.head_targets(heads, [t.spec for t in targets], req.transforms is not None, device)
+        except CheckpointError as e:
+            own = e
+    mine = targets + [t for _, t in checked]
+    all_specs = gather_targets(comm, [t.spec for t in mine], own)
     plan: LoadPlan | None = None
     placement: Placement | None = None
     view: Any = None
     missing: list[str] = []
     vplan = ValuePlan()
     try:
-        placement = place(cuda, [t.tensor for t in targets], comm.data_device)
+        placement = place(cuda, [t.tensor for t in mine], comm.data_device)
         view = _view(manifest, req.transforms)
-        plan = build_plan(manifest, all_specs, req.options, view, rank=comm.rank)
+        plan_manifest = spec.augment(manifest, heads) if heads else manifest
+        plan_view = view if not heads else (
+            IdentityView(plan_manifest) if req.transforms is None else spec.HeadsView(view, heads))
+        plan = build_plan(plan_manifest, all_specs, req.options, plan_view, rank=comm.rank)
         vplan = plan_values(values, manifest.values, _unloadable(manifest))
         missing = plan.missing[comm.rank] + vplan.missing
         any_missing = any(plan.missing) or bool(missing)
         if req.strict and any_missing:
-            mine = sorted(set(missing))
+            mine_missing = sorted(set(missing))
             raise MissingKeysError(
-                f"{len(mine)} key(s) of the state_dict are not in the checkpoint {storage.describe('')}: "
-                f"{', '.join(mine[:10])}{' ...' if len(mine) > 10 else ''}{_why_unloadable(manifest, mine)} "
-                f"(use strict=False to load the rest)"
-                if mine else "another rank's state_dict has keys missing from the checkpoint",
-                missing_keys=mine,
+                f"{len(mine_missing)} key(s) of the state_dict are not in the checkpoint {storage.describe('')}: "
+                f"{', '.join(mine_missing[:10])}{' ...' if len(mine_missing) > 10 else ''}"
+                f"{_why_unloadable(manifest, mine_missing)} (use strict=False to load the rest)"
+                if mine_missing else "another rank's state_dict has keys missing from the checkpoint",
+                missing_keys=mine_missing,
             )
         _warn_unloadable(manifest, missing)
     except CheckpointError as e:
@@ -112,10 +149,14 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
         raise CheckpointError("internal: no plan after agreement")
     settle_rounds(plan, comm.max_ints)
     dest = Destinations({
-        uid: t.tensor for uid, t in zip(plan.rank_targets[comm.rank], targets) if uid >= 0
+        uid: t.tensor for uid, t in zip(plan.rank_targets[comm.rank], mine) if uid >= 0
     })
     with torch.no_grad():
         stats = Executor(plan, comm, storage, dest, progress=req.progress, placement=placement).run()
+    if heads:
+        bad = spec.first_mismatch(checked)
+        if comm.max_ints([1 if bad is not None else 0])[0]:
+            return None, bad or "on another rank"
     for slot, value in vplan.assign:
         slot.container[slot.name] = value
     mine_keys = {t.spec.key for t in targets} | {v.key for v in values} | vplan.used | set(vplan.missing)
@@ -136,7 +177,7 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
     )
     if comm.rank == 0:
         log.info("streamckpt load %s: %s", storage.describe(""), result)
-    return result
+    return result, None
 
 
 def _unloadable(manifest: mf.Manifest) -> set[str]:

@@ -55,6 +55,7 @@ HEAD_BYTES = 2048  # local headers and data.pkl up to the storage record (~700 b
 TAIL_BYTES = 2048  # the last records, the central directory and the end records (~900 bytes)
 MAX_GAP = 64 << 10  # coalesce locating reads closer than this
 MAX_WINDOW = 8 << 20
+SPECULATION_KEY = "dcp_predicted_layout"  # manifest metadata: the template a load verifies against
 
 _MDI = "torch.distributed.checkpoint.metadata"
 
@@ -731,9 +732,13 @@ def _plain(v: Any) -> bool:
 # ----------------------------------------------------------------- the reader
 
 
-def read_dcp_manifest(storage: Storage) -> Manifest | None:
+def read_dcp_manifest(storage: Storage, *, speculative: bool = False) -> Manifest | None:
     """The Manifest of a DCP checkpoint at ``storage``'s prefix, or None when the
-    prefix has no ``.metadata``."""
+    prefix has no ``.metadata``.
+
+    ``speculative``: locate one item exactly and predict where the others' tensor
+    bytes start (``dcpguess``); the manifest then says so in its metadata and a load
+    must verify every predicted item it reads (``streamckpt.speculation``)."""
     where = storage.describe(METADATA_NAME)
     try:  # one GET (its size is checked before the body is read), no HEAD first
         raw = storage.read_bytes(METADATA_NAME, max_bytes=MAX_METADATA_BYTES)
@@ -753,11 +758,19 @@ def read_dcp_manifest(storage: Storage) -> Manifest | None:
                 )
 
     cache = RangeCache(storage)
-    cache.prefetch(_locating_windows(md), meanwhile=sizes)
     parsed: dict[bytes, TensorRef] = {}
-    tensors = {fqn: _tensor_meta(cache, storage, fqn, t, parsed) for fqn, t in md.tensors.items()}
-    values, unloadable = _values(cache, storage, md)
     metadata: dict[str, Any] = {"dcp_version": md.version}
+    guessed = None
+    if speculative:
+        from .dcpguess import guess_tensors  # imports this module
+
+        guessed = guess_tensors(cache, storage, md, parsed, meanwhile=sizes)
+    if guessed is None:
+        cache.prefetch(_locating_windows(md), meanwhile=None if files else sizes)
+        tensors = {fqn: _tensor_meta(cache, storage, fqn, t, parsed) for fqn, t in md.tensors.items()}
+    else:
+        tensors, metadata[SPECULATION_KEY] = guessed
+    values, unloadable = _values(cache, storage, md)
     if unloadable:
         metadata["unloadable_keys"] = sorted(unloadable)
         metadata["unloadable_reasons"] = unloadable
@@ -769,34 +782,46 @@ def read_dcp_manifest(storage: Storage) -> Manifest | None:
 
 
 def _locating_windows(md: DcpMetadata) -> list[tuple[str, int, int]]:
-    out = []
-    for t in md.tensors.values():
-        for _, _, it in t.chunks:
-            end = it.offset + it.length
-            out.append((it.file, it.offset, min(end, it.offset + HEAD_BYTES)))
-            out.append((it.file, max(it.offset, end - TAIL_BYTES), end))
-    for it in md.values.values():
-        if it.length <= MAX_VALUE_ITEM_BYTES:
-            out.append((it.file, it.offset, it.offset + it.length))
-    return out
+    out = [w for t in md.tensors.values() for _, _, it in t.chunks for w in item_windows(it)]
+    return out + value_windows(md)
+
+
+def item_windows(it: ItemInfo) -> list[tuple[str, int, int]]:
+    """The bytes that locate an item's tensor: its first and last few KiB."""
+    end = it.offset + it.length
+    return [(it.file, it.offset, min(end, it.offset + HEAD_BYTES)), (it.file, max(it.offset, end - TAIL_BYTES), end)]
+
+
+def value_windows(md: DcpMetadata) -> list[tuple[str, int, int]]:
+    """Non-tensor items small enough to restore: read whole."""
+    return [(it.file, it.offset, it.offset + it.length) for it in md.values.values() if it.length <= MAX_VALUE_ITEM_BYTES]
 
 
 def _tensor_meta(cache: RangeCache, storage: Storage, fqn: str, t: DcpTensor,
                  parsed: dict[bytes, TensorRef]) -> TensorMeta:
-    shards = []
-    for offs, sizes, item in t.chunks:
-        where = f"{storage.describe(item.file)} [{item.offset}, {item.offset + item.length}) ({fqn!r} chunk {list(offs)})"
-        loc = locate_tensor(cache, item, where=where, parsed=parsed)
-        code = dtypes.to_code(loc.ref.dtype, where=where) if loc.ref.dtype in _CODES else None
-        if code != t.dtype or loc.ref.size != sizes:
-            raise CorruptCheckpointError(
-                f"{where}: item holds {loc.ref.dtype} {list(loc.ref.size)}, metadata says {t.dtype} {list(sizes)}"
-            )
-        shards.append(Shard(
-            offset=offs, shape=sizes, file=item.file, byte_offset=loc.byte_offset,
-            byte_length=math.prod(sizes) * loc.ref.dtype.itemsize, codec="raw", chunk_size=0,
-        ))
+    shards = [located_shard(cache, storage, fqn, t, offs, sizes, item, parsed)[0] for offs, sizes, item in t.chunks]
     return TensorMeta(dtype=t.dtype, shape=t.shape, shards=tuple(shards))
+
+
+def located_shard(cache: RangeCache, storage: Storage, fqn: str, t: DcpTensor, offs: tuple[int, ...],
+                  sizes: tuple[int, ...], item: ItemInfo, parsed: dict[bytes, TensorRef]) -> tuple[Shard, LocatedTensor]:
+    """One chunk located exactly from its item's ZIP directory and headers."""
+    where = item_where(storage, fqn, offs, item)
+    loc = locate_tensor(cache, item, where=where, parsed=parsed)
+    code = dtypes.to_code(loc.ref.dtype, where=where) if loc.ref.dtype in _CODES else None
+    if code != t.dtype or loc.ref.size != sizes:
+        raise CorruptCheckpointError(
+            f"{where}: item holds {loc.ref.dtype} {list(loc.ref.size)}, metadata says {t.dtype} {list(sizes)}"
+        )
+    shard = Shard(
+        offset=offs, shape=sizes, file=item.file, byte_offset=loc.byte_offset,
+        byte_length=math.prod(sizes) * loc.ref.dtype.itemsize, codec="raw", chunk_size=0,
+    )
+    return shard, loc
+
+
+def item_where(storage: Storage, fqn: str, offs: tuple[int, ...], item: ItemInfo) -> str:
+    return f"{storage.describe(item.file)} [{item.offset}, {item.offset + item.length}) ({fqn!r} chunk {list(offs)})"
 
 
 def _values(cache: RangeCache, storage: Storage, md: DcpMetadata) -> tuple[dict[str, Any], dict[str, str]]:
