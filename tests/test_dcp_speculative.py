@@ -297,3 +297,35 @@ def test_two_ranks_fall_back_together(tmp_path: Path, s3_uri: str, s3_opts: dict
     assert values[0]["values"] == model["a"].flatten().tolist()
     assert values[1]["values"] == model["b"].flatten().tolist()
     assert values[0]["fell_back"] and values[1]["fell_back"], values
+
+
+def test_transforms_with_a_predicted_manifest_verify_every_head(tmp_path: Path, s3_uri: str,
+                                                                s3_opts: dict[str, Any]) -> None:
+    """A rank with transforms may get a predicted manifest from a rank 0 without them:
+    it verifies every item's head (it cannot map its targets to chunks cheaply), through
+    the transformed view; a relaid item still falls back and loads right."""
+    from streamckpt.transforms import as_transforms
+
+    model = {"p0": torch.randn(6, 4), "p1": torch.randn(2, 4), "tiny": torch.randn(1)}
+    _dcp_save(model, tmp_path / "ck")
+    _relayout_last_item(tmp_path / "ck", "p1")
+    _put_dir(tmp_path / "ck", s3_uri, s3_opts)
+    storage = Storage(s3_uri, s3_opts)
+    guessed = dcpfmt.read_dcp_manifest(storage, speculative=True)
+    assert dcpfmt.SPECULATION_KEY in guessed.metadata
+    rules = as_transforms([{"fuse": {"from": ["p0", "p1"], "to": "fused", "dim": 0}}])
+    out = {"fused": torch.zeros(8, 4)}
+    req = LoadRequest(out, strict=False, options=PlanOptions(), transforms=rules, manifest=guessed)
+    res = run_load(SoloComm(), storage, req)
+    assert torch.equal(out["fused"], torch.cat([model["p0"], model["p1"]]))
+    assert res.unexpected_keys == ["tiny"] and res.missing_keys == []
+    # and where every prediction holds, the transformed load takes it
+    whole = {"fused": torch.zeros(6 + 2, 4)}
+    _dcp_save(model, tmp_path / "ck2")
+    _put_dir(tmp_path / "ck2", s3_uri + "-2", s3_opts)
+    storage2 = Storage(s3_uri + "-2", s3_opts)
+    req = LoadRequest(whole, strict=False, options=PlanOptions(), transforms=rules,
+                      manifest=dcpfmt.read_dcp_manifest(storage2, speculative=True))
+    res = run_load(SoloComm(), storage2, req)
+    assert torch.equal(whole["fused"], torch.cat([model["p0"], model["p1"]]))
+    assert res.bytes_read >= res.bytes_needed + sum(len(h.expected) for h in speculation.heads_of(req.manifest))

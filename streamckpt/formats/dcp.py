@@ -14,6 +14,11 @@ header are fetched with small range reads; the tensor's raw bytes then have an
 exact file address and any slice of a chunk is a range read. Small reads of
 neighbouring items are coalesced: an item's tail and the next item's head are
 one request, so locating N items costs about N requests of a few KiB.
+``read_dcp_manifest(speculative=True)`` (what ``sc.load`` asks for) locates one
+item this way and predicts the others' offsets (``dcpguess``); such a manifest
+says so in ``metadata[SPECULATION_KEY]``, and the load verifies every predicted
+item head it relies on, read with the tensor bytes, before returning, or
+locates every item exactly and loads again (``streamckpt.speculation``).
 Non-tensor entries (``torch.save`` of Python objects: optimizer ``param_groups``
 leaves, step counters, scheduler state) are read whole, unpickled with builtins
 only, and kept when made of dicts, lists, tuples and scalars
