@@ -108,11 +108,13 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
     on any rank (agreed)."""
     checked: list[tuple[spec.Head, LocalTarget]] = []
     heads: list[spec.Head] = []
-    if own is None:
+    speculative = spec.is_speculative(manifest)  # alike on every rank
+    if own is None and speculative:
         try:
-            heads = spec.heads_of(manifest)
+            everything = req.transforms is not None  # its targets do not name chunks: verify all
+            mine_heads = spec.heads_of(manifest, None if everything else {t.spec.key for t in targets})
             device = next((t.tensor.device for t in targets if t.tensor.device.type == "cuda"), torch.device("cpu"))
-            checked = spec.head_targets(heads, [t.spec for t in targets], req.transforms is not None, device)
+            checked = spec.head_targets(mine_heads, [t.spec for t in targets], everything, device)
         except CheckpointError as e:
             own = e
     mine = targets + [t for _, t in checked]
@@ -125,6 +127,7 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
     try:
         placement = place(cuda, [t.tensor for t in mine], comm.data_device)
         view = _view(manifest, req.transforms)
+        heads = spec.planned_heads(manifest, all_specs) if speculative else []
         plan_manifest = spec.augment(manifest, heads) if heads else manifest
         plan_view = view if not heads else (
             IdentityView(plan_manifest) if req.transforms is None else spec.HeadsView(view, heads))
@@ -153,7 +156,7 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
     })
     with torch.no_grad():
         stats = Executor(plan, comm, storage, dest, progress=req.progress, placement=placement).run()
-    if heads:
+    if speculative:
         bad = spec.first_mismatch(checked)
         if comm.max_ints([1 if bad is not None else 0])[0]:
             return None, bad or "on another rank"

@@ -15,7 +15,7 @@ again, so no call returns data from an unverified offset. Wiring only: no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -47,10 +47,10 @@ def is_speculative(manifest: Manifest) -> bool:
     return SPECULATION_KEY in manifest.metadata
 
 
-def heads_of(manifest: Manifest) -> list[Head]:
-    """Every predicted head (the same on every rank: derived from the shared manifest).
-
-    A speculative manifest whose template is unreadable (never one rank 0 wrote) raises."""
+def heads_of(manifest: Manifest, keys: Iterable[str] | None = None) -> list[Head]:
+    """The predicted heads of the chunks of ``keys`` (None: of every tensor), alike on
+    every rank: derived from the shared manifest. A speculative manifest whose template
+    is unreadable (never one rank 0 wrote) raises."""
     doc = manifest.metadata.get(SPECULATION_KEY)
     if doc is None:
         return []
@@ -59,7 +59,8 @@ def heads_of(manifest: Manifest) -> list[Head]:
         raise CheckpointError(f"internal: manifest metadata {SPECULATION_KEY!r} is not a layout template")
     memo: dict[tuple[str, tuple[int, ...]], bytes | None] = {}
     out = []
-    for key, t in manifest.tensors.items():
+    for key in manifest.tensors if keys is None else sorted(k for k in set(keys) if k in manifest.tensors):
+        t = manifest.tensors[key]
         for i, sh in enumerate(t.shards):
             k = (t.dtype, sh.shape)
             if k not in memo:
@@ -68,6 +69,14 @@ def heads_of(manifest: Manifest) -> list[Head]:
             if head is not None:  # the manifest reader located this chunk exactly
                 out.append(Head(f"{PREFIX}{key}/{i}", key, sh.box, sh.file, sh.byte_offset - len(head), head))
     return out
+
+
+def planned_heads(manifest: Manifest, all_specs: Sequence[Sequence[TargetSpec]]) -> list[Head]:
+    """The heads some rank verifies (named in the gathered target specs): the only ones
+    the plan needs to know, so planning grows with the chunks ranks touch."""
+    names = {s.key for specs in all_specs for s in specs if s.key.startswith(PREFIX)}
+    keys = {n[len(PREFIX):].rsplit("/", 1)[0] for n in names}
+    return [h for h in heads_of(manifest, keys) if h.name in names]
 
 
 def augment(manifest: Manifest, heads: Sequence[Head]) -> Manifest:
