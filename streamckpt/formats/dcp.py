@@ -38,7 +38,7 @@ import posixpath
 import struct
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -237,6 +237,69 @@ class _Refused(pickle.UnpicklingError):
 
 _PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
 _GETS = {"GET", "BINGET", "LONG_BINGET"}
+_NO_ARG, _FIXED, _LINES, _COUNTED = range(4)
+
+
+def _opcode_table() -> dict[int, tuple[str, int, int, bool]]:
+    """Per opcode byte: (name, how its argument is laid out, a size, signed), from
+    ``pickletools``' own descriptions (the unpickler's layout)."""
+    counted = {pickletools.TAKEN_FROM_ARGUMENT1: (1, False), pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
+               pickletools.TAKEN_FROM_ARGUMENT4U: (4, False), pickletools.TAKEN_FROM_ARGUMENT8U: (8, False)}
+    out = {}
+    for op in pickletools.opcodes:
+        a = op.arg
+        if a is None:
+            entry = (op.name, _NO_ARG, 0, False)
+        elif a.n >= 0:
+            entry = (op.name, _FIXED, a.n, False)
+        elif a.n == pickletools.UP_TO_NEWLINE:
+            entry = (op.name, _LINES, 2 if a.reader is pickletools.read_stringnl_noescape_pair else 1, False)
+        else:
+            entry = (op.name, _COUNTED, *counted[a.n])
+        out[ord(op.code)] = entry
+    return out
+
+
+_OPCODES = _opcode_table()  # immutable after import: a lookup table, not state
+
+
+def _memo_ops(data: bytes) -> Iterator[tuple[str, int | None]]:
+    """(name, memo index or None) of each memo opcode, walking the opcode stream as the
+    unpickler does (``pickletools.genops`` without building every argument: a
+    ``.metadata`` of thousands of opcodes is walked in a few milliseconds). Raises
+    ``ValueError`` on a stream that is malformed or ends before STOP."""
+    pos, n = 0, len(data)
+    while True:
+        if pos >= n:
+            raise ValueError("pickle ends before STOP")
+        entry = _OPCODES.get(data[pos])
+        if entry is None:
+            raise ValueError(f"unknown opcode {data[pos]:#x} at {pos}")
+        name, kind, size, signed = entry
+        start = end = pos + 1
+        if kind == _FIXED:
+            end = start + size
+        elif kind == _LINES:
+            for _ in range(size):
+                nl = data.find(b"\n", end)
+                if nl < 0:
+                    raise ValueError(f"no newline after {name} at {pos}")
+                end = nl + 1
+        elif kind == _COUNTED:
+            length = int.from_bytes(data[start:start + size], "little", signed=signed)
+            if start + size > n or length < 0:
+                raise ValueError(f"bad length for {name} at {pos}")
+            end = start + size + length
+        if end > n:
+            raise ValueError(f"{name} at {pos} runs past the end")
+        if name in _PUTS or name in _GETS:
+            arg = data[start:end]
+            yield name, int(arg) if kind == _LINES else int.from_bytes(arg, "little")
+        elif name == "MEMOIZE":
+            yield name, None
+        elif name == "STOP":
+            return
+        pos = end
 
 
 def check_memo(data: bytes, *, where: str) -> None:
@@ -249,14 +312,14 @@ def check_memo(data: bytes, *, where: str) -> None:
     """
     filled: set[int] = set()
     try:
-        for op, arg, _pos in pickletools.genops(data):
-            if op.name == "MEMOIZE":
+        for name, arg in _memo_ops(data):
+            if name == "MEMOIZE":
                 filled.add(len(filled))
-            elif op.name in _PUTS:
-                if not isinstance(arg, int) or arg < 0 or arg > len(filled):
+            elif name in _PUTS:
+                if arg is None or arg < 0 or arg > len(filled):
                     raise CorruptCheckpointError(f"{where}: pickle stores memo entry {arg!r:.40}, out of sequence")
                 filled.add(arg)
-            elif op.name in _GETS and arg not in filled:
+            elif arg not in filled:
                 raise CorruptCheckpointError(f"{where}: pickle reads memo entry {arg!r:.40}, never stored")
     except CorruptCheckpointError:
         raise
