@@ -4,11 +4,12 @@ requests at one per load, whatever the world size."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -23,14 +24,30 @@ from .pipeline import Destinations, Executor
 from .plan import IdentityView, LoadPlan, PlanOptions, build_plan, settle_rounds
 from .results import LoadResult
 from .storage import Storage
-from .targets import LocalTarget, ValueSlot, collect
+from .targets import LocalTarget, TargetSpec, ValueSlot, collect
 from .values import ValuePlan, plan_values
 
 log = logging.getLogger(__name__)
 
 
-def share_manifest(comm: SoloComm | GroupComm, storage: Storage) -> mf.Manifest:
-    """Rank 0 reads the checkpoint's metadata; every rank gets the same Manifest.
+def read_metadata_bytes(storage: Storage) -> bytes:
+    """What rank 0 sends the others: our own manifest as stored, or one built from
+    another format's headers as our JSON."""
+    raw = read_native_bytes(storage)
+    return raw if raw is not None else mf.to_json(read_foreign_manifest(storage))
+
+
+def start_metadata(comm: SoloComm | GroupComm, storage: Storage, pool: cf.ThreadPoolExecutor) -> cf.Future | None:
+    """Rank 0 of a group starts reading the checkpoint's metadata in ``pool``, so that its
+    requests overlap the exchange of target specs; None on other ranks and alone."""
+    if isinstance(comm, SoloComm) or comm.rank != 0:
+        return None
+    return pool.submit(read_metadata_bytes, storage)
+
+
+def share_manifest(comm: SoloComm | GroupComm, storage: Storage, started: cf.Future | None = None) -> mf.Manifest:
+    """Rank 0 reads the checkpoint's metadata (or takes what ``started`` read); every rank
+    gets the same Manifest.
 
     Our own manifest goes out as the bytes stored and every rank parses it at once;
     a manifest built from other formats' headers goes out as our JSON.
@@ -41,8 +58,7 @@ def share_manifest(comm: SoloComm | GroupComm, storage: Storage) -> mf.Manifest:
     own: BaseException | None = None
     if comm.rank == 0:
         try:
-            raw = read_native_bytes(storage)
-            blob = b"M" + (raw if raw is not None else mf.to_json(read_foreign_manifest(storage)))
+            blob = b"M" + (started.result() if started is not None else read_metadata_bytes(storage))
         except CheckpointError as e:
             own = e
             blob = b"E" + json.dumps(encode_error(e, 0)).encode()
@@ -63,6 +79,21 @@ class LoadRequest:
     cuda: CudaApi | None = None  # the CUDA runtime (TorchCuda unless a test injects a stand-in)
 
 
+def _metadata_and_specs(comm: SoloComm | GroupComm, storage: Storage, specs: list[TargetSpec],
+                        own: BaseException | None) -> tuple[mf.Manifest, Sequence[Sequence[TargetSpec]]]:
+    """The manifest and every rank's target specs; rank 0's metadata requests run while
+    the ranks exchange their specs (the same collectives, in the same order, everywhere)."""
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="streamckpt-metadata") as pool:
+        started = start_metadata(comm, storage, pool)
+        try:
+            all_specs = gather_targets(comm, specs, own)
+        except BaseException:
+            if started is not None:
+                started.cancel()
+            raise
+        return share_manifest(comm, storage, started), all_specs
+
+
 def _view(manifest: mf.Manifest, transforms: Any) -> Any:
     if transforms is None:
         return IdentityView(manifest)
@@ -81,8 +112,11 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
         comm.prefer_device(cuda_devices(cuda, (t.tensor for t in targets)))
     except CheckpointError as e:
         own = e
-    manifest = req.manifest if req.manifest is not None and isinstance(comm, SoloComm) else share_manifest(comm, storage)
-    all_specs = gather_targets(comm, [t.spec for t in targets], own)
+    if req.manifest is not None and isinstance(comm, SoloComm):
+        manifest = req.manifest
+        all_specs = gather_targets(comm, [t.spec for t in targets], own)
+    else:
+        manifest, all_specs = _metadata_and_specs(comm, storage, [t.spec for t in targets], own)
     plan: LoadPlan | None = None
     placement: Placement | None = None
     view: Any = None
