@@ -10,9 +10,10 @@ printed per operation.
     python -m benchmarks.firstcall --endpoint http://127.0.0.1:9931 [--reps 5] [--tree DIR ...]
 
 ``--tree`` puts a checkout first on the children's ``PYTHONPATH``; several are run
-interleaved (a before/after comparison); operations: ``list`` (``Storage.list`` of ``hf``), ``get`` (the HF index,
-6.7 KB), ``get404`` (``manifest.json`` under ``hf``: absent), ``manifest``
-(``formats.read_manifest`` of ``hf``: the 404, the LIST, the index GET and the HEADs).
+interleaved (a before/after comparison). Operations: ``list`` (``Storage.list`` of ``hf``),
+``get`` (the HF index, 6.7 KB), ``get404`` (``manifest.json`` under ``hf``: absent),
+``manifest`` (``formats.read_manifest`` of ``hf``: the 404, the LIST, the index GET, the
+HEADs and the safetensors headers' ranged GETs).
 """
 
 from __future__ import annotations
