@@ -206,3 +206,73 @@ def test_a_load_builds_no_obstore_client(fmt: str, monkeypatch: pytest.MonkeyPat
     manifest = read_manifest(st)  # the load's metadata path, on a Storage whose backend we can look into
     assert sorted(manifest.tensors) == sorted(full)
     assert st._reader.backend._stores == {} and st.clients_started == ("http",)
+
+
+class _ChunkedS3:
+    """A minimal S3 on 127.0.0.1 that answers as AWS does where moto does not: listings (and
+    here one object) with ``Transfer-Encoding: chunked``, pages with and without the XML
+    namespace, a continuation token with characters to encode."""
+
+    PAGES = {
+        None: ('<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><IsTruncated>true</IsTruncated>'
+               '<Contents><Key>r/a &amp; b.bin</Key></Contents><CommonPrefixes><Prefix>r/d/</Prefix></CommonPrefixes>'
+               '<NextContinuationToken>t/1+=</NextContinuationToken></ListBucketResult>'),
+        "t/1+=": ('<ListBucketResult><IsTruncated>false</IsTruncated><Contents><Key>r/ü.bin</Key></Contents>'
+                  '<CommonPrefixes><Prefix>r/e/</Prefix></CommonPrefixes></ListBucketResult>'),
+    }
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        outer = self
+        self.queries: list[dict[str, str]] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+                path, _, query = self.path.partition("?")
+                if path == "/bkt":
+                    q = dict(parse_qsl(query))
+                    outer.queries.append(q)
+                    body = outer.PAGES[q.get("continuation-token")].encode()
+                else:
+                    body = bytes(range(256)) * 12
+                self.send_response(200)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for i in range(0, len(body), 700):
+                    part = body[i:i + 700]
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                self.wfile.write(b"0\r\n\r\n")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.options = {"endpoint_url": f"http://127.0.0.1:{self.server.server_address[1]}", "key": "k", "secret": "s"}
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_chunked_listings_and_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    server = _ChunkedS3()
+    try:
+        st = storage_on(monkeypatch, "http", "s3://bkt/r", server.options)
+        assert asyncio.run(st._reader.backend.listing("bkt/r", False)) == [
+            "bkt/r/d", "bkt/r/e", "bkt/r/a & b.bin", "bkt/r/ü.bin"]
+        assert server.queries == [{"list-type": "2", "prefix": "r/", "delimiter": "/"},
+                                  {"list-type": "2", "prefix": "r/", "delimiter": "/", "continuation-token": "t/1+="}]
+        pool = st._reader.backend.pool
+        assert st.read_bytes("x.bin") == bytes(range(256)) * 12  # no Content-Length: read to its end
+        assert pool.idle == 1  # a chunked body read to its end: its connection kept
+        with pytest.raises(CorruptCheckpointError, match="more than the 1000-byte limit"):
+            st.read_bytes("x.bin", max_bytes=1000)  # no Content-Length: refused after max_bytes + 1
+        assert pool.idle == 0 and st._reader.backend._stores == {}
+    finally:
+        server.stop()
