@@ -188,7 +188,10 @@ def test_faults_never_give_wrong_bytes(
 ) -> None:
     uri, data = stored
     proxy = proxy_factory(faults=[kind], rate=0.4, seed=7, stall_seconds=1.0)
-    st = _http(monkeypatch, uri, proxy.storage_options, policy=RetryPolicy(request_timeout=0.4, base_delay=0.01))
+    # Only the stall needs a short request timeout; for the other faults a busy machine's
+    # slow response must not count as a stall (it did, with 0.4 s, at load average 5).
+    timeout = 0.4 if kind == "stall" else 10.0
+    st = _http(monkeypatch, uri, proxy.storage_options, policy=RetryPolicy(request_timeout=timeout, base_delay=0.01))
     st.piece_size = 128 * KiB
     rng = random.Random(8)
     reads = []
