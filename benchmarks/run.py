@@ -728,8 +728,8 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
         "in a fresh process: the client stack's raw range-read speed); `ceiling.obstore` reads the same ranges "
         "through obstore (Rust) to show whether the Python client is the limit. × curl: ÷ curl full GETs of the objects holding "
         "those bytes (8 in parallel).",
-        "- `streamckpt` reads through its default client (`http.client` range reads into the targets, with obstore "
-        "for metadata, when obstore is installed and the options map onto it); `streamckpt.http`, `streamckpt.obstore` "
+        "- `streamckpt` reads through its default client (`http.client` range reads into the targets, and HEAD, LIST "
+        "and small whole objects over `http.client` too, when obstore is installed and the options map onto it); `streamckpt.http`, `streamckpt.obstore` "
         "and `streamckpt.s3fs` are the same loader with `STREAMCKPT_S3_BACKEND` set to `http`, `obstore` (range "
         "reads through obstore too) or `s3fs` (the fallback); "
         "`streamckpt.dcp` is `sc.load` reading the DCP checkpoint `dcp_full` in place (the peers' own input).",

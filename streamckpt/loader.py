@@ -4,11 +4,12 @@ requests at one per load, whatever the world size."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -24,19 +25,37 @@ from .pipeline import Destinations, Executor
 from .plan import IdentityView, LoadPlan, PlanOptions, build_plan, settle_rounds
 from .results import LoadResult
 from .storage import Storage
-from .targets import LocalTarget, ValueSlot, collect
+from .targets import LocalTarget, TargetSpec, ValueSlot, collect
 from .values import ValuePlan, plan_values
 
 log = logging.getLogger(__name__)
 
 
-def share_manifest(comm: SoloComm | GroupComm, storage: Storage, *, speculative: bool = False) -> mf.Manifest:
-    """Rank 0 reads the checkpoint's metadata; every rank gets the same Manifest.
+def read_metadata_bytes(storage: Storage, speculative: bool = False) -> bytes:
+    """What rank 0 sends the others: our own manifest as stored, or one built from
+    another format's headers as our JSON (``speculative``: a DCP manifest may hold
+    predicted offsets, which ``run_load`` verifies: ``speculation``)."""
+    raw = read_native_bytes(storage)
+    return raw if raw is not None else mf.to_json(read_foreign_manifest(storage, speculative=speculative))
+
+
+def start_metadata(comm: SoloComm | GroupComm, storage: Storage, pool: cf.ThreadPoolExecutor,
+                   speculative: bool = False) -> cf.Future | None:
+    """Rank 0 of a group starts reading the checkpoint's metadata in ``pool``, so that its
+    requests overlap the exchange of target specs; None on other ranks and alone."""
+    if isinstance(comm, SoloComm) or comm.rank != 0:
+        return None
+    return pool.submit(read_metadata_bytes, storage, speculative)
+
+
+def share_manifest(comm: SoloComm | GroupComm, storage: Storage, started: cf.Future | None = None, *,
+                   speculative: bool = False) -> mf.Manifest:
+    """Rank 0 reads the checkpoint's metadata (or takes what ``started`` read); every rank
+    gets the same Manifest.
 
     Our own manifest goes out as the bytes stored and every rank parses it at once;
     a manifest built from other formats' headers goes out as our JSON.
-    ``speculative`` (rank 0's decides): a DCP manifest may hold predicted offsets,
-    which ``run_load`` verifies (``speculation``).
+    ``speculative`` (rank 0's decides; ``started`` says it for itself): see ``read_metadata_bytes``.
     """
     if isinstance(comm, SoloComm):
         return read_manifest(storage, speculative=speculative)
@@ -44,8 +63,7 @@ def share_manifest(comm: SoloComm | GroupComm, storage: Storage, *, speculative:
     own: BaseException | None = None
     if comm.rank == 0:
         try:
-            raw = read_native_bytes(storage)
-            blob = b"M" + (raw if raw is not None else mf.to_json(read_foreign_manifest(storage, speculative=speculative)))
+            blob = b"M" + (started.result() if started is not None else read_metadata_bytes(storage, speculative))
         except CheckpointError as e:
             own = e
             blob = b"E" + json.dumps(encode_error(e, 0)).encode()
@@ -64,6 +82,22 @@ class LoadRequest:
     progress: Callable[[int], None] | None = None
     manifest: mf.Manifest | None = None  # already read by the caller (single process)
     cuda: CudaApi | None = None  # the CUDA runtime (TorchCuda unless a test injects a stand-in)
+
+
+def _metadata_and_specs(comm: SoloComm | GroupComm, storage: Storage, specs: list[TargetSpec],
+                        own: BaseException | None, speculative: bool,
+                        ) -> tuple[mf.Manifest, Sequence[Sequence[TargetSpec]]]:
+    """The manifest and every rank's target specs; rank 0's metadata requests run while
+    the ranks exchange their specs (the same collectives, in the same order, everywhere)."""
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="streamckpt-metadata") as pool:
+        started = start_metadata(comm, storage, pool, speculative)
+        try:
+            all_specs = gather_targets(comm, specs, own)
+        except BaseException:
+            if started is not None:
+                started.cancel()
+            raise
+        return share_manifest(comm, storage, started, speculative=speculative), all_specs
 
 
 def _view(manifest: mf.Manifest, transforms: Any) -> Any:
@@ -89,27 +123,32 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
         own = e
     if req.manifest is not None and isinstance(comm, SoloComm):
         manifest = req.manifest
+        all_specs = gather_targets(comm, [t.spec for t in targets], own)
     else:
-        manifest = share_manifest(comm, storage, speculative=req.transforms is None)
-    result, mismatch = _attempt(comm, storage, req, manifest, targets, values, own, cuda, t0)
+        manifest, all_specs = _metadata_and_specs(comm, storage, [t.spec for t in targets], own,
+                                                  speculative=req.transforms is None)
+    result, mismatch = _attempt(comm, storage, req, manifest, all_specs, targets, values, cuda, t0)
     if result is None:
         log.info("streamckpt load %s: a DCP item's layout is not the predicted one (first: %s); "
                  "locating every item exactly and loading again", storage.describe(""), mismatch)
-        result, mismatch = _attempt(comm, storage, req, share_manifest(comm, storage), targets, values, own, cuda, t0)
+        exact = share_manifest(comm, storage)
+        result, mismatch = _attempt(comm, storage, req, exact, all_specs, targets, values, cuda, t0)
         if result is None:  # pragma: no cover - an exact manifest predicts nothing
             raise CheckpointError(f"internal: predicted layout after exact locating ({mismatch})")
     return result
 
 
 def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, manifest: mf.Manifest,
-             targets: list[LocalTarget], values: list[ValueSlot], own: BaseException | None, cuda: CudaApi,
-             t0: float) -> tuple[LoadResult | None, str | None]:
+             all_specs: Sequence[Sequence[TargetSpec]], targets: list[LocalTarget], values: list[ValueSlot],
+             cuda: CudaApi, t0: float) -> tuple[LoadResult | None, str | None]:
     """Plan and run the load; (None, first mismatch) when a predicted DCP head was wrong
-    on any rank (agreed)."""
+    on any rank (agreed). With a predicted manifest, the ranks exchange the heads they
+    verify in a second, small gather (the first ran before the manifest was known)."""
+    own: BaseException | None = None
     checked: list[tuple[spec.Head, LocalTarget]] = []
     heads: list[spec.Head] = []
     speculative = spec.is_speculative(manifest)  # alike on every rank
-    if own is None and speculative:
+    if speculative:
         try:
             everything = req.transforms is not None  # its targets do not name chunks: verify all
             mine_heads = spec.heads_of(manifest, None if everything else {t.spec.key for t in targets})
@@ -118,7 +157,9 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
         except CheckpointError as e:
             own = e
     mine = targets + [t for _, t in checked]
-    all_specs = gather_targets(comm, [t.spec for t in mine], own)
+    if speculative:  # alike on every rank: the same collective everywhere
+        head_specs = gather_targets(comm, [t.spec for _, t in checked], own)
+        all_specs = [[*a, *h] for a, h in zip(all_specs, head_specs)]
     plan: LoadPlan | None = None
     placement: Placement | None = None
     view: Any = None

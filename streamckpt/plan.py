@@ -53,7 +53,7 @@ from .plandata import (
     settle_rounds,
     wire_length,
 )
-from .private import closure, edge_tag, plan_private
+from .private import absorb_small_shared, closure, edge_tag, plan_private
 from .rounds import RoundPacker, reachable
 from .targets import TargetSpec
 
@@ -144,7 +144,7 @@ def _build_plan(
         if r is not None:
             r.tag = i
             rounds.place(r, targets)
-    shared = [r for r in placed if r is not None]
+    shared = absorb_small_shared([r for r in placed if r is not None], edges, targets)
     for r in own:
         rounds.place(r, targets)
     for r in edges:

@@ -22,7 +22,7 @@ import streamckpt as sc
 from streamckpt.checksum import crc32c
 from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from streamckpt.storage import RangeRead, RetryPolicy, Storage
-from streamckpt.storage.httpget import AUTO_PICKS_HTTP, SigV4, http_target
+from streamckpt.storage.httpget import AUTO_PICKS_HTTP, SigV4, canonical_query, http_target
 from streamckpt.storage.obstore_backend import AUTO_PICKS_OBSTORE, BACKEND_ENV, NotConfigurable
 from streamckpt.storage.reads import Landing
 from streamckpt.testing.s3server import free_port
@@ -188,7 +188,10 @@ def test_faults_never_give_wrong_bytes(
 ) -> None:
     uri, data = stored
     proxy = proxy_factory(faults=[kind], rate=0.4, seed=7, stall_seconds=1.0)
-    st = _http(monkeypatch, uri, proxy.storage_options, policy=RetryPolicy(request_timeout=0.4, base_delay=0.01))
+    # Only the stall needs a short request timeout; for the other faults a busy machine's
+    # slow response must not count as a stall (it did, with 0.4 s, at load average 5).
+    timeout = 0.4 if kind == "stall" else 10.0
+    st = _http(monkeypatch, uri, proxy.storage_options, policy=RetryPolicy(request_timeout=timeout, base_delay=0.01))
     st.piece_size = 128 * KiB
     rng = random.Random(8)
     reads = []
@@ -259,6 +262,33 @@ def test_signature_matches_botocore() -> None:
     assert "authorization" not in anon.headers("/b/k")
 
 
+def test_signature_with_a_query_matches_botocore() -> None:
+    """A ListObjectsV2 page: names and values encoded the AWS way (``/`` too), sorted by name."""
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    when = datetime.datetime(2026, 3, 4, 5, 6, 7, tzinfo=datetime.timezone.utc)
+    cfg = {"access_key_id": "AKID", "secret_access_key": "se/cr+et", "endpoint": "http://127.0.0.1:9000",
+           "region": "eu-west-3", "virtual_hosted_style_request": False}
+    target = http_target(cfg)
+    params = {"list-type": "2", "prefix": "ck/a b+c%d~e(ü)&x=y;z*/", "delimiter": "/",
+              "continuation-token": "1/ab+cd==", "max-keys": "7"}
+    query = canonical_query(params)
+    assert query == ("continuation-token=1%2Fab%2Bcd%3D%3D&delimiter=%2F&list-type=2&max-keys=7&"
+                     "prefix=ck%2Fa%20b%2Bc%25d~e%28%C3%BC%29%26x%3Dy%3Bz%2A%2F")
+    path = target.path("bkt", None)
+    ours = SigV4(target).headers(path, now=when, query=query)
+    req = AWSRequest(method="GET", url=f"http://127.0.0.1:9000{path}", params=params, headers={})
+    auth = S3SigV4Auth(Credentials("AKID", "se/cr+et"), "s3", "eu-west-3")
+    req.context["timestamp"] = when.strftime("%Y%m%dT%H%M%SZ")
+    auth._modify_request_before_signing(req)
+    assert auth.canonical_query_string(req) == query
+    signature = auth.signature(auth.string_to_sign(req, auth.canonical_request(req)), req)
+    auth._inject_signature_to_request(req, signature)
+    assert path == "/bkt" and ours["authorization"] == req.headers["Authorization"]
+
+
 @pytest.fixture(scope="module")
 def auth_s3() -> Iterator[tuple[str, dict[str, str]]]:
     """A moto server in its own process that checks signatures (``INITIAL_NO_AUTH_ACTION_COUNT``:
@@ -308,6 +338,34 @@ def test_signed_requests_accepted_and_bad_credentials_permanent(
         with pytest.raises(StorageError, match=f"failed after 1 attempt\\(s\\): HTTP 403 {code}") as ei:
             st.read_bytes("obj.bin", 5, 9000)
         assert "wrong" not in str(ei.value)
+
+
+def test_signed_listings_and_whole_objects_accepted(
+    monkeypatch: pytest.MonkeyPatch, auth_s3: tuple[str, dict[str, str]]
+) -> None:
+    """A signature-checking server accepts every page of a listing (prefixes and continuation
+    tokens with special characters in the signed query) and whole-object GETs."""
+    boto3 = pytest.importorskip("boto3")
+    endpoint, opts = auth_s3
+    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=opts["key"],
+                      aws_secret_access_key=opts["secret"], region_name="us-east-1")
+    names = ["a b+c/1%.bin", "a b+c/ü é/2.bin", "a b+c/x=y&z;w.bin", "k~(1)*'!.bin", "q?r#s.json"]
+    for n in names:
+        s3.put_object(Bucket="signed", Key=f"lst/{n}", Body=n.encode())
+    st = _http(monkeypatch, "s3://signed/lst", opts, policy=RetryPolicy(max_attempts=2, base_delay=0.01))
+    st._reader.backend.list_page_keys = 2  # every continuation token goes through the signature
+    assert st.list("", recursive=True) == sorted(names)
+    assert st.list("") == ["a b+c", "k~(1)*'!.bin", "q?r#s.json"]
+    assert st.list("a b+c") == ["a b+c/1%.bin", "a b+c/x=y&z;w.bin", "a b+c/ü é"]
+    assert st.read_bytes("q?r#s.json") == b"q?r#s.json"
+    assert st.read_bytes("a b+c/ü é/2.bin") == "a b+c/ü é/2.bin".encode()
+    assert st.exists("a b+c/ü é") and not st.exists("a b")
+    assert st._reader.backend._stores == {}
+    bad = _http(monkeypatch, "s3://signed/lst", {**opts, "secret": "wrong"}, policy=RetryPolicy(max_attempts=2))
+    with pytest.raises(StorageError, match=r"failed after 1 attempt\(s\): HTTP 403 SignatureDoesNotMatch"):
+        bad.list("a b+c")
+    with pytest.raises(StorageError, match=r"failed after 1 attempt\(s\): HTTP 403 SignatureDoesNotMatch"):
+        bad.read_bytes("q?r#s.json")
 
 
 def test_selection(monkeypatch: pytest.MonkeyPatch, s3_uri: str, s3_opts: dict[str, Any]) -> None:

@@ -377,3 +377,38 @@ def test_shared_and_private_tensors_in_the_same_files(seed, ndim, world, budget)
     fetched = check_per_rank_plans(manifest, files, targets, opts, full, torch.float32,
                                    lambda spec: _expected(originals[spec.key], spec))
     check_read_once(fetched)
+
+
+def test_small_replicated_tensor_rides_on_the_neighbouring_edge_read():
+    """Column halves of two matrices (every stored row touched by both ranks: edge reads)
+    with a replicated norm stored between them: the norm's few bytes come with the edge
+    read that ends where it starts, not as a request of their own, on every rank alike,
+    and each rank's reads cover each byte once."""
+    rows, cols = 8, 16
+    a = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+    b = a + 1000
+    norm = torch.arange(cols, dtype=torch.float32) - 50
+    blob = a.numpy().tobytes() + norm.numpy().tobytes() + b.numpy().tobytes()
+    row = cols * 4
+
+    def shard(offset, nbytes, shape):
+        return Shard((0,) * len(shape), shape, "f", offset, nbytes, chunk_size=row, crc32c=(0,) * (nbytes // row))
+
+    m = Manifest(tensors={"a": TensorMeta("F32", (rows, cols), (shard(0, rows * row, (rows, cols)),)),
+                          "n": TensorMeta("F32", (cols,), (shard(rows * row, row, (cols,)),)),
+                          "b": TensorMeta("F32", (rows, cols), (shard(rows * row + row, rows * row, (rows, cols)),))},
+                 files={"f": len(blob)})
+    validate(m)
+    originals = {"a": a, "n": norm, "b": b}
+    half = cols // 2
+    targets = [[TargetSpec("a", "F32", (rows, cols), (0, r * half), (rows, half)),
+                TargetSpec("n", "F32", (cols,), (0,), (cols,)),
+                TargetSpec("b", "F32", (rows, cols), (0, r * half), (rows, half))] for r in range(2)]
+    opts = PlanOptions()
+    full = build_plan(m, targets, opts)
+    assert all(r.length > row for r in full.reads), [(r.start, r.stop) for r in full.reads]
+    assert any(r.start < rows * row < r.stop for r in full.edge_reads)  # the norm's bytes inside an edge read
+    fetched = check_per_rank_plans(m, {"f": blob}, targets, opts, full, torch.float32,
+                                   lambda spec: _expected(originals[spec.key], spec))
+    check_read_once(fetched)
+    assert sum(stop - start for _, start, stop in fetched) == len(blob)

@@ -1,40 +1,43 @@
-"""S3 ranged GETs over plain ``http.client``, each body read straight into the caller's memory.
+"""S3 reads over plain ``http.client``: ranged GETs each read straight into the caller's
+memory, and a load's metadata requests (HEAD, LIST, whole small objects) without obstore.
 
 Why it exists: through obstore a body lands in Rust's buffer and is then copied into
 our memoryviews with the GIL held (55% of a full load's CPU in scenario (a) of
 BENCHMARKS.md). Here ``HTTPResponse.readinto`` on the target's own memoryview goes
 nearly straight to ``recv_into`` with the GIL released: each byte crosses user memory
 once, and no response body is held anywhere but in its target (``holds_bodies`` is
-false, so the memory budget need not reserve room for bodies in flight).
+false, so the memory budget need not reserve room for bodies in flight). And a load's
+first requests (GET manifest.json, a LIST of the prefix, GET of an index) are on its
+critical path: building obstore's client for them made each first call slower (medians
+in fresh processes, ``benchmarks/firstcall.py``: a first LIST 16 → 8 ms, a first small
+GET 22 → 6 ms, HF metadata read 50 → 36 ms). A load never builds one.
 
-Only ``fetch`` / ``fetch_parts`` take this path; HEAD, LIST, whole small objects,
-deletes and writes stay on obstore (``HttpGetBackend`` subclasses ``ObstoreBackend``),
-so the endpoint, region, credentials and anonymous access come from the same
-``s3_config`` mapping. Requests are signed with SigV4 here (a few HMACs with a cached
-signing key: cheaper per request than botocore's signer, and no botocore import on the
-load path). Path-style addressing only; options this path does not reproduce
-(virtual-hosted requests to a custom endpoint, AWS_* settings object_store would read)
-leave reads on obstore (``http_target`` raises ``NotConfigurable``).
+``fetch`` / ``fetch_parts``, ``head``, ``get_whole`` and ``listing`` (ListObjectsV2,
+``httplist``; ``exists`` is HEAD then LIST) take this path; deletes and writes stay on
+obstore (``HttpGetBackend`` subclasses ``ObstoreBackend``), so the endpoint, region,
+credentials and anonymous access come from the same ``s3_config`` mapping, and S3
+Express buckets stay on obstore entirely. Requests are signed with SigV4 here (a few
+HMACs with a cached signing key: cheaper per request than botocore's signer, and no
+botocore import on the load path). Path-style addressing only; options this path does
+not reproduce (virtual-hosted requests to a custom endpoint, AWS_* settings object_store
+would read) leave reads on obstore (``http_target`` raises ``NotConfigurable``).
 
 One attempt per call, like every backend (but for status-level errors, which it tries
-``client_attempts`` times as the other S3 clients do): a connection is kept alive in a shared pool
-only after a response was read to its end; after any failure or a partly read body it
-is closed. The one exception is a reused idle connection the server closed meanwhile
-(no response byte came): that request is sent again once on a fresh connection, as
-HTTP clients do for idempotent requests.
+``client_attempts`` times as the other S3 clients do; ``httpstatus`` classifies them): a
+connection is kept alive in a shared pool only after a response was read to its end;
+after any failure or a partly read body it is closed. The one exception is a reused idle
+connection the server closed meanwhile (no response byte came): that request is sent
+again once on a fresh connection, as HTTP clients do for idempotent requests.
 """
 
 from __future__ import annotations
 
 import datetime
-import email.utils
 import hashlib
 import hmac
 import http.client
 import os
 import random
-import re
-import socket
 import ssl
 import threading
 import time
@@ -42,7 +45,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 from urllib.parse import quote, urlsplit
 
-from .backend import Fetched, NotFound, ObjectInfo, Permanent, RangeNotSatisfiable, Stalled, Transient
+from .backend import Fetched, ObjectInfo, Stalled, TooLarge, Transient
+from .httplist import list_keys
+from .httpstatus import StatusFailure, classified, content_range, failure, http_date
 from .obstore_backend import PIECE, NotConfigurable, ObstoreBackend
 
 AUTO_PICKS_HTTP = True  # ``STREAMCKPT_S3_BACKEND=auto`` reads through this path (else obstore)
@@ -52,8 +57,6 @@ T = TypeVar("T")
 # object_store settings read from the environment that this path would not honour.
 _ENV_NOT_REPRODUCED = ("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "AWS_SKIP_SIGNATURE", "AWS_S3_EXPRESS",
                        "AWS_REQUEST_PAYER", "AWS_CONDITIONAL_PUT", "AWS_SSE_CUSTOMER_KEY_BASE64")
-_PERMANENT_CODES = frozenset({"RequestTimeTooSkewed", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"})
-_TRANSIENT_CODES = frozenset({"RequestTimeout", "SlowDown", "InternalError", "ServiceUnavailable", "Throttling"})
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,10 @@ class HttpTarget:
         default = 443 if self.scheme == "https" else 80
         return self.host if self.port in (None, default) else f"{self.host}:{self.port}"
 
-    def path(self, bucket: str, key: str) -> str:
+    def path(self, bucket: str, key: str | None) -> str:
+        """The URI-encoded path of an object (of the bucket itself when ``key`` is None)."""
+        if key is None:
+            return f"{self.base_path}/{quote(bucket, safe='')}"
         return f"{self.base_path}/{quote(bucket, safe='')}/{quote(key, safe='/~')}"
 
 
@@ -122,8 +128,10 @@ class SigV4:
                 self._day, self._key = day, k
             return self._key
 
-    def headers(self, path: str, now: datetime.datetime | None = None, method: str = "GET") -> dict[str, str]:
-        """The headers of a signed ``method`` of ``path`` (already URI-encoded, no query)."""
+    def headers(self, path: str, now: datetime.datetime | None = None, method: str = "GET",
+                query: str = "") -> dict[str, str]:
+        """The headers of a signed ``method`` of ``path`` (already URI-encoded) with the
+        canonical ``query`` (``canonical_query``; the request sends that same string)."""
         t = self._t
         headers = {"host": t.host_header, "x-amz-content-sha256": EMPTY_SHA256}
         if t.access_key is None:
@@ -133,13 +141,21 @@ class SigV4:
         if t.token:
             headers["x-amz-security-token"] = t.token
         names = ";".join(headers)  # already lower-case and in sorted order
-        canonical = "\n".join([method, path, "", *(f"{k}:{v}" for k, v in headers.items()), "", names, EMPTY_SHA256])
+        canonical = "\n".join([method, path, query, *(f"{k}:{v}" for k, v in headers.items()), "", names, EMPTY_SHA256])
         scope = f"{stamp[:8]}/{t.region}/s3/aws4_request"
         to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
         sig = hmac.new(self._signing_key(stamp[:8]), to_sign.encode(), hashlib.sha256).hexdigest()
         headers["authorization"] = (f"AWS4-HMAC-SHA256 Credential={t.access_key}/{scope}, "
                                     f"SignedHeaders={names}, Signature={sig}")
         return headers
+
+
+def canonical_query(params: dict[str, str]) -> str:
+    """A query string as SigV4 signs it (and the request sends it): names and values
+    URI-encoded the AWS way (RFC 3986 unreserved characters kept, every other byte of the
+    UTF-8 ``%XX``, ``/`` included), sorted by encoded name."""
+    pairs = sorted((quote(k, safe=""), quote(v, safe="")) for k, v in params.items())
+    return "&".join(f"{k}={v}" for k, v in pairs)
 
 
 class Connections:
@@ -193,12 +209,13 @@ class Connections:
 
 
 class HttpGetBackend(ObstoreBackend):
-    """obstore for everything but range reads, which are ``http.client`` GETs read into the
-    buffers, and HEADs (a load's and a save's first requests: no obstore client to build)."""
+    """``http.client`` for every read (range GETs into the buffers, HEADs, whole small
+    objects, listings: a load builds no obstore client); obstore for writes and deletes."""
 
     name = "http"
     holds_bodies = False  # bodies go straight into their buffers
     piece_size = PIECE
+    list_page_keys: int | None = None  # ListObjectsV2 max-keys (None: the server's 1000)
 
     def __init__(self, config: dict[str, Any], request_timeout: float, client_attempts: int,
                  max_concurrency: int, **kw: Any) -> None:
@@ -224,6 +241,26 @@ class HttpGetBackend(ObstoreBackend):
         if _express(path):
             return await super().head(path)
         return await self.threads.run(self._retrying, self._head_once, path)
+
+    async def get_whole(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
+        if _express(path):
+            return await super().get_whole(path, max_bytes)
+        bucket, _, key = path.partition("/")
+        return await self.threads.run(self._retrying, self._whole_once, bucket, self.target.path(bucket, key),
+                                      "", max_bytes)
+
+    async def listing(self, path: str, recursive: bool) -> list[str]:
+        """ListObjectsV2 pages, each one signed GET (``httplist``): what obstore would list."""
+        if _express(path):
+            return await super().listing(path, recursive)
+        bucket, _, key = path.rstrip("/").partition("/")
+        url = self.target.path(bucket, None)
+
+        def page(params: dict[str, str]) -> bytes:
+            return self._retrying(self._whole_once, bucket, url, canonical_query(params), None)[0]
+
+        keys = await self.threads.run(list_keys, page, key, recursive, self.list_page_keys)
+        return [f"{bucket}/{k}" for k in keys]
 
     def get(self, path: str, start: int, bufs: list[memoryview]) -> Fetched:
         """One ranged GET of ``sum(len(b) for b in bufs)`` bytes at ``start`` into ``bufs``."""
@@ -268,23 +305,67 @@ class HttpGetBackend(ObstoreBackend):
         try:
             conn, resp = self._open("HEAD", url, self.signer.headers(url, method="HEAD"))
         except BaseException as e:
-            raise _classified(e, self.request_timeout) from None
+            raise classified(e, self.request_timeout) from None
         try:
             resp.read()  # a HEAD has no body: this only ends the response
             if resp.status != 200:
-                raise _failure(resp.status, b"", bucket)
+                raise failure(resp.status, b"", bucket)
             length = resp.getheader("Content-Length")
             if length is None or not length.isdigit():
                 raise Transient(f"HEAD without a Content-Length ({length!r})")
         except BaseException as e:
             conn.close()
-            raise _classified(e, self.request_timeout) from None
+            raise classified(e, self.request_timeout) from None
         if resp.will_close:
             conn.close()
         else:
             self.pool.give_back(conn)
         return ObjectInfo(size=int(length), etag=resp.getheader("ETag"),
-                          modified=_http_date(resp.getheader("Last-Modified")))
+                          modified=http_date(resp.getheader("Last-Modified")))
+
+    def _whole_once(self, bucket: str, url: str, query: str, max_bytes: int | None) -> tuple[bytes, str | None]:
+        """One GET of a whole small object (or a listing page: ``query``), and its ETag."""
+        headers = self.signer.headers(url, query=query)
+        try:
+            conn, resp = self._open("GET", f"{url}?{query}" if query else url, headers)
+        except BaseException as e:
+            raise classified(e, self.request_timeout) from None
+        try:
+            data = self._whole_body(resp, bucket, max_bytes)
+        except BaseException as e:
+            conn.close()  # a body over max_bytes is not read: its connection cannot serve another request
+            raise classified(e, self.request_timeout) from None
+        if resp.isclosed() and not resp.will_close:
+            self.pool.give_back(conn)
+        else:
+            conn.close()
+        return data, resp.getheader("ETag")
+
+    def _whole_body(self, resp: http.client.HTTPResponse, bucket: str, max_bytes: int | None) -> bytes:
+        """A 200's whole body; ``TooLarge`` before reading one whose Content-Length is over
+        ``max_bytes``. A body without a length (chunked: S3 sends listings so) is read to its end."""
+        if resp.status != 200:
+            raise failure(resp.status, resp.read(1 << 16), bucket)
+        size = resp.length
+        if size is not None and max_bytes is not None and size > max_bytes:
+            raise TooLarge(size)
+        deadline = time.monotonic() + self.backstop
+        limit = size if size is not None else max_bytes + 1 if max_bytes is not None else None
+        chunks: list[bytes] = []
+        got = 0
+        while limit is None or got < limit:
+            chunk = resp.read(SLICE if limit is None else min(SLICE, limit - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+            if time.monotonic() > deadline:
+                raise Stalled(f"body still incomplete after {self.backstop:g} s")
+        if size is None and max_bytes is not None and got > max_bytes:
+            raise TooLarge(got)  # at least this many bytes: the server did not say how many
+        if size is not None and got != size:
+            raise Transient(f"short body: {got} of {size} bytes")
+        return b"".join(chunks)
 
     def _get_once(self, path: str, start: int, bufs: list[memoryview]) -> Fetched:
         bucket, _, key = path.partition("/")
@@ -295,12 +376,12 @@ class HttpGetBackend(ObstoreBackend):
         try:
             conn, resp = self._open("GET", url, headers)
         except BaseException as e:
-            raise _classified(e, self.request_timeout) from None
+            raise classified(e, self.request_timeout) from None
         try:
             got, size, complete = self._body(resp, bucket, start, total, bufs)
         except BaseException as e:
             conn.close()
-            raise _classified(e, self.request_timeout) from None
+            raise classified(e, self.request_timeout) from None
         if complete and got == total and resp.isclosed() and not resp.will_close:  # a success, read to its end
             self.pool.give_back(conn)
         else:
@@ -313,7 +394,7 @@ class HttpGetBackend(ObstoreBackend):
         whole body was read); other statuses raise."""
         status = resp.status
         if status == 206:
-            first, size = _content_range(resp.getheader("Content-Range"))
+            first, size = content_range(resp.getheader("Content-Range"))
             if first != start:
                 raise Transient(f"server sent bytes from {first} for a range from {start}")
         elif status == 200 and start == 0:  # the whole object: the server ignored the range
@@ -321,7 +402,7 @@ class HttpGetBackend(ObstoreBackend):
         elif status == 200:
             raise Transient(f"HTTP 200: the server ignored the range from byte {start}")
         else:
-            raise _failure(status, resp.read(1 << 16), bucket)
+            raise failure(status, resp.read(1 << 16), bucket)
         length = resp.length
         if length is None or length > total or length < total and size is not None and size >= start + total:
             # a shorter body is read only when the object may end inside the range (a truncated object)
@@ -356,61 +437,3 @@ def _express(path: str) -> bool:
 def _send(conn: http.client.HTTPConnection, method: str, url: str, headers: dict[str, str]) -> http.client.HTTPResponse:
     conn.request(method, url, headers=headers)
     return conn.getresponse()
-
-
-def _http_date(value: str | None) -> float | None:
-    """POSIX seconds from a ``Last-Modified`` header (None when absent or unreadable)."""
-    if not value:
-        return None
-    try:
-        return email.utils.parsedate_to_datetime(value).timestamp()
-    except (TypeError, ValueError):
-        return None
-
-
-class StatusFailure(Transient):
-    """An error status worth another attempt, or a refused connection: nothing was written."""
-
-
-def _classified(e: BaseException, timeout: float) -> BaseException:
-    """A client-side exception as the policy's kind (others, e.g. cancellation, pass as they are)."""
-    if isinstance(e, ConnectionRefusedError):
-        return StatusFailure(f"{type(e).__name__}: {e}")
-    if isinstance(e, (TimeoutError, socket.timeout)):
-        return Stalled(f"no response within {timeout:g} s")
-    if isinstance(e, ssl.SSLCertVerificationError):
-        return Permanent(f"TLS: {e}")
-    if isinstance(e, (OSError, http.client.HTTPException)):
-        return Transient(f"{type(e).__name__}: {e}")
-    return e
-
-
-def _content_range(value: str | None) -> tuple[int, int | None]:
-    """(first byte, total size or None) from ``Content-Range: bytes a-b/total``."""
-    m = re.fullmatch(r"\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*", value or "")
-    if m is None:
-        raise Transient(f"206 with Content-Range {value!r}")
-    return int(m.group(1)), None if m.group(3) == "*" else int(m.group(3))
-
-
-def _failure(status: int, body: bytes, bucket: str) -> Exception:
-    """An error response as the policy's kind, from its status and S3 error code."""
-    text = body.decode("utf-8", "replace")
-    code, message = _tag(text, "Code"), _tag(text, "Message")
-    what = f"HTTP {status}" + (f" {code}" if code else "") + (f": {message}" if message else "")
-    if code == "NoSuchBucket":
-        return NotFound(f"bucket {bucket!r} does not exist", bucket=bucket)
-    if status == 404:
-        return NotFound(what)
-    if status == 416 or code == "InvalidRange":
-        return RangeNotSatisfiable(what)
-    if code in _TRANSIENT_CODES or status in (408, 429) or status >= 500:
-        return StatusFailure(what)
-    if code in _PERMANENT_CODES or 300 <= status < 500:
-        return Permanent(what)  # credentials, permissions, a wrong region (301), bad requests
-    return Transient(what)
-
-
-def _tag(text: str, name: str) -> str | None:
-    m = re.search(f"<{name}>(.*?)</{name}>", text, re.S)
-    return m.group(1).strip() if m else None

@@ -1,16 +1,16 @@
 """S3 through obstore (Rust ``object_store``): the default client of an ``s3://`` prefix
-for whole small objects, HEAD, LIST, deletes and uploads, and for ranged GETs where the
-``http.client`` path (``httpget``, a subclass that reads bodies straight into the
-buffers) does not apply or ``STREAMCKPT_S3_BACKEND=obstore``. The s3fs / aiohttp /
+for deletes and uploads, and for every read where the ``http.client`` path (``httpget``,
+a subclass that reads bodies straight into the buffers and does HEAD, LIST and whole
+small objects itself) does not apply or ``STREAMCKPT_S3_BACKEND=obstore``. The s3fs / aiohttp /
 botocore stack costs more CPU per byte than the reads themselves on a fast network;
 obstore does the HTTP, signing and body handling in Rust.
 
 Selection: ``STREAMCKPT_S3_BACKEND`` = ``auto`` (the default), ``http``, ``obstore`` or ``s3fs``.
 ``auto``, ``http`` and ``obstore`` use it whenever it is installed (a runtime dependency) and
 every storage option maps onto it; otherwise s3fs reads, with a warning when ``obstore`` or
-``http`` was asked for. ``auto`` and ``http`` then do the range reads with ``http.client``
+``http`` was asked for. ``auto`` and ``http`` then do every read with ``http.client``
 (``httpget``: bodies read straight into the buffers) where that path reproduces the config,
-obstore everything else. ``s3fs`` forces the fallback. A body is collected in Rust before its copy
+obstore the writes and deletes. ``s3fs`` forces the fallback. A body is collected in Rust before its copy
 into the buffer, so the bodies in flight are bounded (``holds_bodies``: the policy's
 gate counts them against ``inflight_bytes``).
 
