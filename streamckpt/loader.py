@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from . import manifest as mf
+from . import speculation as spec
 from .comm import GroupComm, SoloComm, encode_error, gather_targets, raise_agreed
 from .cudaapi import CudaApi, TorchCuda
 from .device import Placement, cuda_devices, place
@@ -30,35 +31,39 @@ from .values import ValuePlan, plan_values
 log = logging.getLogger(__name__)
 
 
-def read_metadata_bytes(storage: Storage) -> bytes:
+def read_metadata_bytes(storage: Storage, speculative: bool = False) -> bytes:
     """What rank 0 sends the others: our own manifest as stored, or one built from
-    another format's headers as our JSON."""
+    another format's headers as our JSON (``speculative``: a DCP manifest may hold
+    predicted offsets, which ``run_load`` verifies: ``speculation``)."""
     raw = read_native_bytes(storage)
-    return raw if raw is not None else mf.to_json(read_foreign_manifest(storage))
+    return raw if raw is not None else mf.to_json(read_foreign_manifest(storage, speculative=speculative))
 
 
-def start_metadata(comm: SoloComm | GroupComm, storage: Storage, pool: cf.ThreadPoolExecutor) -> cf.Future | None:
+def start_metadata(comm: SoloComm | GroupComm, storage: Storage, pool: cf.ThreadPoolExecutor,
+                   speculative: bool = False) -> cf.Future | None:
     """Rank 0 of a group starts reading the checkpoint's metadata in ``pool``, so that its
     requests overlap the exchange of target specs; None on other ranks and alone."""
     if isinstance(comm, SoloComm) or comm.rank != 0:
         return None
-    return pool.submit(read_metadata_bytes, storage)
+    return pool.submit(read_metadata_bytes, storage, speculative)
 
 
-def share_manifest(comm: SoloComm | GroupComm, storage: Storage, started: cf.Future | None = None) -> mf.Manifest:
+def share_manifest(comm: SoloComm | GroupComm, storage: Storage, started: cf.Future | None = None, *,
+                   speculative: bool = False) -> mf.Manifest:
     """Rank 0 reads the checkpoint's metadata (or takes what ``started`` read); every rank
     gets the same Manifest.
 
     Our own manifest goes out as the bytes stored and every rank parses it at once;
     a manifest built from other formats' headers goes out as our JSON.
+    ``speculative`` (rank 0's decides; ``started`` says it for itself): see ``read_metadata_bytes``.
     """
     if isinstance(comm, SoloComm):
-        return read_manifest(storage)
+        return read_manifest(storage, speculative=speculative)
     blob: bytes | None = None
     own: BaseException | None = None
     if comm.rank == 0:
         try:
-            blob = b"M" + (started.result() if started is not None else read_metadata_bytes(storage))
+            blob = b"M" + (started.result() if started is not None else read_metadata_bytes(storage, speculative))
         except CheckpointError as e:
             own = e
             blob = b"E" + json.dumps(encode_error(e, 0)).encode()
@@ -80,18 +85,19 @@ class LoadRequest:
 
 
 def _metadata_and_specs(comm: SoloComm | GroupComm, storage: Storage, specs: list[TargetSpec],
-                        own: BaseException | None) -> tuple[mf.Manifest, Sequence[Sequence[TargetSpec]]]:
+                        own: BaseException | None, speculative: bool,
+                        ) -> tuple[mf.Manifest, Sequence[Sequence[TargetSpec]]]:
     """The manifest and every rank's target specs; rank 0's metadata requests run while
     the ranks exchange their specs (the same collectives, in the same order, everywhere)."""
     with cf.ThreadPoolExecutor(1, thread_name_prefix="streamckpt-metadata") as pool:
-        started = start_metadata(comm, storage, pool)
+        started = start_metadata(comm, storage, pool, speculative)
         try:
             all_specs = gather_targets(comm, specs, own)
         except BaseException:
             if started is not None:
                 started.cancel()
             raise
-        return share_manifest(comm, storage, started), all_specs
+        return share_manifest(comm, storage, started, speculative=speculative), all_specs
 
 
 def _view(manifest: mf.Manifest, transforms: Any) -> Any:
@@ -102,6 +108,9 @@ def _view(manifest: mf.Manifest, transforms: Any) -> Any:
 
 
 def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> LoadResult:
+    """One load. A DCP checkpoint is first tried with predicted item layouts (verified
+    as part of the load); if any rank finds a prediction wrong, every rank locates
+    the items exactly and loads again (targets' contents are unspecified until then)."""
     t0 = time.perf_counter()
     own: BaseException | None = None
     targets: list[LocalTarget] = []
@@ -116,27 +125,65 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
         manifest = req.manifest
         all_specs = gather_targets(comm, [t.spec for t in targets], own)
     else:
-        manifest, all_specs = _metadata_and_specs(comm, storage, [t.spec for t in targets], own)
+        manifest, all_specs = _metadata_and_specs(comm, storage, [t.spec for t in targets], own,
+                                                  speculative=req.transforms is None)
+    result, mismatch = _attempt(comm, storage, req, manifest, all_specs, targets, values, cuda, t0)
+    if result is None:
+        log.info("streamckpt load %s: a DCP item's layout is not the predicted one (first: %s); "
+                 "locating every item exactly and loading again", storage.describe(""), mismatch)
+        exact = share_manifest(comm, storage)
+        result, mismatch = _attempt(comm, storage, req, exact, all_specs, targets, values, cuda, t0)
+        if result is None:  # pragma: no cover - an exact manifest predicts nothing
+            raise CheckpointError(f"internal: predicted layout after exact locating ({mismatch})")
+    return result
+
+
+def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, manifest: mf.Manifest,
+             all_specs: Sequence[Sequence[TargetSpec]], targets: list[LocalTarget], values: list[ValueSlot],
+             cuda: CudaApi, t0: float) -> tuple[LoadResult | None, str | None]:
+    """Plan and run the load; (None, first mismatch) when a predicted DCP head was wrong
+    on any rank (agreed). With a predicted manifest, the ranks exchange the heads they
+    verify in a second, small gather (the first ran before the manifest was known)."""
+    own: BaseException | None = None
+    checked: list[tuple[spec.Head, LocalTarget]] = []
+    heads: list[spec.Head] = []
+    speculative = spec.is_speculative(manifest)  # alike on every rank
+    if speculative:
+        try:
+            everything = req.transforms is not None  # its targets do not name chunks: verify all
+            mine_heads = spec.heads_of(manifest, None if everything else {t.spec.key for t in targets})
+            device = next((t.tensor.device for t in targets if t.tensor.device.type == "cuda"), torch.device("cpu"))
+            checked = spec.head_targets(mine_heads, [t.spec for t in targets], everything, device)
+        except CheckpointError as e:
+            own = e
+    mine = targets + [t for _, t in checked]
+    if speculative:  # alike on every rank: the same collective everywhere
+        head_specs = gather_targets(comm, [t.spec for _, t in checked], own)
+        all_specs = [[*a, *h] for a, h in zip(all_specs, head_specs)]
     plan: LoadPlan | None = None
     placement: Placement | None = None
     view: Any = None
     missing: list[str] = []
     vplan = ValuePlan()
     try:
-        placement = place(cuda, [t.tensor for t in targets], comm.data_device)
+        placement = place(cuda, [t.tensor for t in mine], comm.data_device)
         view = _view(manifest, req.transforms)
-        plan = build_plan(manifest, all_specs, req.options, view, rank=comm.rank)
+        heads = spec.planned_heads(manifest, all_specs) if speculative else []
+        plan_manifest = spec.augment(manifest, heads) if heads else manifest
+        plan_view = view if not heads else (
+            IdentityView(plan_manifest) if req.transforms is None else spec.HeadsView(view, heads))
+        plan = build_plan(plan_manifest, all_specs, req.options, plan_view, rank=comm.rank)
         vplan = plan_values(values, manifest.values, _unloadable(manifest))
         missing = plan.missing[comm.rank] + vplan.missing
         any_missing = any(plan.missing) or bool(missing)
         if req.strict and any_missing:
-            mine = sorted(set(missing))
+            mine_missing = sorted(set(missing))
             raise MissingKeysError(
-                f"{len(mine)} key(s) of the state_dict are not in the checkpoint {storage.describe('')}: "
-                f"{', '.join(mine[:10])}{' ...' if len(mine) > 10 else ''}{_why_unloadable(manifest, mine)} "
-                f"(use strict=False to load the rest)"
-                if mine else "another rank's state_dict has keys missing from the checkpoint",
-                missing_keys=mine,
+                f"{len(mine_missing)} key(s) of the state_dict are not in the checkpoint {storage.describe('')}: "
+                f"{', '.join(mine_missing[:10])}{' ...' if len(mine_missing) > 10 else ''}"
+                f"{_why_unloadable(manifest, mine_missing)} (use strict=False to load the rest)"
+                if mine_missing else "another rank's state_dict has keys missing from the checkpoint",
+                missing_keys=mine_missing,
             )
         _warn_unloadable(manifest, missing)
     except CheckpointError as e:
@@ -146,10 +193,14 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
         raise CheckpointError("internal: no plan after agreement")
     settle_rounds(plan, comm.max_ints)
     dest = Destinations({
-        uid: t.tensor for uid, t in zip(plan.rank_targets[comm.rank], targets) if uid >= 0
+        uid: t.tensor for uid, t in zip(plan.rank_targets[comm.rank], mine) if uid >= 0
     })
     with torch.no_grad():
         stats = Executor(plan, comm, storage, dest, progress=req.progress, placement=placement).run()
+    if speculative:
+        bad = spec.first_mismatch(checked)
+        if comm.max_ints([1 if bad is not None else 0])[0]:
+            return None, bad or "on another rank"
     for slot, value in vplan.assign:
         slot.container[slot.name] = value
     mine_keys = {t.spec.key for t in targets} | {v.key for v in values} | vplan.used | set(vplan.missing)
@@ -170,7 +221,7 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
     )
     if comm.rank == 0:
         log.info("streamckpt load %s: %s", storage.describe(""), result)
-    return result
+    return result, None
 
 
 def _unloadable(manifest: mf.Manifest) -> set[str]:

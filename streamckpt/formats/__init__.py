@@ -16,15 +16,17 @@ from .native import read_native_manifest
 log = logging.getLogger(__name__)
 
 
-def read_manifest(storage: Storage) -> Manifest:
-    """The checkpoint at ``storage``'s prefix, as a validated Manifest."""
+def read_manifest(storage: Storage, *, speculative: bool = False) -> Manifest:
+    """The checkpoint at ``storage``'s prefix, as a validated Manifest (``speculative``:
+    see ``read_foreign_manifest``)."""
     m = read_native_manifest(storage)
-    return m if m is not None else read_foreign_manifest(storage)
+    return m if m is not None else read_foreign_manifest(storage, speculative=speculative)
 
 
-def read_foreign_manifest(storage: Storage) -> Manifest:
+def read_foreign_manifest(storage: Storage, *, speculative: bool = False) -> Manifest:
     """A checkpoint that has no ``manifest.json`` (already looked for), from its Hugging Face
-    or DCP metadata."""
+    or DCP metadata. ``speculative``: a DCP manifest may hold predicted byte offsets that
+    the load must verify (``streamckpt.speculation``); only ``loader.run_load`` asks."""
     try:
         from .hf import read_hf_manifest
     except ImportError:  # pragma: no cover - module lands separately
@@ -38,7 +40,7 @@ def read_foreign_manifest(storage: Storage) -> Manifest:
     except ImportError:  # pragma: no cover
         read_dcp_manifest = None  # type: ignore[assignment]
     if read_dcp_manifest is not None:
-        m = read_dcp_manifest(storage)
+        m = read_dcp_manifest(storage, speculative=speculative)
         if m is not None:
             return m
     raise CheckpointNotFoundError(

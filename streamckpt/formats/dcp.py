@@ -14,6 +14,11 @@ header are fetched with small range reads; the tensor's raw bytes then have an
 exact file address and any slice of a chunk is a range read. Small reads of
 neighbouring items are coalesced: an item's tail and the next item's head are
 one request, so locating N items costs about N requests of a few KiB.
+``read_dcp_manifest(speculative=True)`` (what ``sc.load`` asks for) locates one
+item this way and predicts the others' offsets (``dcpguess``); such a manifest
+says so in ``metadata[SPECULATION_KEY]``, and the load verifies every predicted
+item head it relies on, read with the tensor bytes, before returning, or
+locates every item exactly and loads again (``streamckpt.speculation``).
 Non-tensor entries (``torch.save`` of Python objects: optimizer ``param_groups``
 leaves, step counters, scheduler state) are read whole, unpickled with builtins
 only, and kept when made of dicts, lists, tuples and scalars
@@ -33,7 +38,7 @@ import posixpath
 import struct
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -55,6 +60,7 @@ HEAD_BYTES = 2048  # local headers and data.pkl up to the storage record (~700 b
 TAIL_BYTES = 2048  # the last records, the central directory and the end records (~900 bytes)
 MAX_GAP = 64 << 10  # coalesce locating reads closer than this
 MAX_WINDOW = 8 << 20
+SPECULATION_KEY = "dcp_predicted_layout"  # manifest metadata: the template a load verifies against
 
 _MDI = "torch.distributed.checkpoint.metadata"
 
@@ -231,6 +237,69 @@ class _Refused(pickle.UnpicklingError):
 
 _PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
 _GETS = {"GET", "BINGET", "LONG_BINGET"}
+_NO_ARG, _FIXED, _LINES, _COUNTED = range(4)
+
+
+def _opcode_table() -> dict[int, tuple[str, int, int, bool]]:
+    """Per opcode byte: (name, how its argument is laid out, a size, signed), from
+    ``pickletools``' own descriptions (the unpickler's layout)."""
+    counted = {pickletools.TAKEN_FROM_ARGUMENT1: (1, False), pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
+               pickletools.TAKEN_FROM_ARGUMENT4U: (4, False), pickletools.TAKEN_FROM_ARGUMENT8U: (8, False)}
+    out = {}
+    for op in pickletools.opcodes:
+        a = op.arg
+        if a is None:
+            entry = (op.name, _NO_ARG, 0, False)
+        elif a.n >= 0:
+            entry = (op.name, _FIXED, a.n, False)
+        elif a.n == pickletools.UP_TO_NEWLINE:
+            entry = (op.name, _LINES, 2 if a.reader is pickletools.read_stringnl_noescape_pair else 1, False)
+        else:
+            entry = (op.name, _COUNTED, *counted[a.n])
+        out[ord(op.code)] = entry
+    return out
+
+
+_OPCODES = _opcode_table()  # immutable after import: a lookup table, not state
+
+
+def _memo_ops(data: bytes) -> Iterator[tuple[str, int | None]]:
+    """(name, memo index or None) of each memo opcode, walking the opcode stream as the
+    unpickler does (``pickletools.genops`` without building every argument: a
+    ``.metadata`` of thousands of opcodes is walked in a few milliseconds). Raises
+    ``ValueError`` on a stream that is malformed or ends before STOP."""
+    pos, n = 0, len(data)
+    while True:
+        if pos >= n:
+            raise ValueError("pickle ends before STOP")
+        entry = _OPCODES.get(data[pos])
+        if entry is None:
+            raise ValueError(f"unknown opcode {data[pos]:#x} at {pos}")
+        name, kind, size, signed = entry
+        start = end = pos + 1
+        if kind == _FIXED:
+            end = start + size
+        elif kind == _LINES:
+            for _ in range(size):
+                nl = data.find(b"\n", end)
+                if nl < 0:
+                    raise ValueError(f"no newline after {name} at {pos}")
+                end = nl + 1
+        elif kind == _COUNTED:
+            length = int.from_bytes(data[start:start + size], "little", signed=signed)
+            if start + size > n or length < 0:
+                raise ValueError(f"bad length for {name} at {pos}")
+            end = start + size + length
+        if end > n:
+            raise ValueError(f"{name} at {pos} runs past the end")
+        if name in _PUTS or name in _GETS:
+            arg = data[start:end]
+            yield name, int(arg) if kind == _LINES else int.from_bytes(arg, "little")
+        elif name == "MEMOIZE":
+            yield name, None
+        elif name == "STOP":
+            return
+        pos = end
 
 
 def check_memo(data: bytes, *, where: str) -> None:
@@ -243,14 +312,14 @@ def check_memo(data: bytes, *, where: str) -> None:
     """
     filled: set[int] = set()
     try:
-        for op, arg, _pos in pickletools.genops(data):
-            if op.name == "MEMOIZE":
+        for name, arg in _memo_ops(data):
+            if name == "MEMOIZE":
                 filled.add(len(filled))
-            elif op.name in _PUTS:
-                if not isinstance(arg, int) or arg < 0 or arg > len(filled):
+            elif name in _PUTS:
+                if arg is None or arg < 0 or arg > len(filled):
                     raise CorruptCheckpointError(f"{where}: pickle stores memo entry {arg!r:.40}, out of sequence")
                 filled.add(arg)
-            elif op.name in _GETS and arg not in filled:
+            elif arg not in filled:
                 raise CorruptCheckpointError(f"{where}: pickle reads memo entry {arg!r:.40}, never stored")
     except CorruptCheckpointError:
         raise
@@ -731,9 +800,13 @@ def _plain(v: Any) -> bool:
 # ----------------------------------------------------------------- the reader
 
 
-def read_dcp_manifest(storage: Storage) -> Manifest | None:
+def read_dcp_manifest(storage: Storage, *, speculative: bool = False) -> Manifest | None:
     """The Manifest of a DCP checkpoint at ``storage``'s prefix, or None when the
-    prefix has no ``.metadata``."""
+    prefix has no ``.metadata``.
+
+    ``speculative``: locate one item exactly and predict where the others' tensor
+    bytes start (``dcpguess``); the manifest then says so in its metadata and a load
+    must verify every predicted item it reads (``streamckpt.speculation``)."""
     where = storage.describe(METADATA_NAME)
     try:  # one GET (its size is checked before the body is read), no HEAD first
         raw = storage.read_bytes(METADATA_NAME, max_bytes=MAX_METADATA_BYTES)
@@ -753,11 +826,19 @@ def read_dcp_manifest(storage: Storage) -> Manifest | None:
                 )
 
     cache = RangeCache(storage)
-    cache.prefetch(_locating_windows(md), meanwhile=sizes)
     parsed: dict[bytes, TensorRef] = {}
-    tensors = {fqn: _tensor_meta(cache, storage, fqn, t, parsed) for fqn, t in md.tensors.items()}
-    values, unloadable = _values(cache, storage, md)
     metadata: dict[str, Any] = {"dcp_version": md.version}
+    guessed = None
+    if speculative:
+        from .dcpguess import guess_tensors  # imports this module
+
+        guessed = guess_tensors(cache, storage, md, parsed, meanwhile=sizes)
+    if guessed is None:
+        cache.prefetch(_locating_windows(md), meanwhile=None if files else sizes)
+        tensors = {fqn: _tensor_meta(cache, storage, fqn, t, parsed) for fqn, t in md.tensors.items()}
+    else:
+        tensors, metadata[SPECULATION_KEY] = guessed
+    values, unloadable = _values(cache, storage, md)
     if unloadable:
         metadata["unloadable_keys"] = sorted(unloadable)
         metadata["unloadable_reasons"] = unloadable
@@ -769,34 +850,46 @@ def read_dcp_manifest(storage: Storage) -> Manifest | None:
 
 
 def _locating_windows(md: DcpMetadata) -> list[tuple[str, int, int]]:
-    out = []
-    for t in md.tensors.values():
-        for _, _, it in t.chunks:
-            end = it.offset + it.length
-            out.append((it.file, it.offset, min(end, it.offset + HEAD_BYTES)))
-            out.append((it.file, max(it.offset, end - TAIL_BYTES), end))
-    for it in md.values.values():
-        if it.length <= MAX_VALUE_ITEM_BYTES:
-            out.append((it.file, it.offset, it.offset + it.length))
-    return out
+    out = [w for t in md.tensors.values() for _, _, it in t.chunks for w in item_windows(it)]
+    return out + value_windows(md)
+
+
+def item_windows(it: ItemInfo) -> list[tuple[str, int, int]]:
+    """The bytes that locate an item's tensor: its first and last few KiB."""
+    end = it.offset + it.length
+    return [(it.file, it.offset, min(end, it.offset + HEAD_BYTES)), (it.file, max(it.offset, end - TAIL_BYTES), end)]
+
+
+def value_windows(md: DcpMetadata) -> list[tuple[str, int, int]]:
+    """Non-tensor items small enough to restore: read whole."""
+    return [(it.file, it.offset, it.offset + it.length) for it in md.values.values() if it.length <= MAX_VALUE_ITEM_BYTES]
 
 
 def _tensor_meta(cache: RangeCache, storage: Storage, fqn: str, t: DcpTensor,
                  parsed: dict[bytes, TensorRef]) -> TensorMeta:
-    shards = []
-    for offs, sizes, item in t.chunks:
-        where = f"{storage.describe(item.file)} [{item.offset}, {item.offset + item.length}) ({fqn!r} chunk {list(offs)})"
-        loc = locate_tensor(cache, item, where=where, parsed=parsed)
-        code = dtypes.to_code(loc.ref.dtype, where=where) if loc.ref.dtype in _CODES else None
-        if code != t.dtype or loc.ref.size != sizes:
-            raise CorruptCheckpointError(
-                f"{where}: item holds {loc.ref.dtype} {list(loc.ref.size)}, metadata says {t.dtype} {list(sizes)}"
-            )
-        shards.append(Shard(
-            offset=offs, shape=sizes, file=item.file, byte_offset=loc.byte_offset,
-            byte_length=math.prod(sizes) * loc.ref.dtype.itemsize, codec="raw", chunk_size=0,
-        ))
+    shards = [located_shard(cache, storage, fqn, t, offs, sizes, item, parsed)[0] for offs, sizes, item in t.chunks]
     return TensorMeta(dtype=t.dtype, shape=t.shape, shards=tuple(shards))
+
+
+def located_shard(cache: RangeCache, storage: Storage, fqn: str, t: DcpTensor, offs: tuple[int, ...],
+                  sizes: tuple[int, ...], item: ItemInfo, parsed: dict[bytes, TensorRef]) -> tuple[Shard, LocatedTensor]:
+    """One chunk located exactly from its item's ZIP directory and headers."""
+    where = item_where(storage, fqn, offs, item)
+    loc = locate_tensor(cache, item, where=where, parsed=parsed)
+    code = dtypes.to_code(loc.ref.dtype, where=where) if loc.ref.dtype in _CODES else None
+    if code != t.dtype or loc.ref.size != sizes:
+        raise CorruptCheckpointError(
+            f"{where}: item holds {loc.ref.dtype} {list(loc.ref.size)}, metadata says {t.dtype} {list(sizes)}"
+        )
+    shard = Shard(
+        offset=offs, shape=sizes, file=item.file, byte_offset=loc.byte_offset,
+        byte_length=math.prod(sizes) * loc.ref.dtype.itemsize, codec="raw", chunk_size=0,
+    )
+    return shard, loc
+
+
+def item_where(storage: Storage, fqn: str, offs: tuple[int, ...], item: ItemInfo) -> str:
+    return f"{storage.describe(item.file)} [{item.offset}, {item.offset + item.length}) ({fqn!r} chunk {list(offs)})"
 
 
 def _values(cache: RangeCache, storage: Storage, md: DcpMetadata) -> tuple[dict[str, Any], dict[str, str]]:
