@@ -108,8 +108,7 @@ class Executor:
         self.direct = DirectBatch([(i, r) for rnd in self.schedule for i, r in rnd.reads if i in self.pure],
                                   self.landings, progress)
         self.layouts = [layout(r, self.landings) for r in self.schedule]
-        self.depth = plan.options.depth
-        sizes = [max((lay.size for lay in self.layouts[slot::self.depth]), default=0) for slot in range(self.depth)]
+        sizes = [max((lay.size for lay in self.layouts[slot::2]), default=0) for slot in range(2)]
         self.stats.staging_bytes = sum(sizes)
         if self.stats.staging_bytes > plan.options.memory_budget:
             log.warning(
@@ -126,19 +125,19 @@ class Executor:
         # On the host path each read is decoded and scattered as soon as it is verified, while
         # the round's other reads are in flight; the GPU path keeps the per-round order.
         self.scatter_early = placement.device is None
-        self.settled: list[set[int]] = [set() for _ in sizes]  # per arena: reads of its round already scattered
-        self.landed: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in sizes]
+        self.settled: list[set[int]] = [set(), set()]  # per arena: reads of its round already scattered
+        self.landed: list[queue.SimpleQueue] = [queue.SimpleQueue(), queue.SimpleQueue()]
 
     # ------------------------------------------------------------- round steps
 
     def _fetch(self, k: int) -> cf.Future | None:
         """Start round k's reads into its arena and targets (``stage.acquire`` was called for it)."""
         reads = self.fetched[k]
-        self.settled[k % self.depth] = set()
+        self.settled[k % 2] = set()
         if not reads:
             return None
         lay = self.layouts[k]
-        view = self.views[k % self.depth]
+        view = self.views[k % 2]
         reqs = [RangeRead(r.file, r.start, r.stop, r.checks) for _, r in reads]
         bufs: list[memoryview | Landing] = []
         for i, r in reads:
@@ -157,7 +156,7 @@ class Executor:
             self.stats.bytes_direct += land.direct_bytes
         self.stats.bytes_read += sum(r.length for _, r in reads)
         q: queue.SimpleQueue = queue.SimpleQueue()
-        self.landed[k % self.depth] = q
+        self.landed[k % 2] = q
         fut = self.storage.read_into(reqs, bufs, on_landed=q.put)
         fut.add_done_callback(lambda _: q.put(None))
         return fut
@@ -168,7 +167,7 @@ class Executor:
         round's request count (raising the reads' error)."""
         if fut is None:
             return 0
-        q = self.landed[k % self.depth]
+        q = self.landed[k % 2]
         reads = self.fetched[k]
         while True:
             j = q.get()
@@ -179,16 +178,16 @@ class Executor:
                 if r.zstd:
                     self._decode_read(k, i, r)
                 self._scatter_read(k, i, r)
-                self.settled[k % self.depth].add(i)
+                self.settled[k % 2].add(i)
         return _result(fut)
 
     def _decode(self, k: int) -> None:
         for i, r in self.schedule[k].reads:
-            if r.zstd and i not in self.settled[k % self.depth]:
+            if r.zstd and i not in self.settled[k % 2]:
                 self._decode_read(k, i, r)
 
     def _decode_read(self, k: int, i: int, r: Read) -> None:
-        view = self.views[k % self.depth]
+        view = self.views[k % 2]
         lay = self.layouts[k]
         base_in, base_out = lay.fetch[i], lay.decode[i]
         for in_off, in_len, out_off, out_len in r.frames or ():
@@ -210,13 +209,13 @@ class Executor:
     def _staged(self, k: int, read_index: int, r: Read) -> torch.Tensor:
         lay = self.layouts[k]
         base = lay.decode[read_index] if r.zstd else lay.fetch[read_index]
-        return self.arenas[k % self.depth][base: base + r.staging]
+        return self.arenas[k % 2][base: base + r.staging]
 
     def _post_exchange(self, k: int) -> tuple[list[Any], list[tuple[Message, torch.Tensor]]]:
         rnd = self.schedule[k]
         if not (rnd.sends or rnd.recvs):
             return [], []
-        arena = self.arenas[k % self.depth]
+        arena = self.arenas[k % 2]
         lay = self.layouts[k]
         reads = dict(rnd.reads)
         on_device = self.placement.data_on_device
@@ -268,14 +267,14 @@ class Executor:
 
     def _scatter_local(self, k: int) -> None:
         for i, r in self.schedule[k].reads:
-            if i not in self.settled[k % self.depth]:
+            if i not in self.settled[k % 2]:
                 self._scatter_read(k, i, r)
 
     def _scatter_read(self, k: int, i: int, r: Read) -> None:
         """Read i's staged pieces into this rank's targets (its landed ones are there already)."""
         land = self.landings.get(i)
         if land is not None:
-            arena = self.arenas[k % self.depth]
+            arena = self.arenas[k % 2]
             spans = self.layouts[k].spans[i]
             for c in land.staged:
                 if c.length <= 0 or c.target not in self.dest.tensors:
@@ -322,26 +321,24 @@ class Executor:
         self.direct.start(self.storage, max(1, min(spare, self.storage.inflight_bytes)))
 
     def _rounds(self) -> None:
-        n, depth = self.plan.num_rounds, self.depth
+        n = self.plan.num_rounds
         error: BaseException | None = None
-        ahead: list[cf.Future | None] = []  # rounds k+1 .. k+depth-1, in flight
+        pending: cf.Future | None = None
         if n:
+            self.stage.acquire(0)
             try:
                 self._start_direct()
-                for j in range(min(depth - 1, n)):
-                    self.stage.acquire(j)
-                    ahead.append(self._fetch(j))
+                pending = self._fetch(0)
             except Exception as e:  # noqa: BLE001 - agreed on below
                 error = e
         for k in range(n):
-            current = ahead.pop(0) if ahead else None
-            nxt = k + depth - 1
-            if nxt < n:
-                self.stage.acquire(nxt % depth)  # before any write into that arena, reads or not
+            current, pending = pending, None
+            if k + 1 < n:
+                self.stage.acquire((k + 1) % 2)  # before any write into that arena, reads or not
             if error is None:
                 try:
-                    if nxt < n:
-                        ahead.append(self._fetch(nxt))  # overlaps with everything below
+                    if k + 1 < n:
+                        pending = self._fetch(k + 1)  # overlaps with everything below
                     self.stats.requests += self._land(k, current)
                     self._decode(k)
                     self.direct.poll()
@@ -349,14 +346,12 @@ class Executor:
                     error = _result_error(e)
             if error is not None:
                 self._drain(current)
-                self._drain_all(ahead)
+                self._drain(pending)
                 self.direct.drain(self.storage)
-                ahead = []
+                pending = None
             if k % self.agree_every == self.agree_every - 1:
-                self._agree(error, ahead)
-            error = self._exchange_and_scatter(k, error, ahead)
-            if error is not None:
-                ahead = []
+                self._agree(error, pending)
+            error = self._exchange_and_scatter(k, error, pending)
             if self.progress is not None and error is None:
                 self.progress(sum(r.length for i, r in self.schedule[k].reads if i not in self.pure))
         if error is None:
@@ -364,10 +359,9 @@ class Executor:
                 self.stats.requests += self.direct.finish()
             except Exception as e:  # noqa: BLE001 - agreed on below
                 error = _result_error(e)
-        self._agree(error, [])
+        self._agree(error, None)
 
-    def _exchange_and_scatter(self, k: int, error: BaseException | None,
-                              pending: list[cf.Future | None]) -> BaseException | None:
+    def _exchange_and_scatter(self, k: int, error: BaseException | None, pending: cf.Future | None) -> BaseException | None:
         """Round k's exchange (posted even after a failure, see the class doc) and scatter."""
         try:
             works, landed = self._post_exchange(k)
@@ -378,28 +372,24 @@ class Executor:
                 self.stage.received([buf for _, buf in landed])  # type: ignore[union-attr]
             if error is None:
                 error = _attempt(lambda: self._scatter_received(landed))
-            self.stage.release(k % self.depth)
+            self.stage.release(k % 2)
         except BaseException:
-            self._drain_all(pending)
+            self._drain(pending)
             raise
         if error is not None:
-            self._drain_all(pending)
+            self._drain(pending)
         return error
 
-    def _agree(self, error: BaseException | None, pending: list[cf.Future | None]) -> None:
+    def _agree(self, error: BaseException | None, pending: cf.Future | None) -> None:
         try:
             self.comm.agree(error)
         except BaseException:
-            self._drain_all(pending)
+            self._drain(pending)
             raise
 
     def _drain(self, pending: cf.Future | None) -> None:
         if pending is not None:
             self.storage.stop(pending)
-
-    def _drain_all(self, pending: list[cf.Future | None]) -> None:
-        for fut in pending:
-            self._drain(fut)
 
 
 def _attempt(fn: Callable[[], None]) -> BaseException | None:

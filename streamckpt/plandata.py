@@ -27,23 +27,14 @@ class PlanOptions:
     max_request_bytes: int = 16 << 20
     read_once: bool = True
     max_round_bytes: int = 32 << 20
-    max_depth: int = 2
 
     @property
     def round_cap(self) -> int:
-        """Bytes one round may stage per rank: at least two rounds are alive at once, and a
+        """Bytes one round may stage per rank: two rounds are alive at once, and a
         round stays small (``max_round_bytes``) even under a large budget, so that
         fetching, exchanging and scattering overlap and the arenas stay cheap to fault in.
         One ``ALIGN`` is kept back for the tail the executor's arena layout adds to a round."""
         return max(1, min(self.memory_budget // 2, self.max_round_bytes) - ALIGN)
-
-    @property
-    def depth(self) -> int:
-        """Rounds alive at once, one staging arena each: as many as the budget holds, from 2
-        (one round scattered while the next is fetched) to ``max_depth``. With more, a rank
-        keeps reads in flight while it waits on an exchange, so storage does not idle at
-        round boundaries (it shows under a bandwidth cap, where idle time is lost for good)."""
-        return max(2, min(self.max_depth, self.memory_budget // (self.round_cap + ALIGN)))
 
     @property
     def max_piece_bytes(self) -> int:
