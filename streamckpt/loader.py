@@ -145,7 +145,7 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
     on any rank (agreed). With a predicted manifest, the ranks exchange the heads they
     verify in a second, small gather (the first ran before the manifest was known)."""
     own: BaseException | None = None
-    checked: list[tuple[spec.Head, LocalTarget]] = []
+    checked: list[spec.Checked] = []
     heads: list[spec.Head] = []
     speculative = spec.is_speculative(manifest)  # alike on every rank
     if speculative:
@@ -156,9 +156,9 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
             checked = spec.head_targets(mine_heads, [t.spec for t in targets], everything, device)
         except CheckpointError as e:
             own = e
-    mine = targets + [t for _, t in checked]
+    mine = targets + [c.target for c in checked]
     if speculative:  # alike on every rank: the same collective everywhere
-        head_specs = gather_targets(comm, [t.spec for _, t in checked], own)
+        head_specs = gather_targets(comm, [c.target.spec for c in checked], own)
         all_specs = [[*a, *h] for a, h in zip(all_specs, head_specs)]
     plan: LoadPlan | None = None
     placement: Placement | None = None

@@ -174,6 +174,19 @@ def _bare_gap(last: Need, stop: int, nxt: Need, extents: ShardExtents) -> bool:
     )
 
 
+def _near_gap(last: Need, stop: int, nxt: Need, extents: ShardExtents) -> bool:
+    """The gap holds only bytes of the two needs' own shards (the rest of the one,
+    the start of the other) and bytes of no shard. Every target with bytes there
+    meets a shard the rank's own needs meet, so it is in the rank's closure: the
+    rank's own plan and the all-ranks plan see the same units in the gap. For a
+    private read (one owner) only: a DCP item's predicted head and the rows of a
+    norm just after it become one request."""
+    a, b = last.shard, nxt.shard
+    lo = max(stop, a.byte_offset + a.byte_length)
+    hi = min(nxt.fetch_start, b.byte_offset)
+    return a.file == b.file and (lo >= hi or extents.bare(a.file, lo, hi))
+
+
 def _private_reads(
     file: str, units: list[list[Need]], focus: set[int], ctx: PlanContext, own: list[Read], edges: list[Read],
     extents: ShardExtents,
@@ -210,7 +223,8 @@ def _private_reads(
                 owners == cur_owners
                 and (gap <= small or (gap <= opts.max_gap_bytes and gap <= ratio * merged))
                 and merged <= max(opts.max_piece_bytes, 1)
-                and (gap == 0 or unit[0].shard is cur[-1].shard or _bare_gap(cur[-1], stop, unit[0], extents))
+                and (gap == 0 or unit[0].shard is cur[-1].shard or _bare_gap(cur[-1], stop, unit[0], extents)
+                     or (len(owners) == 1 and _near_gap(cur[-1], stop, unit[0], extents)))
             ):
                 cur.extend(unit)
                 stop = u_stop

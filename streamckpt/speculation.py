@@ -2,14 +2,23 @@
 
 A speculative DCP manifest (``formats.dcpguess``) gives each tensor chunk a
 predicted byte offset: its item's head (every byte before the tensor data) was
-not read. Before planning, each predicted head becomes an internal ``uint8``
-tensor of the manifest, placed just before its chunk's bytes, and each rank
-adds an internal target for the heads of the chunks its own targets overlap.
-The planner then reads each head in the same merged range read as the tensor
-bytes after it (a full load stays one read per run of items). After the load,
-every head received is compared with its prediction; the ranks agree on the
-result, and on any difference the load locates every item exactly and runs
-again, so no call returns data from an unverified offset. Wiring only: no I/O.
+not read. Before planning, the predictions to verify become internal ``uint8``
+tensors of the manifest (*checks*), and each rank adds an internal target for the
+checks of the chunks its own targets overlap. A check is one stretch of a file:
+
+* a *pair*: one item's tail (every byte after its tensor data: the ZIP directory,
+  whose offsets, sizes and CRC-32s pin the item's layout, ``dcplayout.tail_matches``)
+  and the next item's head right after it, so one small read verifies two items
+  (consecutive items of a file are paired in offset order);
+* a *head* alone, for an item left without a partner.
+
+The planner reads each check in the same merged range read as neighbouring tensor
+bytes where it can (a full load stays one read per run of items; a TP slice whose
+rows start or end an item reads its check with them). After the load every part
+of a check that covers a chunk this rank loads is compared with its prediction;
+the ranks agree on the result, and on any difference the load locates every item
+exactly and runs again, so no call returns data from an unverified offset.
+Wiring only: no I/O.
 """
 
 from __future__ import annotations
@@ -29,11 +38,25 @@ from .targets import LocalTarget, TargetSpec
 
 PREFIX = "__streamckpt_dcp_head__/"  # internal tensor names: never a user's key, never reported
 U8 = "U8"
+MAX_TAIL = 4096  # torch's tails are ~900 bytes; a longer gap is not one item's tail
+
+
+@dataclass(frozen=True, slots=True)
+class Tail:
+    """The tail of the chunk ``key``/``box`` (``length`` bytes), checked against ``template``."""
+
+    key: str
+    box: Box
+    dtype: str
+    shape: tuple[int, ...]
+    length: int
+    template: dcplayout.Template
 
 
 @dataclass(frozen=True, slots=True)
 class Head:
-    """The predicted head of one chunk's item: ``expected`` at ``[start, start + len)``."""
+    """A check at ``[start, start + length)`` of ``file``: optionally the previous
+    item's ``tail``, then the predicted head ``expected`` of chunk ``key``/``box``."""
 
     name: str
     key: str
@@ -41,16 +64,33 @@ class Head:
     file: str
     start: int
     expected: bytes
+    tail: Tail | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.expected) + (self.tail.length if self.tail is not None else 0)
+
+    def chunks(self) -> list[tuple[str, Box]]:
+        return [(self.key, self.box)] + ([(self.tail.key, self.tail.box)] if self.tail is not None else [])
 
 
 def is_speculative(manifest: Manifest) -> bool:
     return SPECULATION_KEY in manifest.metadata
 
 
-def heads_of(manifest: Manifest, keys: Iterable[str] | None = None) -> list[Head]:
-    """The predicted heads of the chunks of ``keys`` (None: of every tensor), alike on
-    every rank: derived from the shared manifest. A speculative manifest whose template
-    is unreadable (never one rank 0 wrote) raises."""
+@dataclass(slots=True)
+class _Chunk:
+    key: str
+    index: int
+    dtype: str
+    shard: Shard
+    head: bytes
+
+
+def all_checks(manifest: Manifest) -> list[Head]:
+    """Every check of the manifest, alike on every rank (derived from the shared
+    manifest alone). A speculative manifest whose template is unreadable (never one
+    rank 0 wrote) raises."""
     doc = manifest.metadata.get(SPECULATION_KEY)
     if doc is None:
         return []
@@ -58,60 +98,116 @@ def heads_of(manifest: Manifest, keys: Iterable[str] | None = None) -> list[Head
     if template is None:
         raise CheckpointError(f"internal: manifest metadata {SPECULATION_KEY!r} is not a layout template")
     memo: dict[tuple[str, tuple[int, ...]], bytes | None] = {}
-    out = []
-    for key in manifest.tensors if keys is None else sorted(k for k in set(keys) if k in manifest.tensors):
-        t = manifest.tensors[key]
+    by_file: dict[str, list[_Chunk]] = {}
+    for key, t in manifest.tensors.items():
         for i, sh in enumerate(t.shards):
             k = (t.dtype, sh.shape)
             if k not in memo:
                 memo[k] = dcplayout.predict(template, t.dtype, sh.shape)
             head = memo[k]
-            if head is not None:  # the manifest reader located this chunk exactly
-                out.append(Head(f"{PREFIX}{key}/{i}", key, sh.box, sh.file, sh.byte_offset - len(head), head))
+            if head is not None:  # else the manifest reader located this chunk exactly
+                by_file.setdefault(sh.file, []).append(_Chunk(key, i, t.dtype, sh, head))
+    out: list[Head] = []
+    for file in sorted(by_file):
+        chunks = sorted(by_file[file], key=lambda c: (c.shard.byte_offset, c.key, c.index))
+        out.extend(_pair(file, chunks, template))
     return out
 
 
+def _pair(file: str, chunks: list[_Chunk], template: dcplayout.Template) -> Iterable[Head]:
+    """Consecutive chunks in offset order, two by two: the first one's tail and the
+    second one's head, when they are adjacent; a chunk left over gets a head check."""
+    pending: _Chunk | None = None
+    for c in chunks:
+        item_start = c.shard.byte_offset - len(c.head)
+        if pending is not None:
+            p = pending.shard
+            gap = item_start - (p.byte_offset + p.byte_length)
+            if p.byte_length > 0 and 0 < gap <= MAX_TAIL:
+                tail = Tail(pending.key, p.box, pending.dtype, p.shape, gap, template)
+                yield _head(file, c, tail)
+                pending = None
+                continue
+            yield _head(file, pending, None)
+        pending = c
+    if pending is not None:
+        yield _head(file, pending, None)
+
+
+def _head(file: str, c: _Chunk, tail: Tail | None) -> Head:
+    start = c.shard.byte_offset - len(c.head) - (tail.length if tail is not None else 0)
+    return Head(f"{PREFIX}{c.key}/{c.index}", c.key, c.shard.box, file, start, c.head, tail)
+
+
+def heads_of(manifest: Manifest, keys: Iterable[str] | None = None) -> list[Head]:
+    """The checks that cover a chunk of ``keys`` (None: every check)."""
+    checks = all_checks(manifest)
+    if keys is None:
+        return checks
+    want = set(keys)
+    return [h for h in checks if h.key in want or (h.tail is not None and h.tail.key in want)]
+
+
 def planned_heads(manifest: Manifest, all_specs: Sequence[Sequence[TargetSpec]]) -> list[Head]:
-    """The heads some rank verifies (named in the gathered target specs): the only ones
+    """The checks some rank verifies (named in the gathered target specs): the only ones
     the plan needs to know, so planning grows with the chunks ranks touch."""
     names = {s.key for specs in all_specs for s in specs if s.key.startswith(PREFIX)}
-    keys = {n[len(PREFIX):].rsplit("/", 1)[0] for n in names}
-    return [h for h in heads_of(manifest, keys) if h.name in names]
+    return [h for h in all_checks(manifest) if h.name in names] if names else []
 
 
 def augment(manifest: Manifest, heads: Sequence[Head]) -> Manifest:
     """``manifest`` plus one internal ``uint8`` tensor per head, for planning."""
-    extra = {
-        h.name: TensorMeta(U8, (len(h.expected),), (Shard((0,), (len(h.expected),), h.file, h.start,
-                                                          len(h.expected)),))
-        for h in heads
-    }
+    extra = {h.name: TensorMeta(U8, (h.length,), (Shard((0,), (h.length,), h.file, h.start, h.length),))
+             for h in heads}
     return replace(manifest, tensors={**manifest.tensors, **extra})
 
 
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A check this rank reads, and which of its parts cover chunks this rank loads."""
+
+    head: Head
+    target: LocalTarget
+    check_head: bool
+    check_tail: bool
+
+
 def head_targets(heads: Sequence[Head], specs: Sequence[TargetSpec], everything: bool,
-                 device: torch.device) -> list[tuple[Head, LocalTarget]]:
-    """The heads this rank must verify: those of the chunks its targets overlap (a flat
-    range counts as overlapping every chunk of its tensor), or all with ``everything``."""
+                 device: torch.device) -> list[Checked]:
+    """The checks this rank must verify: those covering chunks its targets overlap (a
+    flat range counts as overlapping every chunk of its tensor), or all with ``everything``."""
     boxes: dict[str, list[TargetSpec]] = {}
     for s in specs:
         if s.numel > 0:
             boxes.setdefault(s.key, []).append(s)
+
+    def touched(key: str, box: Box) -> bool:
+        return everything or any(s.flat_range is not None or intersect(s.box, box) is not None
+                                 for s in boxes.get(key, ()))
+
     out = []
     for h in heads:
-        if everything or any(s.flat_range is not None or intersect(s.box, h.box) is not None
-                             for s in boxes.get(h.key, ())):
-            n = len(h.expected)
-            out.append((h, LocalTarget(TargetSpec(h.name, U8, (n,), (0,), (n,)),
-                                       torch.empty(n, dtype=torch.uint8, device=device))))
+        on_head = touched(h.key, h.box)
+        on_tail = h.tail is not None and touched(h.tail.key, h.tail.box)
+        if on_head or on_tail:
+            n = h.length
+            target = LocalTarget(TargetSpec(h.name, U8, (n,), (0,), (n,)), torch.empty(n, dtype=torch.uint8, device=device))
+            out.append(Checked(h, target, on_head, on_tail))
     return out
 
 
-def first_mismatch(checked: Sequence[tuple[Head, LocalTarget]]) -> str | None:
-    """The first head whose bytes differ from their prediction, described, or None."""
-    for h, t in checked:
-        if t.tensor.cpu().numpy().tobytes() != h.expected:
-            return f"{h.key!r} chunk at {list(h.box.offset)} ({h.file} bytes [{h.start}, {h.start + len(h.expected)}))"
+def first_mismatch(checked: Sequence[Checked]) -> str | None:
+    """The first covered chunk whose bytes differ from their prediction, described, or None."""
+    for c in checked:
+        h = c.head
+        got = c.target.tensor.cpu().numpy().tobytes()
+        cut = len(got) - len(h.expected)
+        if c.check_head and got[cut:] != h.expected:
+            return f"{h.key!r} chunk at {list(h.box.offset)} ({h.file} bytes [{h.start + cut}, {h.start + len(got)}))"
+        t = h.tail
+        if c.check_tail and t is not None and not dcplayout.tail_matches(t.template, t.dtype, t.shape, got[:cut]):
+            return (f"{t.key!r} chunk at {list(t.box.offset)} (its ZIP directory, {h.file} bytes "
+                    f"[{h.start}, {h.start + cut}))")
     return None
 
 
@@ -128,7 +224,7 @@ class HeadsView:
     def __init__(self, view: Any, heads: Sequence[Head]) -> None:
         self._view = view
         self._names = {h.name for h in heads}
-        self.tensors = {**view.tensors, **{h.name: _HeadTensor((len(h.expected),)) for h in heads}}
+        self.tensors = {**view.tensors, **{h.name: _HeadTensor((h.length,)) for h in heads}}
 
     def map_box(self, name: str, box: Box) -> Sequence[Segment]:
         if name in self._names:

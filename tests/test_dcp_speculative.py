@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import pickle
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,35 @@ def test_unusual_template_predicts_nothing() -> None:
     assert dcplayout.learn(head[:-1], sizes, *args) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool], ids=str)
+def test_tail_shows_the_predicted_layout(dtype: torch.dtype) -> None:
+    """An item's tail (its ZIP directory) confirms the prediction for torch.save's own
+    records, and refuses one with other strides, another member or shifted bytes."""
+    template = _template()
+    code = dtypes.to_code(dtype)
+    for shape in [(1,), (3,), (5, 7), (300, 300), (2, 3, 4, 5)]:
+        rec = _record(torch.zeros(shape, dtype=dtype))
+        head, _ = _head(rec)
+        data_end = len(head) + math.prod(shape) * dtype.itemsize
+        tail = rec[data_end:]
+        assert dcplayout.tail_matches(template, code, shape, tail), shape
+        assert not dcplayout.tail_matches(template, code, shape, tail[1:] + b"\0")
+        assert not dcplayout.tail_matches(template, code, shape, rec[data_end - 1:-1])
+        if len(shape) > 1:  # the same shape, saved transposed: only data.pkl's strides (and CRC) differ
+            t = torch.zeros(tuple(reversed(shape)), dtype=dtype).permute(*reversed(range(len(shape))))
+            other = _record(t)
+            assert len(other) == len(rec) and not dcplayout.tail_matches(template, code, shape, other[data_end:])
+    rec = _record(torch.zeros(5, 7))
+    data_end = len(_head(rec)[0]) + 5 * 7 * 4
+    assert dcplayout.tail_matches(template, "F32", (5, 7), rec[data_end:])
+    tail = rec[data_end:]
+    for name in (b"archive/data.pkl", b"archive/byteorder"):  # another content: its CRC in the directory
+        at = next(i for i in range(len(tail)) if tail.startswith(b"PK\x01\x02", i) and tail[i + 46:].startswith(name))
+        other = tail[:at + 16] + bytes([tail[at + 16] ^ 1]) + tail[at + 17:]
+        assert not dcplayout.tail_matches(template, "F32", (5, 7), other), name
+    assert not dcplayout.tail_matches(template, "F32", (0, 7), rec[data_end:])  # empty: never by its tail
+
+
 # ------------------------------------------------------------------ through S3
 
 
@@ -155,22 +185,26 @@ def test_full_and_row_loads_skip_the_locating_batch(tmp_path: Path, s3_uri: str,
         # the predictions are the exact offsets
         assert {k: t.shards for k, t in guessed.tensors.items()} == {k: t.shards for k, t in exact_manifest.tensors.items()}
         heads = speculation.heads_of(guessed)
-        assert len(heads) == items
+        # consecutive items pair up: one check is an item's tail and the next item's head
+        assert sorted(k for h in heads for k, _ in h.chunks()) == sorted(model)
+        assert len(heads) == (items + 1) // 2 and sum(h.tail is not None for h in heads) == items // 2
 
         before = proxy.requests
         full = {k: torch.empty_like(v) for k, v in model.items()}
         res = sc.load(full, s3_uri, storage_options=opts)
         for k, v in model.items():
             assert torch.equal(full[k], v), k
-        # one read from the first item's head to the last tensor byte: heads verified on the way
-        last = max(s.byte_offset + s.byte_length for t in guessed.tensors.values() for s in t.shards)
-        assert res.requests == 1 and res.bytes_read == last - min(h.start for h in heads) == last
+        # one read from the first tensor byte to the last: the checks verified on the way
+        shards = [s for t in guessed.tensors.values() for s in t.shards]
+        last = max(s.byte_offset + s.byte_length for s in shards)
+        first = min(s.byte_offset for s in shards)
+        assert min(h.start for h in heads) > first  # the first item is checked by its tail
+        assert res.requests == 1 and res.bytes_read == last - first
         spec_total = proxy.requests - before
         before = proxy.requests
         exact_full = {k: torch.empty_like(v) for k, v in model.items()}
         exact = _exact_load(exact_full, s3_uri, opts)
-        assert exact.requests == res.requests and exact.bytes_read == res.bytes_read - heads[0].start - len(
-            next(h for h in heads if h.start == 0).expected)
+        assert exact.requests == res.requests and exact.bytes_read == res.bytes_read
         assert (proxy.requests - before) - spec_total == locating - 1  # one small read instead of the batch
         before = proxy.requests
         sliced = _rows(model)
@@ -182,8 +216,10 @@ def test_full_and_row_loads_skip_the_locating_batch(tmp_path: Path, s3_uri: str,
         before = proxy.requests
         exact_res = _exact_load(_rows(model), s3_uri, opts)
         exact_total = proxy.requests - before
-        # every head is read (alone or with a few rows before the slice), concurrently with the data
-        assert res.requests <= 2 * items and res.bytes_read >= res.bytes_needed + sum(len(h.expected) for h in heads)
+        # every check is read (alone or with rows near it), concurrently with the data: one
+        # request per pair of items beside the slices, not one per item
+        assert res.requests <= items + len(heads) < 2 * items
+        assert res.bytes_read >= res.bytes_needed + sum(h.length for h in heads)
         assert exact_res.requests == items and exact_total - exact_res.requests == 2 + 2 + locating
         assert spec_total - res.requests == 2 + 3  # manifest.json, a listing for *.safetensors, then as above
         assert res.bytes_needed == exact_res.bytes_needed and res.missing_keys == [] == res.unexpected_keys
@@ -240,6 +276,31 @@ def test_a_transposed_item_is_never_read_as_row_major(tmp_path: Path, s3_uri: st
     _saved(tmp_path, s3_uri, s3_opts, {"a": torch.randn(4, 4), "t": t.t()})
     with pytest.raises(CorruptCheckpointError, match=r"'t'.*stride \[1, 4\].*not a row-major"):
         sc.load({"a": torch.empty(4, 4), "t": torch.empty(4, 3)}, s3_uri, storage_options=s3_opts)
+
+
+def test_a_transposed_item_checked_by_its_tail_falls_back(tmp_path: Path, s3_uri: str,
+                                                          s3_opts: dict[str, Any],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A square tensor saved transposed, first of a pair: its prediction is checked by its
+    tail (the next item's head is in the same check). The directory's data.pkl CRC differs,
+    the load falls back, and exact locating refuses the view; a load of the other item
+    alone does not verify that tail and needs no fallback."""
+    t = torch.arange(16.0).reshape(4, 4)
+    other = torch.randn(4, 4)
+    _saved(tmp_path, s3_uri, s3_opts, {"t": t.t(), "b": other, "tiny": torch.randn(1)})
+    guessed = dcpfmt.read_dcp_manifest(Storage(s3_uri, s3_opts), speculative=True)
+    pair = next(h for h in speculation.heads_of(guessed, {"t"}))
+    assert pair.tail is not None and pair.tail.key == "t" and pair.key == "b", pair
+    with pytest.raises(CorruptCheckpointError, match=r"'t'.*stride \[1, 4\].*not a row-major"):
+        sc.load({"t": torch.empty(4, 4), "b": torch.empty(4, 4)}, s3_uri, storage_options=s3_opts, strict=False)
+    with pytest.raises(CorruptCheckpointError, match=r"'t'.*not a row-major"):
+        sc.load({"t": sc.ShardedTensor(torch.empty(1, 4), (4, 4), (1, 0))}, s3_uri, storage_options=s3_opts,
+                strict=False)
+    got = torch.empty(4, 4)
+    with caplog.at_level(logging.INFO, logger="streamckpt.loader"):
+        res = sc.load({"b": got}, s3_uri, storage_options=s3_opts, strict=False)
+    assert torch.equal(got, other) and "locating every item" not in caplog.text
+    assert res.requests == 1 and res.bytes_read == pair.length + 4 * 4 * 4  # the check is adjacent to b's data
 
 
 def test_inspect_and_key_checks_see_no_heads(tmp_path: Path, s3_uri: str, s3_opts: dict[str, Any]) -> None:

@@ -11,6 +11,8 @@ import logging
 from ..errors import CheckpointNotFoundError
 from ..manifest import Manifest
 from ..storage import Storage
+from .dcp import read_dcp_manifest
+from .hf import read_hf_manifest
 from .native import read_native_manifest
 
 log = logging.getLogger(__name__)
@@ -27,22 +29,11 @@ def read_foreign_manifest(storage: Storage, *, speculative: bool = False) -> Man
     """A checkpoint that has no ``manifest.json`` (already looked for), from its Hugging Face
     or DCP metadata. ``speculative``: a DCP manifest may hold predicted byte offsets that
     the load must verify (``streamckpt.speculation``); only ``loader.run_load`` asks."""
-    try:
-        from .hf import read_hf_manifest
-    except ImportError:  # pragma: no cover - module lands separately
-        read_hf_manifest = None  # type: ignore[assignment]
-    if read_hf_manifest is not None:
-        m = read_hf_manifest(storage)
-        if m is not None:
-            return m
-    try:
-        from .dcp import read_dcp_manifest
-    except ImportError:  # pragma: no cover
-        read_dcp_manifest = None  # type: ignore[assignment]
-    if read_dcp_manifest is not None:
+    m = read_hf_manifest(storage)
+    if m is None:
         m = read_dcp_manifest(storage, speculative=speculative)
-        if m is not None:
-            return m
+    if m is not None:
+        return m
     raise CheckpointNotFoundError(
         f"no checkpoint at {storage.describe('')}: expected manifest.json (streamckpt), "
         f"*.safetensors (Hugging Face) or .metadata (PyTorch DCP)"

@@ -30,6 +30,7 @@ import torch
 import torch._utils
 
 from .. import dtypes
+from .zipdir import central_directory
 
 LOCAL = b"PK\x03\x04"
 LOCAL_LEN = 30
@@ -168,9 +169,17 @@ def _local(name: bytes, fixed: bytes, cursor: int, alignment: int) -> bytes:
 def render(t: Template, pkl: bytes, *, empty: bool = False) -> bytes:
     """Every byte of a record before its tensor data, ``pkl`` being its data.pkl;
     ``empty``: the data member is empty (then torch's writer sets no data descriptor flag)."""
+    return _rendered(t, pkl, empty)[0]
+
+
+def _rendered(t: Template, pkl: bytes, empty: bool) -> tuple[bytes, list[tuple[bytes, int, bytes]], int]:
+    """The head, each small member's (name, local header offset, content), and the
+    data member's local header offset."""
     out = bytearray()
+    members = []
     for m in t.members:
         content = pkl if m.content is None else m.content
+        members.append((m.name, len(out), content))
         out += _local(m.name, m.fixed, len(out), t.alignment)
         out += content
         out += DESCRIPTOR + struct.pack("<III", zlib.crc32(content), len(content), len(content))
@@ -178,8 +187,45 @@ def render(t: Template, pkl: bytes, *, empty: bool = False) -> bytes:
     if empty:
         (flags,) = struct.unpack("<H", fixed[2:4])
         fixed = fixed[:2] + struct.pack("<H", flags & ~_DATA_DESCRIPTOR_FLAG) + fixed[4:]
+    data_at = len(out)
     out += _local(t.data_name, fixed, len(out), t.alignment)
-    return bytes(out)
+    return bytes(out), members, data_at
+
+
+def tail_matches(t: Template, dtype: str, shape: tuple[int, ...], tail: bytes) -> bool:
+    """Whether ``tail`` — every byte of a record after its (non-empty) tensor data — shows
+    the predicted layout, so the record's head need not be read to trust its offset.
+
+    Its central directory must list each small member at its predicted offset with its
+    predicted size and CRC-32 (data.pkl's CRC covers dtype, shape and strides), and the
+    data member at its predicted offset with the tensor's size; the tensor's data
+    descriptor must open ``tail`` and the next member start right after it. Together
+    these pin where the tensor bytes start and end. The data's own CRC is not known."""
+    if not predictable(dtype, shape):
+        return False
+    nbytes = math.prod(shape) * itemsize(dtype)
+    if nbytes == 0 or tail[:4] != DESCRIPTOR or len(tail) < DESCRIPTOR_LEN:
+        return False
+    if struct.unpack_from("<II", tail, 8) != (nbytes, nbytes):
+        return False
+    head, members, data_at = _rendered(t, tensor_pickle(dtypes.to_torch(dtype), tuple(shape)), False)
+    data_end = len(head) + nbytes
+    entries = central_directory(tail, data_end)
+    if entries is None:
+        return False
+    by_name = {e.filename: e for e in entries}
+    if len(by_name) != len(entries):
+        return False
+    want = {name.decode("utf-8", "replace"): (at, len(c), zlib.crc32(c)) for name, at, c in members}
+    for name, (at, size, crc) in want.items():
+        e = by_name.pop(name, None)
+        if e is None or (e.header_offset, e.file_size, e.CRC) != (at, size, crc):
+            return False
+    data = by_name.pop(t.data_name.decode("utf-8", "replace"), None)
+    if data is None or (data.header_offset, data.file_size) != (data_at, nbytes):
+        return False
+    after = [e.header_offset for e in by_name.values()]
+    return bool(after) and min(after) == data_end + DESCRIPTOR_LEN
 
 
 def learn(head: bytes, sizes: dict[str, int], pkl_name: str, data_name: str,

@@ -36,6 +36,7 @@ class ZipEntry:
     compress_type: int
     file_size: int
     header_offset: int
+    CRC: int = 0
 
 
 def central_directory(tail: bytes, tail_start: int) -> list[ZipEntry] | None:
@@ -84,7 +85,7 @@ def _entries(tail: bytes, pos: int, stop: int, count: int) -> list[ZipEntry] | N
     for _ in range(count):
         if pos + CENTRAL_LEN > stop:
             return None
-        (sig, _made, _need, flags, method, _time, _date, _crc, csize, usize, name_len, extra_len, comment_len,
+        (sig, _made, _need, flags, method, _time, _date, crc, csize, usize, name_len, extra_len, comment_len,
          _disk, _iattr, _eattr, header_offset) = _CENTRAL.unpack_from(tail, pos)
         nxt = pos + CENTRAL_LEN + name_len + extra_len + comment_len
         if sig != CENTRAL or nxt > stop or method != STORED or csize != usize or \
@@ -95,6 +96,6 @@ def _entries(tail: bytes, pos: int, stop: int, count: int) -> list[ZipEntry] | N
             name = raw.decode("utf-8" if flags & _UTF8_NAMES else "cp437")
         except UnicodeDecodeError:
             return None
-        out.append(ZipEntry(name, method, usize, header_offset))
+        out.append(ZipEntry(name, method, usize, header_offset, crc))
         pos = nxt
     return out if pos == stop else None

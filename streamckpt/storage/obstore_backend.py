@@ -68,11 +68,14 @@ def requested_backend() -> str:
 
 
 def available() -> bool:
+    """Whether obstore is installed, without importing it: a load through the
+    ``http.client`` path never does (the import alone costs a few ms of its first call)."""
+    from importlib.util import find_spec
+
     try:
-        import obstore  # noqa: F401
-    except ImportError:
+        return find_spec("obstore") is not None
+    except (ImportError, ValueError):
         return False
-    return True
 
 
 def s3_config(options: dict[str, Any]) -> dict[str, Any]:
