@@ -21,6 +21,7 @@ import torch
 
 from streamckpt.errors import CorruptCheckpointError
 from streamckpt.formats import dcp as dcpfmt
+from streamckpt.formats import safepickle
 from streamckpt.formats.dcp import read_dcp_manifest
 from streamckpt.manifest import Manifest
 from streamckpt.storage import Storage
@@ -164,7 +165,7 @@ def test_build_on_a_class_cannot_patch_it() -> None:
          b"N}X\x08\x00\x00\x00__init__K\x01s\x86b.")
     with pytest.raises(CorruptCheckpointError):
         dcpfmt.parse_metadata(p, where=".metadata")
-    assert dcpfmt._MetadataIndex.__init__ is dcpfmt._Record.__init__
+    assert dcpfmt._MetadataIndex.__init__ is safepickle.Record.__init__
 
 
 @pytest.mark.parametrize("payload, match", [
@@ -332,7 +333,7 @@ def test_build_cannot_patch_allowed_callables(module: str, name: str) -> None:
     for allowed in (dcpfmt._METADATA_GLOBALS, dcpfmt._ITEM_GLOBALS):
         if (module, name) in allowed:
             with pytest.raises(CorruptCheckpointError):
-                dcpfmt.safe_unpickle(p, allowed=allowed, where="x")
+                safepickle.safe_unpickle(p, allowed=allowed, where="x")
     assert dcpfmt._size.__defaults__ == ((),)
     assert dcpfmt._ITEM_GLOBALS[("torch", "FloatStorage")].value is torch.float32
 
@@ -415,8 +416,8 @@ def test_memo_prescan_accepts_real_pickles(tmp_path: Path) -> None:
     for value in ({"x": [1, 2, shared, shared]}, [[1], [2]] * 3):
         for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
             data = pickle.dumps(value, protocol=protocol)
-            dcpfmt.check_memo(data, where="t")
-            got = dcpfmt.safe_unpickle(data, allowed={}, where="t")
+            safepickle.check_memo(data, where="t")
+            got = safepickle.safe_unpickle(data, allowed={}, where="t")
             assert got == value, protocol
             if isinstance(value, dict):
                 assert got["x"][2] is got["x"][3], protocol  # the memo kept the shared object

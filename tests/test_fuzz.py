@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from streamckpt.errors import CheckpointError
-from streamckpt.formats import dcp, hf
+from streamckpt.formats import dcp, hf, safepickle
 from streamckpt.manifest import FORMAT_VERSION, Manifest, from_json, to_json
 
 FUZZ = settings(
@@ -360,7 +360,7 @@ def test_hostile_pickles_run_nothing(tmp_path: Any) -> None:
 
 def _genops_memo_verdict(data: bytes) -> str:
     """The memo pre-scan as ``pickletools.genops`` walks the stream (the reference the
-    direct walker in ``dcp.check_memo`` must agree with): "ok", "memo" or "malformed"."""
+    direct walker in ``safepickle.check_memo`` must agree with): "ok", "memo" or "malformed"."""
     import pickletools
 
     filled: set[int] = set()
@@ -381,7 +381,7 @@ def _genops_memo_verdict(data: bytes) -> str:
 
 def _direct_memo_verdict(data: bytes) -> str:
     try:
-        dcp.check_memo(data, where="p")
+        safepickle.check_memo(data, where="p")
     except CheckpointError as e:
         return "malformed" if "malformed" in str(e) else "memo"
     return "ok"

@@ -1,10 +1,10 @@
 """PyTorch DCP checkpoints (``.metadata`` + ``*.distcp``) read in place.
 
-``.metadata`` is a pickle. It is parsed by an allow-list unpickler that maps the
-few globals DCP writes (its metadata dataclasses, ``torch.Size``, dtypes, a path
-class, ``OrderedDict``) onto inert stand-ins defined here; any other global is a
-``CorruptCheckpointError`` raised before it could be resolved, so a hostile file
-never runs code.
+``.metadata`` is a pickle. It is parsed by the allow-list unpickler
+(``safepickle``), which maps the few globals DCP writes (its metadata dataclasses,
+``torch.Size``, dtypes, a path class, ``OrderedDict``) onto inert stand-ins defined
+here; any other global is a ``CorruptCheckpointError`` raised before it could be
+resolved, so a hostile file never runs code.
 
 Each tensor chunk is one ``torch.save`` record (a ZIP with STORED entries) at a
 byte range of a ``.distcp`` file. Instead of loading items whole (DCP's own
@@ -32,13 +32,11 @@ import io
 import json
 import logging
 import math
-import pickle
-import pickletools
 import posixpath
 import struct
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -47,6 +45,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..manifest import MAX_NDIM, Manifest, Shard, TensorMeta, check_relative_name, validate
 from ..storage import RangeRead, Storage
 from ..values import RESTORABLE, unrestorable
+from .safepickle import Inert, Record, safe_unpickle
 from .zipdir import central_directory
 
 log = logging.getLogger(__name__)
@@ -68,55 +67,23 @@ _MDI = "torch.distributed.checkpoint.metadata"
 # --------------------------------------------------------------- inert stand-ins
 
 
-class _Sealed(type):
-    """Classes whose attributes a pickle cannot change (BUILD on a class object)."""
-
-    def __setattr__(cls, name: str, value: Any) -> None:
-        raise TypeError(f"cannot set {name!r} on {cls.__name__}")
-
-    def __delattr__(cls, name: str) -> None:
-        raise TypeError(f"cannot delete {name!r} on {cls.__name__}")
-
-
-class _Record(metaclass=_Sealed):
-    """An inert stand-in for an allow-listed dataclass: it only stores fields."""
-
-    fields: tuple[str, ...] = ()
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if len(args) > len(self.fields):
-            raise TypeError(f"{type(self).__name__} takes {len(self.fields)} fields")
-        self.__dict__.update(zip(self.fields, args))
-        self.__setstate__(kwargs)
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and state[0] is None:
-            state = state[1]  # (dict_state, slot_state) with no dict state
-        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
-            raise TypeError(f"unexpected state for {type(self).__name__}")
-        self.__dict__.update(state)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.__dict__.get(name, default)
-
-
-class _Metadata(_Record):
+class _Metadata(Record):
     fields = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
 
 
-class _TensorStorageMetadata(_Record):
+class _TensorStorageMetadata(Record):
     fields = ("properties", "size", "chunks")
 
 
-class _ChunkStorageMetadata(_Record):
+class _ChunkStorageMetadata(Record):
     fields = ("offsets", "sizes")
 
 
-class _BytesStorageMetadata(_Record):
+class _BytesStorageMetadata(Record):
     pass
 
 
-class _TensorProperties(_Record):
+class _TensorProperties(Record):
     fields = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
 
     def __setstate__(self, state: Any) -> None:
@@ -126,38 +93,16 @@ class _TensorProperties(_Record):
             super().__setstate__(state)
 
 
-class _MetadataIndex(_Record):
+class _MetadataIndex(Record):
     fields = ("fqn", "offset", "index")
 
 
-class _StorageInfo(_Record):
+class _StorageInfo(Record):
     fields = ("relative_path", "offset", "length", "transform_descriptors")
 
 
-class _StorageMeta(_Record):
+class _StorageMeta(Record):
     fields = ("checkpoint_id", "save_id", "load_id", "modules")
-
-
-class _Inert:
-    """A callable or marker a pickle may name but never change: BUILD on it (which
-    would otherwise set attributes such as a function's ``__defaults__``) fails."""
-
-    __slots__ = ("_fn", "value")
-
-    def __init__(self, fn: Callable[..., Any] | None = None, value: Any = None) -> None:
-        object.__setattr__(self, "_fn", fn)
-        object.__setattr__(self, "value", value)
-
-    def __call__(self, *args: Any) -> Any:
-        if self._fn is None:
-            raise TypeError("not callable")
-        return self._fn(*args)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise TypeError("immutable")
-
-    def __setstate__(self, state: Any) -> None:
-        raise TypeError("immutable")
 
 
 def _size(dims: Any = ()) -> tuple[int, ...]:
@@ -174,12 +119,8 @@ def _name(*parts: Any) -> str:
     return posixpath.join(*(str(p) for p in parts)) if parts else ""
 
 
-_inert_name = _Inert(_name)
-_inert_size = _Inert(_size)
-
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    name: obj for name in dir(torch) if isinstance(obj := getattr(torch, name), torch.dtype)
-}
+_inert_name = Inert(_name)
+_inert_size = Inert(_size)
 
 _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     (_MDI, "Metadata"): _Metadata,
@@ -203,145 +144,6 @@ _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
 }
-
-
-class RestrictedUnpickler(pickle.Unpickler):
-    """Resolves only the globals in ``allowed`` (plus torch dtypes when asked);
-    anything else raises before a callable is ever looked up."""
-
-    def __init__(self, data: bytes, *, allowed: dict[tuple[str, str], Any], where: str,
-                 dtypes_ok: bool = True, persistent: Callable[[Any], Any] | None = None) -> None:
-        super().__init__(io.BytesIO(data))
-        self._allowed = allowed
-        self._where = where
-        self._dtypes_ok = dtypes_ok
-        self._persistent = persistent
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = self._allowed.get((module, name))
-        if found is None and self._dtypes_ok and module == "torch":
-            found = _TORCH_DTYPES.get(name)
-        if found is None:
-            raise _Refused(f"{self._where}: pickle references {module}.{name}, which is not on the allow-list")
-        return found
-
-    def persistent_load(self, pid: Any) -> Any:
-        if self._persistent is None:
-            raise _Refused(f"{self._where}: unexpected persistent id in pickle")
-        return self._persistent(pid)
-
-
-class _Refused(pickle.UnpicklingError):
-    pass
-
-
-_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
-_GETS = {"GET", "BINGET", "LONG_BINGET"}
-_NO_ARG, _FIXED, _LINES, _COUNTED = range(4)
-
-
-def _opcode_table() -> dict[int, tuple[str, int, int, bool]]:
-    """Per opcode byte: (name, how its argument is laid out, a size, signed), from
-    ``pickletools``' own descriptions (the unpickler's layout)."""
-    counted = {pickletools.TAKEN_FROM_ARGUMENT1: (1, False), pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
-               pickletools.TAKEN_FROM_ARGUMENT4U: (4, False), pickletools.TAKEN_FROM_ARGUMENT8U: (8, False)}
-    out = {}
-    for op in pickletools.opcodes:
-        a = op.arg
-        if a is None:
-            entry = (op.name, _NO_ARG, 0, False)
-        elif a.n >= 0:
-            entry = (op.name, _FIXED, a.n, False)
-        elif a.n == pickletools.UP_TO_NEWLINE:
-            entry = (op.name, _LINES, 2 if a.reader is pickletools.read_stringnl_noescape_pair else 1, False)
-        else:
-            entry = (op.name, _COUNTED, *counted[a.n])
-        out[ord(op.code)] = entry
-    return out
-
-
-_OPCODES = _opcode_table()  # immutable after import: a lookup table, not state
-
-
-def _memo_ops(data: bytes) -> Iterator[tuple[str, int | None]]:
-    """(name, memo index or None) of each memo opcode, walking the opcode stream as the
-    unpickler does (``pickletools.genops`` without building every argument: a
-    ``.metadata`` of thousands of opcodes is walked in a few milliseconds). Raises
-    ``ValueError`` on a stream that is malformed or ends before STOP."""
-    pos, n = 0, len(data)
-    while True:
-        if pos >= n:
-            raise ValueError("pickle ends before STOP")
-        entry = _OPCODES.get(data[pos])
-        if entry is None:
-            raise ValueError(f"unknown opcode {data[pos]:#x} at {pos}")
-        name, kind, size, signed = entry
-        start = end = pos + 1
-        if kind == _FIXED:
-            end = start + size
-        elif kind == _LINES:
-            for _ in range(size):
-                nl = data.find(b"\n", end)
-                if nl < 0:
-                    raise ValueError(f"no newline after {name} at {pos}")
-                end = nl + 1
-        elif kind == _COUNTED:
-            length = int.from_bytes(data[start:start + size], "little", signed=signed)
-            if start + size > n or length < 0:
-                raise ValueError(f"bad length for {name} at {pos}")
-            end = start + size + length
-        if end > n:
-            raise ValueError(f"{name} at {pos} runs past the end")
-        if name in _PUTS or name in _GETS:
-            arg = data[start:end]
-            yield name, int(arg) if kind == _LINES else int.from_bytes(arg, "little")
-        elif name == "MEMOIZE":
-            yield name, None
-        elif name == "STOP":
-            return
-        pos = end
-
-
-def check_memo(data: bytes, *, where: str) -> None:
-    """Refuse memo indices a pickler would never write, before unpickling.
-
-    The C unpickler sizes its memo array by the largest index a PUT names, so a
-    12-byte pickle saying ``LONG_BINPUT 2**30`` would allocate 16 GiB. Picklers
-    number memo entries 0, 1, 2, ...; anything else is hostile. This pre-scan
-    walks the opcodes (no objects are built) and bounds the memo by the input.
-    """
-    filled: set[int] = set()
-    try:
-        for name, arg in _memo_ops(data):
-            if name == "MEMOIZE":
-                filled.add(len(filled))
-            elif name in _PUTS:
-                if arg is None or arg < 0 or arg > len(filled):
-                    raise CorruptCheckpointError(f"{where}: pickle stores memo entry {arg!r:.40}, out of sequence")
-                filled.add(arg)
-            elif arg not in filled:
-                raise CorruptCheckpointError(f"{where}: pickle reads memo entry {arg!r:.40}, never stored")
-    except CorruptCheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a malformed opcode stream is corrupt input
-        raise CorruptCheckpointError(f"{where}: malformed pickle ({type(e).__name__}: {e})") from None
-
-
-def safe_unpickle(data: bytes, *, allowed: dict[tuple[str, str], Any], where: str, dtypes_ok: bool = True,
-                  persistent: Callable[[Any], Any] | None = None) -> Any:
-    """Unpickle with an allow-list after a memo pre-scan; every failure is a
-    ``CorruptCheckpointError``."""
-    check_memo(data, where=where)
-    try:
-        return RestrictedUnpickler(
-            data, allowed=allowed, where=where, dtypes_ok=dtypes_ok, persistent=persistent
-        ).load()
-    except _Refused as e:
-        raise CorruptCheckpointError(f"{e}; refusing to load it") from None
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any malformed pickle is corrupt input
-        raise CorruptCheckpointError(f"{where}: malformed pickle ({type(e).__name__}: {e})") from None
 
 
 # ---------------------------------------------------------------- typed metadata
@@ -472,7 +274,7 @@ class TensorRef:
     stride: tuple[int, ...]
 
 
-class _StorageType(_Inert):
+class _StorageType(Inert):
     """A storage class named in a data.pkl; ``value`` is its dtype (None: untyped bytes)."""
 
     __slots__ = ()
@@ -505,8 +307,8 @@ class _Rebuilt:
 
 
 _ITEM_GLOBALS: dict[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_tensor_v2"): _Inert(_rebuild_v2),
-    ("torch._utils", "_rebuild_tensor_v3"): _Inert(_rebuild_v3),
+    ("torch._utils", "_rebuild_tensor_v2"): Inert(_rebuild_v2),
+    ("torch._utils", "_rebuild_tensor_v3"): Inert(_rebuild_v3),
     ("torch.storage", "UntypedStorage"): _StorageType(value=None),
     ("collections", "OrderedDict"): dict,
     ("torch", "Size"): _inert_size,
@@ -522,7 +324,7 @@ def _latin1(text: Any, encoding: Any = "latin1") -> bytes:
 
 _VALUE_GLOBALS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): dict,
-    ("_codecs", "encode"): _Inert(_latin1),
+    ("_codecs", "encode"): Inert(_latin1),
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("__builtin__", "set"): set,  # protocol-2 pickles spell builtins the Python 2 way
