@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -139,19 +139,68 @@ def _opcode_table() -> dict[int, tuple[str, int, int, bool]]:
 _OPCODES = _opcode_table()  # immutable after import: a lookup table, not state
 
 
-def _memo_ops(data: bytes) -> Iterator[tuple[str, int | None]]:
-    """(name, memo index or None) of each memo opcode, walking the opcode stream as the
-    unpickler does (``pickletools.genops`` without building every argument: a
-    ``.metadata`` of thousands of opcodes is walked in a few milliseconds). Raises
-    ``ValueError`` on a stream that is malformed or ends before STOP."""
-    pos, n = 0, len(data)
+_PLAIN, _PUT, _GET, _MEMOIZE, _STOP = range(5)
+
+
+def _walk_table() -> tuple[tuple[str, int, int, bool, int] | None, ...]:
+    """``_OPCODES`` indexed by byte, with each opcode's memo role."""
+    roles = {**{n: _PUT for n in _PUTS}, **{n: _GET for n in _GETS}, "MEMOIZE": _MEMOIZE, "STOP": _STOP}
+    out: list[tuple[str, int, int, bool, int] | None] = [None] * 256
+    for code, (name, kind, size, signed) in _OPCODES.items():
+        out[code] = (name, kind, size, signed, roles.get(name, _PLAIN))
+    return tuple(out)
+
+
+_WALK = _walk_table()  # immutable after import, like _OPCODES
+_BARE = frozenset(i for i, e in enumerate(_WALK) if e is not None and e[1] == _NO_ARG and e[4] == _PLAIN)
+_MEMOIZE_OP = ord(pickle.MEMOIZE)
+_BINGET_OP = ord(pickle.BINGET)
+
+
+def check_memo(data: bytes, *, where: str) -> None:
+    """Refuse memo indices a pickler would never write, before unpickling.
+
+    The C unpickler sizes its memo array by the largest index a PUT names, so a
+    12-byte pickle saying ``LONG_BINPUT 2**30`` would allocate 16 GiB. Picklers
+    number memo entries 0, 1, 2, ...; anything else is hostile. This pre-scan
+    walks the opcode stream as the unpickler does (``pickletools.genops`` without
+    building every argument; no objects are built) and bounds the memo by the
+    input. Entries stored so far are always ``0 .. count-1`` (a PUT may only name
+    one of them or the next), so a count is the whole state: a ``.metadata`` of
+    ~10,000 opcodes is walked in about a millisecond.
+    """
+    try:
+        _walk(data, where)
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a malformed opcode stream is corrupt input
+        raise CorruptCheckpointError(f"{where}: malformed pickle ({type(e).__name__}: {e})") from None
+
+
+def _walk(data: bytes, where: str) -> None:
+    """``check_memo``'s loop; ``ValueError`` on a stream malformed or ending before STOP."""
+    table, pos, n, count = _WALK, 0, len(data), 0
+    bare, memoize, binget = _BARE, _MEMOIZE_OP, _BINGET_OP
     while True:
         if pos >= n:
             raise ValueError("pickle ends before STOP")
-        entry = _OPCODES.get(data[pos])
+        op = data[pos]
+        if op in bare:  # most opcodes of a metadata pickle: no argument, no memo role
+            pos += 1
+            continue
+        if op == memoize:
+            count += 1
+            pos += 1
+            continue
+        if op == binget and pos + 1 < n:
+            if data[pos + 1] >= count:
+                raise CorruptCheckpointError(f"{where}: pickle reads memo entry {data[pos + 1]}, never stored")
+            pos += 2
+            continue
+        entry = table[op]
         if entry is None:
             raise ValueError(f"unknown opcode {data[pos]:#x} at {pos}")
-        name, kind, size, signed = entry
+        name, kind, size, signed, role = entry
         start = end = pos + 1
         if kind == _FIXED:
             end = start + size
@@ -168,39 +217,21 @@ def _memo_ops(data: bytes) -> Iterator[tuple[str, int | None]]:
             end = start + size + length
         if end > n:
             raise ValueError(f"{name} at {pos} runs past the end")
-        if name in _PUTS or name in _GETS:
-            arg = data[start:end]
-            yield name, int(arg) if kind == _LINES else int.from_bytes(arg, "little")
-        elif name == "MEMOIZE":
-            yield name, None
-        elif name == "STOP":
-            return
+        if role:
+            if role == _MEMOIZE:
+                count += 1
+            elif role == _STOP:
+                return
+            else:
+                arg = data[start:end]
+                idx = int(arg) if kind == _LINES else int.from_bytes(arg, "little")
+                if role == _PUT:
+                    if idx < 0 or idx > count:
+                        raise CorruptCheckpointError(f"{where}: pickle stores memo entry {idx!r:.40}, out of sequence")
+                    count += idx == count
+                elif idx < 0 or idx >= count:
+                    raise CorruptCheckpointError(f"{where}: pickle reads memo entry {idx!r:.40}, never stored")
         pos = end
-
-
-def check_memo(data: bytes, *, where: str) -> None:
-    """Refuse memo indices a pickler would never write, before unpickling.
-
-    The C unpickler sizes its memo array by the largest index a PUT names, so a
-    12-byte pickle saying ``LONG_BINPUT 2**30`` would allocate 16 GiB. Picklers
-    number memo entries 0, 1, 2, ...; anything else is hostile. This pre-scan
-    walks the opcodes (no objects are built) and bounds the memo by the input.
-    """
-    filled: set[int] = set()
-    try:
-        for name, arg in _memo_ops(data):
-            if name == "MEMOIZE":
-                filled.add(len(filled))
-            elif name in _PUTS:
-                if arg is None or arg < 0 or arg > len(filled):
-                    raise CorruptCheckpointError(f"{where}: pickle stores memo entry {arg!r:.40}, out of sequence")
-                filled.add(arg)
-            elif arg not in filled:
-                raise CorruptCheckpointError(f"{where}: pickle reads memo entry {arg!r:.40}, never stored")
-    except CorruptCheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a malformed opcode stream is corrupt input
-        raise CorruptCheckpointError(f"{where}: malformed pickle ({type(e).__name__}: {e})") from None
 
 
 def safe_unpickle(data: bytes, *, allowed: dict[tuple[str, str], Any], where: str, dtypes_ok: bool = True,
