@@ -8,8 +8,9 @@ checks of the chunks its own targets overlap. A check is one stretch of a file:
 
 * a *pair*: one item's tail (every byte after its tensor data: the ZIP directory,
   whose offsets, sizes and CRC-32s pin the item's layout, ``dcplayout.tail_matches``)
-  and the next item's head right after it, so one small read verifies two items
-  (consecutive items of a file are paired in offset order);
+  and the next item's head right after it, so one small read verifies two items.
+  Both boundaries of a small item (≤ 16 KiB of tensor bytes, a norm) are pairs, since
+  any read of it spans them; the other items pair up in offset order;
 * a *head* alone, for an item left without a partner.
 
 The planner reads each check in the same merged range read as neighbouring tensor
@@ -39,6 +40,7 @@ from .targets import LocalTarget, TargetSpec
 PREFIX = "__streamckpt_dcp_head__/"  # internal tensor names: never a user's key, never reported
 U8 = "U8"
 MAX_TAIL = 4096  # torch's tails are ~900 bytes; a longer gap is not one item's tail
+SMALL_ITEM = 16 << 10  # tensor bytes: a read of any of them spans both of the item's boundaries
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,23 +117,38 @@ def all_checks(manifest: Manifest) -> list[Head]:
 
 
 def _pair(file: str, chunks: list[_Chunk], template: dcplayout.Template) -> Iterable[Head]:
-    """Consecutive chunks in offset order, two by two: the first one's tail and the
-    second one's head, when they are adjacent; a chunk left over gets a head check."""
-    pending: _Chunk | None = None
-    for c in chunks:
-        item_start = c.shard.byte_offset - len(c.head)
-        if pending is not None:
-            p = pending.shard
-            gap = item_start - (p.byte_offset + p.byte_length)
-            if p.byte_length > 0 and 0 < gap <= MAX_TAIL:
-                tail = Tail(pending.key, p.box, pending.dtype, p.shape, gap, template)
-                yield _head(file, c, tail)
-                pending = None
-                continue
-            yield _head(file, pending, None)
-        pending = c
-    if pending is not None:
-        yield _head(file, pending, None)
+    """Checks for one file's chunks (in offset order), as few as cover every chunk.
+
+    A check at the boundary between two adjacent items verifies both (the first by
+    its tail, the second by its head). Both boundaries of a small item are checks:
+    any read of the small item's bytes spans them, so it verifies its neighbours
+    too (a norm between two matrices). The rest pair up left to right; a chunk left
+    over gets a check of its head alone."""
+    m = len(chunks)
+    starts = [c.shard.byte_offset - len(c.head) for c in chunks]
+
+    def tail_len(i: int) -> int:
+        """The tail of chunk i - 1 when it ends right before chunk i's item, else 0."""
+        p = chunks[i - 1].shard
+        gap = starts[i] - (p.byte_offset + p.byte_length)
+        return gap if p.byte_length > 0 and 0 < gap <= MAX_TAIL else 0
+
+    tails = [0] + [tail_len(i) for i in range(1, m)]
+    small = [c.shard.byte_length <= SMALL_ITEM for c in chunks]
+    chosen = {i for i in range(1, m) if tails[i] and (small[i - 1] or small[i])}
+    covered = [False] * m
+    for i in chosen:
+        covered[i - 1] = covered[i] = True
+    for i in range(m):
+        if not covered[i] and i + 1 < m and tails[i + 1]:
+            chosen.add(i + 1)
+            covered[i] = covered[i + 1] = True
+    for i, c in enumerate(chunks):
+        if i in chosen:
+            p = chunks[i - 1]
+            yield _head(file, c, Tail(p.key, p.shard.box, p.dtype, p.shard.shape, tails[i], template))
+        elif not covered[i]:
+            yield _head(file, c, None)
 
 
 def _head(file: str, c: _Chunk, tail: Tail | None) -> Head:

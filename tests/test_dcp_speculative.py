@@ -185,9 +185,11 @@ def test_full_and_row_loads_skip_the_locating_batch(tmp_path: Path, s3_uri: str,
         # the predictions are the exact offsets
         assert {k: t.shards for k, t in guessed.tensors.items()} == {k: t.shards for k, t in exact_manifest.tensors.items()}
         heads = speculation.heads_of(guessed)
-        # consecutive items pair up: one check is an item's tail and the next item's head
-        assert sorted(k for h in heads for k, _ in h.chunks()) == sorted(model)
-        assert len(heads) == (items + 1) // 2 and sum(h.tail is not None for h in heads) == items // 2
+        # a check is an item's tail and the next item's head: both boundaries of the small
+        # "norm" (last: only one), then the rest in pairs, left to right
+        assert {(h.tail.key if h.tail else None, h.key) for h in heads} == {
+            ("l0.w", "l1.w"), ("l2.w", "l3.w"), ("emb", "idx"), ("idx", "norm")}
+        assert {k for h in heads for k, _ in h.chunks()} == set(model) and len(heads) == (items + 1) // 2
 
         before = proxy.requests
         full = {k: torch.empty_like(v) for k, v in model.items()}
@@ -300,7 +302,10 @@ def test_a_transposed_item_checked_by_its_tail_falls_back(tmp_path: Path, s3_uri
     with caplog.at_level(logging.INFO, logger="streamckpt.loader"):
         res = sc.load({"b": got}, s3_uri, storage_options=s3_opts, strict=False)
     assert torch.equal(got, other) and "locating every item" not in caplog.text
-    assert res.requests == 1 and res.bytes_read == pair.length + 4 * 4 * 4  # the check is adjacent to b's data
+    # b is small: both its boundaries are checks, one read with its data (t's tail unverified)
+    around = speculation.heads_of(guessed, {"b"})
+    assert [(h.tail.key, h.key) for h in around] == [("t", "b"), ("b", "tiny")]
+    assert res.requests == 1 and res.bytes_read == sum(h.length for h in around) + 4 * 4 * 4
 
 
 def test_inspect_and_key_checks_see_no_heads(tmp_path: Path, s3_uri: str, s3_opts: dict[str, Any]) -> None:
