@@ -146,12 +146,14 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
     verify in a second, small gather (the first ran before the manifest was known)."""
     own: BaseException | None = None
     checked: list[spec.Checked] = []
+    checks: list[spec.Head] = []
     heads: list[spec.Head] = []
     speculative = spec.is_speculative(manifest)  # alike on every rank
     if speculative:
         try:
             everything = req.transforms is not None  # its targets do not name chunks: verify all
-            mine_heads = spec.heads_of(manifest, None if everything else {t.spec.key for t in targets})
+            checks = spec.all_checks(manifest)
+            mine_heads = spec.covering(checks, None if everything else {t.spec.key for t in targets})
             device = next((t.tensor.device for t in targets if t.tensor.device.type == "cuda"), torch.device("cpu"))
             checked = spec.head_targets(mine_heads, [t.spec for t in targets], everything, device)
         except CheckpointError as e:
@@ -168,7 +170,7 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
     try:
         placement = place(cuda, [t.tensor for t in mine], comm.data_device)
         view = _view(manifest, req.transforms)
-        heads = spec.planned_heads(manifest, all_specs) if speculative else []
+        heads = spec.planned_heads(checks, all_specs) if speculative else []
         plan_manifest = spec.augment(manifest, heads) if heads else manifest
         plan_view = view if not heads else (
             IdentityView(plan_manifest) if req.transforms is None else spec.HeadsView(view, heads))

@@ -156,20 +156,24 @@ def _head(file: str, c: _Chunk, tail: Tail | None) -> Head:
     return Head(f"{PREFIX}{c.key}/{c.index}", c.key, c.shard.box, file, start, c.head, tail)
 
 
-def heads_of(manifest: Manifest, keys: Iterable[str] | None = None) -> list[Head]:
+def covering(checks: Sequence[Head], keys: Iterable[str] | None) -> list[Head]:
     """The checks that cover a chunk of ``keys`` (None: every check)."""
-    checks = all_checks(manifest)
     if keys is None:
-        return checks
+        return list(checks)
     want = set(keys)
     return [h for h in checks if h.key in want or (h.tail is not None and h.tail.key in want)]
 
 
-def planned_heads(manifest: Manifest, all_specs: Sequence[Sequence[TargetSpec]]) -> list[Head]:
+def heads_of(manifest: Manifest, keys: Iterable[str] | None = None) -> list[Head]:
+    """``covering(all_checks(manifest), keys)``."""
+    return covering(all_checks(manifest), keys)
+
+
+def planned_heads(checks: Sequence[Head], all_specs: Sequence[Sequence[TargetSpec]]) -> list[Head]:
     """The checks some rank verifies (named in the gathered target specs): the only ones
     the plan needs to know, so planning grows with the chunks ranks touch."""
     names = {s.key for specs in all_specs for s in specs if s.key.startswith(PREFIX)}
-    return [h for h in all_checks(manifest) if h.name in names] if names else []
+    return [h for h in checks if h.name in names] if names else []
 
 
 def augment(manifest: Manifest, heads: Sequence[Head]) -> Manifest:
@@ -215,6 +219,7 @@ def head_targets(heads: Sequence[Head], specs: Sequence[TargetSpec], everything:
 
 def first_mismatch(checked: Sequence[Checked]) -> str | None:
     """The first covered chunk whose bytes differ from their prediction, described, or None."""
+    layouts: dict[tuple[str, tuple[int, ...]], dcplayout.TailLayout | None] = {}  # one per dtype and shape
     for c in checked:
         h = c.head
         got = c.target.tensor.cpu().numpy().tobytes()
@@ -222,7 +227,12 @@ def first_mismatch(checked: Sequence[Checked]) -> str | None:
         if c.check_head and got[cut:] != h.expected:
             return f"{h.key!r} chunk at {list(h.box.offset)} ({h.file} bytes [{h.start + cut}, {h.start + len(got)}))"
         t = h.tail
-        if c.check_tail and t is not None and not dcplayout.tail_matches(t.template, t.dtype, t.shape, got[:cut]):
+        if not c.check_tail or t is None:
+            continue
+        if (t.dtype, t.shape) not in layouts:
+            layouts[t.dtype, t.shape] = dcplayout.tail_layout(t.template, t.dtype, t.shape)
+        layout = layouts[t.dtype, t.shape]
+        if layout is None or not layout.matches(got[:cut]):
             return (f"{t.key!r} chunk at {list(t.box.offset)} (its ZIP directory, {h.file} bytes "
                     f"[{h.start}, {h.start + cut}))")
     return None

@@ -406,6 +406,17 @@ def test_memo_index_bombs_refused_without_allocating(bomb: bytes) -> None:
     assert peak < 1 << 20, peak
 
 
+@pytest.mark.parametrize("get", [b"h\x01", b"j\x01\x00\x00\x00", b"g1\n"], ids=["BINGET", "LONG_BINGET", "GET"])
+def test_memo_read_of_the_next_entry_is_refused(get: bytes) -> None:
+    """Entry 0 stored, entry 1 read: the entry just past the stored ones is never there
+    (the edge of the scan's count, for each GET spelling); entry 0 itself is fine."""
+    stored = b"\x80\x04N\x94"  # PROTO 4, NONE, MEMOIZE (entry 0)
+    with pytest.raises(CorruptCheckpointError, match=r"reads memo entry 1, never stored"):
+        safepickle.check_memo(stored + get + b".", where="t")
+    zero = get.replace(b"\x01", b"\x00").replace(b"1\n", b"0\n")
+    safepickle.check_memo(stored + zero + b".", where="t")
+
+
 def test_memo_prescan_accepts_real_pickles(tmp_path: Path) -> None:
     """Pickles as picklers write them (every protocol, shared references read back from
     the memo) pass the pre-scan and unpickle to the value they were made from."""

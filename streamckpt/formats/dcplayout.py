@@ -192,40 +192,69 @@ def _rendered(t: Template, pkl: bytes, empty: bool) -> tuple[bytes, list[tuple[b
     return bytes(out), members, data_at
 
 
-def tail_matches(t: Template, dtype: str, shape: tuple[int, ...], tail: bytes) -> bool:
-    """Whether ``tail`` — every byte of a record after its (non-empty) tensor data — shows
-    the predicted layout, so the record's head need not be read to trust its offset.
+@dataclass(frozen=True, slots=True)
+class TailLayout:
+    """What the ZIP directory after a record's (non-empty) tensor data must say: each
+    small member's (local header offset, size, CRC-32) by name, and the data member's
+    offset and size. ``data_end``: where the tensor data ends in the record."""
 
-    Its central directory must list each small member at its predicted offset with its
-    predicted size and CRC-32 (data.pkl's CRC covers dtype, shape and strides), and the
-    data member at its predicted offset with the tensor's size; the tensor's data
-    descriptor must open ``tail`` and the next member start right after it. Together
-    these pin where the tensor bytes start and end. The data's own CRC is not known."""
-    if not predictable(dtype, shape):
-        return False
-    nbytes = math.prod(shape) * itemsize(dtype)
-    if nbytes == 0 or tail[:4] != DESCRIPTOR or len(tail) < DESCRIPTOR_LEN:
-        return False
-    if struct.unpack_from("<II", tail, 8) != (nbytes, nbytes):
-        return False
-    head, members, data_at = _rendered(t, tensor_pickle(dtypes.to_torch(dtype), tuple(shape)), False)
-    data_end = len(head) + nbytes
-    entries = central_directory(tail, data_end)
-    if entries is None:
-        return False
-    by_name = {e.filename: e for e in entries}
-    if len(by_name) != len(entries):
-        return False
-    want = {name.decode("utf-8", "replace"): (at, len(c), zlib.crc32(c)) for name, at, c in members}
-    for name, (at, size, crc) in want.items():
-        e = by_name.pop(name, None)
-        if e is None or (e.header_offset, e.file_size, e.CRC) != (at, size, crc):
+    members: dict[str, tuple[int, int, int]]
+    data_name: str
+    data_at: int
+    nbytes: int
+    data_end: int
+
+    def matches(self, tail: bytes) -> bool:
+        """Whether ``tail`` — every byte of the record after its tensor data — shows this
+        layout, so the record's head need not be read to trust its offset.
+
+        Its central directory must list each small member at its predicted offset with
+        its predicted size and CRC-32 (data.pkl's CRC covers dtype, shape and strides),
+        and the data member at its predicted offset with the tensor's size; the tensor's
+        data descriptor must open ``tail`` and the next member start right after it.
+        Together these pin where the tensor bytes start and end. The data's own CRC is
+        not known."""
+        if tail[:4] != DESCRIPTOR or len(tail) < DESCRIPTOR_LEN:
             return False
-    data = by_name.pop(t.data_name.decode("utf-8", "replace"), None)
-    if data is None or (data.header_offset, data.file_size) != (data_at, nbytes):
-        return False
-    after = [e.header_offset for e in by_name.values()]
-    return bool(after) and min(after) == data_end + DESCRIPTOR_LEN
+        if struct.unpack_from("<II", tail, 8) != (self.nbytes, self.nbytes):
+            return False
+        entries = central_directory(tail, self.data_end)
+        if entries is None:
+            return False
+        by_name = {e.filename: e for e in entries}
+        if len(by_name) != len(entries):
+            return False
+        for name, want in self.members.items():
+            e = by_name.pop(name, None)
+            if e is None or (e.header_offset, e.file_size, e.CRC) != want:
+                return False
+        data = by_name.pop(self.data_name, None)
+        if data is None or (data.header_offset, data.file_size) != (self.data_at, self.nbytes):
+            return False
+        after = [e.header_offset for e in by_name.values()]
+        return bool(after) and min(after) == self.data_end + DESCRIPTOR_LEN
+
+
+def tail_layout(t: Template, dtype: str, shape: tuple[int, ...]) -> TailLayout | None:
+    """The ``TailLayout`` of a record holding a contiguous tensor of ``dtype`` and
+    ``shape``; None when it cannot be predicted or the tensor is empty (no descriptor)."""
+    if not predictable(dtype, shape):
+        return None
+    nbytes = math.prod(shape) * itemsize(dtype)
+    if nbytes == 0:
+        return None
+    head, members, data_at = _rendered(t, tensor_pickle(dtypes.to_torch(dtype), tuple(shape)), False)
+    return TailLayout(
+        members={name.decode("utf-8", "replace"): (at, len(c), zlib.crc32(c)) for name, at, c in members},
+        data_name=t.data_name.decode("utf-8", "replace"), data_at=data_at, nbytes=nbytes,
+        data_end=len(head) + nbytes,
+    )
+
+
+def tail_matches(t: Template, dtype: str, shape: tuple[int, ...], tail: bytes) -> bool:
+    """``tail_layout(t, dtype, shape).matches(tail)``; False when nothing is predicted."""
+    layout = tail_layout(t, dtype, shape)
+    return layout is not None and layout.matches(tail)
 
 
 def learn(head: bytes, sizes: dict[str, int], pkl_name: str, data_name: str,
