@@ -104,3 +104,18 @@ def storage_on(monkeypatch: pytest.MonkeyPatch, backend: str, uri: str, opts: di
 
     monkeypatch.setenv(BACKEND_ENV, backend)
     return Storage(uri, opts, **kw)
+
+
+# A fault test's stall must outlast the request timeout, and that timeout must outlast a
+# busy 2-core machine's slow replies (moto and the proxy share this process): 0.4 s did not,
+# at load average 3 every request of a round timed out and the retries piled on.
+STALL_TIMEOUT = 1.0
+STALL_SECONDS = 3.0
+
+
+def fault_test_policy(kind: str) -> Any:
+    """The retry policy for a run under one fault ``kind``: a short request timeout only for
+    ``stall`` (so stalls are given up on); every other kind keeps a patient one."""
+    from streamckpt.storage import RetryPolicy
+
+    return RetryPolicy(request_timeout=STALL_TIMEOUT if kind == "stall" else 30.0, base_delay=0.01)

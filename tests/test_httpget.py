@@ -27,7 +27,7 @@ from streamckpt.storage.obstore_backend import AUTO_PICKS_OBSTORE, BACKEND_ENV, 
 from streamckpt.storage.reads import Landing
 from streamckpt.testing.s3server import free_port
 
-from conftest import put_random, storage_on
+from conftest import STALL_SECONDS, fault_test_policy, put_random, storage_on
 
 pytest.importorskip("obstore")
 
@@ -187,11 +187,8 @@ def test_faults_never_give_wrong_bytes(
     kind: str, monkeypatch: pytest.MonkeyPatch, stored: tuple[str, bytes], proxy_factory: Any
 ) -> None:
     uri, data = stored
-    proxy = proxy_factory(faults=[kind], rate=0.4, seed=7, stall_seconds=1.0)
-    # Only the stall needs a short request timeout; for the other faults a busy machine's
-    # slow response must not count as a stall (it did, with 0.4 s, at load average 5).
-    timeout = 0.4 if kind == "stall" else 10.0
-    st = _http(monkeypatch, uri, proxy.storage_options, policy=RetryPolicy(request_timeout=timeout, base_delay=0.01))
+    proxy = proxy_factory(faults=[kind], rate=0.4, seed=7, stall_seconds=STALL_SECONDS)
+    st = _http(monkeypatch, uri, proxy.storage_options, policy=fault_test_policy(kind))
     st.piece_size = 128 * KiB
     rng = random.Random(8)
     reads = []

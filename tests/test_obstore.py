@@ -14,7 +14,7 @@ from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, S
 from streamckpt.storage.httpget import AUTO_PICKS_HTTP
 from streamckpt.storage.obstore_backend import AUTO_PICKS_OBSTORE, BACKEND_ENV, NotConfigurable, ObstoreBackend, s3_config
 from streamckpt.storage import RangeRead, RetryPolicy, Storage
-from conftest import put_random, storage_on
+from conftest import STALL_SECONDS, fault_test_policy, put_random, storage_on
 from streamckpt.testing import FaultProxy, LocalS3
 
 pytest.importorskip("obstore")
@@ -121,9 +121,8 @@ def test_faults_never_give_wrong_bytes(
     kind: str, monkeypatch: pytest.MonkeyPatch, stored: tuple[str, bytes], local_s3: LocalS3
 ) -> None:
     uri, data = stored
-    with FaultProxy(local_s3.endpoint_url, faults=[kind], rate=0.4, seed=7, stall_seconds=1.0) as proxy:
-        st = _storage(monkeypatch, "obstore", uri, proxy.storage_options,
-                      policy=RetryPolicy(request_timeout=0.4, base_delay=0.01))
+    with FaultProxy(local_s3.endpoint_url, faults=[kind], rate=0.4, seed=7, stall_seconds=STALL_SECONDS) as proxy:
+        st = _storage(monkeypatch, "obstore", uri, proxy.storage_options, policy=fault_test_policy(kind))
         st.piece_size = 128 * KiB
         reads = []
         for r in _ranges(25, len(data), seed=8):

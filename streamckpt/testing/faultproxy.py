@@ -287,6 +287,10 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
+    # socketserver's listen backlog is 5; a client opens its whole pool at once (obstore: one
+    # connection per concurrent GET, 32 by default), and a starved accept thread must not
+    # turn that burst into dropped SYNs (a 1 s retransmit each).
+    request_queue_size = 128
     proxy: FaultProxy
 
     def handle_error(self, request: Any, client_address: Any) -> None:
