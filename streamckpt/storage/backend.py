@@ -214,14 +214,17 @@ class WorkerThreads:
             pool = self._pool
         fut = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
         try:
-            return await asyncio.shield(fut)
+            await asyncio.wait([fut])  # unlike shield, leaves no second future to hold an error
         except asyncio.CancelledError:
             while not fut.done():
                 try:
                     await asyncio.wait([fut])
                 except asyncio.CancelledError:
                     continue
+            if not fut.cancelled():
+                fut.exception()  # the caller is gone: its error is not "never retrieved"
             raise
+        return fut.result()
 
     def close(self) -> None:
         """Wait for the workers to finish their calls."""
