@@ -14,11 +14,13 @@ from streamckpt.errors import CorruptCheckpointError, StorageError
 from streamckpt.storage import RangeRead, RetryPolicy, Storage
 from streamckpt.testing import FaultProxy, LocalS3
 
+from conftest import STALL_SECONDS, STALL_TIMEOUT
+
 MiB = 1 << 20
 CHUNK = 16 << 10
 
 # Short stall timeouts keep the stall cases fast; everything else is the default policy.
-FAST_STALL = RetryPolicy(request_timeout=0.5)
+FAST_STALL = RetryPolicy(request_timeout=STALL_TIMEOUT)
 
 
 @pytest.fixture
@@ -58,7 +60,7 @@ def test_each_fault_alone_reads_bit_exact(
     kind: str, rate: float, stored: tuple[str, bytes], proxy_factory: Any
 ) -> None:
     uri, data = stored
-    proxy = proxy_factory(faults=[kind], rate=rate, seed=3, stall_seconds=1.5)
+    proxy = proxy_factory(faults=[kind], rate=rate, seed=3, stall_seconds=STALL_SECONDS)
     st = Storage(uri, proxy.storage_options, policy=FAST_STALL if kind == "stall" else None)
     reads = _reads(data, 40, seed=4)
     got, requests = _read_all(st, reads)
@@ -77,7 +79,7 @@ def test_mixed_faults_read_bit_exact(rate: float, stored: tuple[str, bytes], pro
     uri, data = stored
     proxy = proxy_factory(
         faults={"slowdown": 1, "reset": 1, "short": 1, "flip": 1, "stall": 0.3},
-        rate=rate, seed=5, stall_seconds=1.5,
+        rate=rate, seed=5, stall_seconds=STALL_SECONDS,
     )
     st = Storage(uri, proxy.storage_options, policy=FAST_STALL)
     reads = _reads(data, 80, seed=6)

@@ -30,7 +30,7 @@ from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, S
 from streamckpt.storage import RangeRead, RetryPolicy, Storage
 from streamckpt.testing import FaultProxy, LocalGCS
 
-from conftest import BUCKET
+from conftest import BUCKET, STALL_SECONDS, STALL_TIMEOUT
 from distributed import (
     bounds,
     check_equal,
@@ -397,8 +397,8 @@ def _reads(data: bytes, n: int, seed: int) -> list[RangeRead]:
 @pytest.mark.parametrize("kind", ["slowdown", "reset", "short", "flip", "stall"])
 def test_each_fault_alone_range_reads_bit_exact(kind: str, stored: tuple[str, bytes], gcs_proxy: Any) -> None:
     uri, data = stored
-    proxy = gcs_proxy(faults=[kind], rate=0.3, seed=3, stall_seconds=1.5)
-    st = Storage(uri, proxy.storage_options, policy=RetryPolicy(request_timeout=0.5) if kind == "stall" else None)
+    proxy = gcs_proxy(faults=[kind], rate=0.3, seed=3, stall_seconds=STALL_SECONDS)
+    st = Storage(uri, proxy.storage_options, policy=RetryPolicy(request_timeout=STALL_TIMEOUT) if kind == "stall" else None)
     reads = _reads(data, 20, seed=4)
     bufs = [bytearray(r.length) for r in reads]
     requests = st.read_into(reads, [memoryview(b) for b in bufs]).result(timeout=120)
