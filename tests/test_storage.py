@@ -333,16 +333,13 @@ def test_worker_threads_leave_no_unretrieved_error(caplog: pytest.LogCaptureFixt
                     await asyncio.sleep(0)
                 task.cancel()
                 outcomes.append((await asyncio.gather(task, return_exceptions=True))[0])
-            outcomes.append((await asyncio.gather(threads.run(fail, _set()), return_exceptions=True))[0])
+            go = threading.Event()
+            go.set()
+            outcomes.append((await asyncio.gather(threads.run(fail, go), return_exceptions=True))[0])
             outcomes.append(await threads.run(len, "abc"))
         finally:
             threads.close()
         return outcomes
-
-    def _set() -> threading.Event:
-        e = threading.Event()
-        e.set()
-        return e
 
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         outcomes = asyncio.run(main())
