@@ -16,7 +16,7 @@ import os
 import random
 import time
 
-from streamckpt.checksum import crc32c
+from streamckpt.core.checksum import crc32c
 from streamckpt.storage import RangeRead, Storage
 from streamckpt.storage.obstore_backend import BACKEND_ENV
 from streamckpt.testing import FaultProxy, LocalS3

@@ -52,8 +52,8 @@ def memcpy(total: int, dev: torch.device) -> tuple[float, list[str]]:
 
 
 def device_pipeline(total: int, round_bytes: int, dev: torch.device, ceiling: float) -> list[str]:
-    from streamckpt.cudaapi import TorchCuda
-    from streamckpt.device import DeviceStage
+    from streamckpt.cuda.runtime import TorchCuda
+    from streamckpt.cuda.device import DeviceStage
 
     stage = DeviceStage(TorchCuda(), dev, [round_bytes, round_bytes])
     for a in stage.arenas:
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"CUDA is not available to torch {torch.__version__} (torch.version.cuda={torch.version.cuda}): "
               f"nothing measured", flush=True)
         return 2
-    from streamckpt.plan import PlanOptions
+    from streamckpt.plan.planner import PlanOptions
 
     dev = torch.device("cuda", torch.cuda.current_device())
     total = int(args.gib * 2**30)

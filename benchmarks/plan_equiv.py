@@ -156,7 +156,7 @@ class Checker:
 def _through_wire(targets: list) -> Any:
     """Every rank's specs as a load receives them (``specwire``: encode, route, decode);
     None when a rank's specs cannot be encoded (a load raises that on every rank)."""
-    from streamckpt import specwire
+    from streamckpt.plan import specwire
     from streamckpt.errors import CheckpointError
 
     try:
@@ -210,7 +210,7 @@ def random_cases(check: Checker, examples: int, seed: int) -> None:
 
 def _spoil(rng: random.Random, targets: list, shape: tuple[int, ...]) -> None:
     """Now and then: keys the checkpoint lacks, and a dtype or shape it does not have."""
-    from streamckpt.targets import TargetSpec
+    from streamckpt.core.targets import TargetSpec
 
     spec = TargetSpec("w", "F32", shape, (0,) * len(shape), shape)
     for bad in (spec._replace(key="absent"), spec._replace(key="gone", flat_range=(0, 1)),
@@ -260,7 +260,7 @@ def main() -> int:
     ap.add_argument("--wire", action="store_true",
                     help="the new planner plans from the specs as specwire delivers them (gathered pieces)")
     args = ap.parse_args()
-    import streamckpt.plan as new
+    import streamckpt.plan.planner as new
 
     with tempfile.TemporaryDirectory() as tmp:
         check = Checker(new, load_reference(args.against, Path(tmp)), args.wire)

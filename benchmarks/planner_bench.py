@@ -12,7 +12,7 @@ only near the rank), for the first rank and one in the middle, and the
 all-ranks plan (``rank=None``, what a simulation of every rank computes).
 
 ``metadata(ranks)`` times the whole per-rank metadata path of a load on the
-same job, the old JSON gather and ``streamckpt.specwire`` side by side: this
+same job, the old JSON gather and ``streamckpt.plan.specwire`` side by side: this
 rank's encoding, the gather (bytes each rank receives, and the CPU time of
 cutting them out of the receive buffer as ``all_gather_bytes`` does; network
 time is not simulated), decoding every rank's specs, and rank 0's plan.
@@ -75,7 +75,7 @@ def _flat(numel: int, dp: int, r: int) -> tuple[int, int]:
 
 
 def build_manifest(tp: int = 8, pp: int = 8, zero_dp: int = 8, layers: int = LAYERS):
-    from streamckpt.manifest import Manifest, Shard, TensorMeta
+    from streamckpt.core.manifest import Manifest, Shard, TensorMeta
 
     files: dict[str, int] = {}
     pos: dict[str, int] = {}
@@ -113,7 +113,7 @@ def build_manifest(tp: int = 8, pp: int = 8, zero_dp: int = 8, layers: int = LAY
 
 
 def build_targets(ranks: int, tp: int = 4, pp: int = 16, layers: int = LAYERS):
-    from streamckpt.targets import TargetSpec
+    from streamckpt.core.targets import TargetSpec
 
     dp = ranks // (tp * pp)
     weights = _weights(layers)
@@ -143,7 +143,7 @@ def _hwm() -> int:
 
 def bench(ranks: int, layers: int = LAYERS, full: bool = True) -> dict[str, Any]:
     """Plan a load onto ``ranks`` (a multiple of 64) ranks; ``layers`` < 80 only for --quick."""
-    from streamckpt.plan import PlanOptions, build_plan
+    from streamckpt.plan.planner import PlanOptions, build_plan
 
     t0 = time.perf_counter()
     manifest = build_manifest(layers=layers)
@@ -193,7 +193,7 @@ def _json_path(targets: list[list[Any]], rank: int) -> tuple[list[list[Any]], di
     """The gather before specwire: every rank's specs as one JSON document each."""
     import json
 
-    from streamckpt.targets import TargetSpec
+    from streamckpt.core.targets import TargetSpec
 
     docs = [json.dumps({"targets": [s.to_json() for s in t]}).encode() for t in targets]  # the other ranks
     _, enc = _cpu(lambda: json.dumps({"targets": [s.to_json() for s in targets[rank]]}).encode())
@@ -203,7 +203,7 @@ def _json_path(targets: list[list[Any]], rank: int) -> tuple[list[list[Any]], di
 
 
 def _encoded(specs: list[Any]) -> tuple[Any, bytes]:
-    from streamckpt import specwire as sw
+    from streamckpt.plan import specwire as sw
 
     enc = sw.encode(specs)
     return enc, enc.header()
@@ -211,7 +211,7 @@ def _encoded(specs: list[Any]) -> tuple[Any, bytes]:
 
 def _specwire_path(targets: list[list[Any]], rank: int) -> tuple[list[list[Any]], dict[str, Any]]:
     """specwire: headers, then each distinct section once, split over its holders."""
-    from streamckpt import specwire as sw
+    from streamckpt.plan import specwire as sw
 
     encs = [sw.encode(t) for t in targets]  # the other ranks
     heads = [e.header() for e in encs]
@@ -232,7 +232,7 @@ def metadata(ranks: int, layers: int = LAYERS, rank: int = 0, json_too: bool = T
     (specwire alone without ``json_too``)."""
     import gc
 
-    from streamckpt.plan import PlanOptions, build_plan
+    from streamckpt.plan.planner import PlanOptions, build_plan
 
     manifest = build_manifest(layers=layers)
     targets = build_targets(ranks, layers=layers)
@@ -265,8 +265,8 @@ def compare(ranks: int, against: Any, reps: int = 5, layers: int = LAYERS) -> li
     import importlib
     import statistics
 
-    import streamckpt.plan as this_plan
-    import streamckpt.specwire as this_wire
+    import streamckpt.plan.planner as this_plan
+    import streamckpt.plan.specwire as this_wire
 
     ref_wire = importlib.import_module(against.__name__.rsplit(".", 1)[0] + ".specwire")
     manifest, targets = build_manifest(layers=layers), build_targets(ranks, layers=layers)

@@ -459,7 +459,7 @@ class Harness:
                              "< 2 s at 4096 ranks. `all ranks' plan` is `rank=None`, every rank's reads at once (what "
                              "a simulation computes). See docs/PLANNER.md.")
         self.metadata_note = ("`benchmarks.planner_bench.metadata`: the whole per-rank metadata path of the same "
-                              "load, the JSON all-gather it replaced and `streamckpt.specwire` side by side: this "
+                              "load, the JSON all-gather it replaced and `streamckpt.plan.specwire` side by side: this "
                               "rank's encoding, the bytes each rank receives from the all-gathers (padded, as "
                               "`all_gather_bytes` moves them) and the CPU time of cutting them out of the receive "
                               "buffer (network time not simulated), decoding every rank's specs, then rank 0's plan "

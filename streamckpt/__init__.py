@@ -1,7 +1,7 @@
 """streamckpt: stream sharded PyTorch checkpoints from object storage into any layout."""
 
 from .api import inspect, latest, load, load_full, merge, save
-from .asyncsave import SaveHandle, async_save
+from .saving.asyncsave import SaveHandle, async_save
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -14,8 +14,8 @@ from .errors import (
     TransformError,
     UnsupportedVersionError,
 )
+from .core.sharded import ShardedTensor
 from .results import CheckpointInfo, LoadResult, SaveResult, TensorInfo
-from .sharded import ShardedTensor
 
 __version__ = "0.1.0"
 

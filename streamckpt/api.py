@@ -7,15 +7,15 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from . import dtypes
 from .comm import SoloComm, make_comm
+from .core import dtypes
 from .errors import CheckpointError, MissingKeysError
 from .formats import read_manifest
 from .formats.native import latest_committed
-from .loader import LoadRequest, run_load
-from .plan import PlanOptions
+from .loading.loader import LoadRequest, run_load
+from .plan.planner import PlanOptions
 from .results import CheckpointInfo, DtypeName, LoadResult, SaveResult, TensorInfo
-from .saver import run_save
+from .saving.saver import run_save
 from .storage import Storage
 
 log = logging.getLogger(__name__)

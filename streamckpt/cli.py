@@ -18,8 +18,8 @@ import sys
 from typing import Any, Sequence
 
 from .errors import CheckpointError
+from .loading.verify import verify_checkpoint
 from .results import human_bytes as human
-from .verify import verify_checkpoint
 
 log = logging.getLogger("streamckpt.cli")
 
@@ -173,7 +173,7 @@ def demo_layouts(sd: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[str
     """(name, state_dict to load into, expected tensors) for layouts unlike the saved one."""
     import torch
 
-    from .sharded import ShardedTensor
+    from .core.sharded import ShardedTensor
 
     tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
     out = []

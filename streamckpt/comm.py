@@ -23,12 +23,12 @@ from typing import Any, Sequence
 
 import torch
 
-from . import device as _device
 from . import errors as _errors
-from . import specwire
-from .cudaapi import CudaApi, TorchCuda
+from .core.targets import TargetSpec
+from .cuda import device as _device
+from .cuda.runtime import CudaApi, TorchCuda
 from .errors import CheckpointError, PeerError
-from .targets import TargetSpec
+from .plan import specwire
 
 log = logging.getLogger(__name__)
 

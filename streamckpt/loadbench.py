@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import dtypes
+from .core import dtypes
 from .errors import CheckpointError
 
 LAYOUTS = ("full", "rows", "cols", "zero")
@@ -35,7 +35,7 @@ def block(n: int, world: int, rank: int) -> tuple[int, int]:
 def layout_state(tensors: Mapping[str, tuple[tuple[int, ...], str]], layout: str, world: int,
                  rank: int) -> dict[str, Any]:
     """This rank's (uninitialized) targets for every tensor, in ``layout``."""
-    from .sharded import ShardedTensor
+    from .core.sharded import ShardedTensor
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")

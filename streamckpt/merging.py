@@ -29,16 +29,16 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from . import dtypes
 from .comm import SoloComm, make_comm
+from .core import dtypes
+from .core.manifest import Manifest
+from .core.sharded import ShardedTensor
+from .core.targets import collect
 from .errors import CheckpointError
-from .loader import share_manifest
-from .manifest import Manifest
-from .pipeline import Destinations, Executor
-from .plan import IdentityView, PlanOptions, build_plan
-from .sharded import ShardedTensor
+from .loading.loader import share_manifest
+from .loading.pipeline import Destinations, Executor
+from .plan.planner import IdentityView, PlanOptions, build_plan
 from .storage import Storage
-from .targets import collect
 
 log = logging.getLogger(__name__)
 

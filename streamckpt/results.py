@@ -64,7 +64,7 @@ class DtypeName(str):
 
     @property
     def torch(self) -> Any:
-        from . import dtypes
+        from .core import dtypes
 
         return dtypes.to_torch(str(self))
 

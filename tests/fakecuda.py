@@ -1,6 +1,6 @@
 """A recording, lazily executing stand-in for CUDA: the only thing the GPU invariant tests fake.
 
-It implements ``streamckpt.cudaapi.CudaApi`` on a machine without a GPU. "Device"
+It implements ``streamckpt.cuda.runtime.CudaApi`` on a machine without a GPU. "Device"
 memory is host memory the fake knows as living on ``cuda:i`` (``place`` for tensors
 the test allocates, ``empty`` for the library's buffers). Work enqueued on a stream
 does not run when enqueued: it runs only when the host forces it (an event or stream

@@ -20,17 +20,17 @@ import torch
 from hypothesis import strategies as st
 
 from fakecuda import FakeCuda
-from streamckpt import manifest as mf
 from streamckpt.comm import GroupComm, SoloComm
-from streamckpt.device import place
+from streamckpt.core import manifest as mf
+from streamckpt.core.regions import Box
+from streamckpt.core.targets import TargetSpec
+from streamckpt.cuda.device import place
 from streamckpt.formats import read_manifest
-from streamckpt.pipeline import Destinations, Executor
-from streamckpt.plan import IdentityView, PlanOptions, build_plan, settle_rounds
-from streamckpt.regions import Box
+from streamckpt.loading.pipeline import Destinations, Executor
+from streamckpt.plan.planner import IdentityView, PlanOptions, build_plan, settle_rounds
+from streamckpt.saving.writer import ShardToWrite, write_data_file
 from streamckpt.storage import Storage
-from streamckpt.targets import TargetSpec
 from streamckpt.transforms import as_transforms
-from streamckpt.writer import ShardToWrite, write_data_file
 
 CODES = {torch.float32: "F32", torch.int16: "I16", torch.float64: "F64", torch.bfloat16: "BF16"}
 

@@ -19,11 +19,10 @@ import fsspec
 import pytest
 import torch
 
+from streamckpt.core.manifest import Manifest
 from streamckpt.errors import CorruptCheckpointError
-from streamckpt.formats import dcp as dcpfmt
-from streamckpt.formats import safepickle
+from streamckpt.formats import dcp as dcpfmt, dcpitem, dcpmeta, safepickle
 from streamckpt.formats.dcp import read_dcp_manifest
-from streamckpt.manifest import Manifest
 from streamckpt.storage import Storage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +58,7 @@ def chunk_tensor(storage: Storage, m: Manifest, key: str, index: int = 0) -> tor
     t = m.tensors[key]
     s = t.shards[index]
     raw = bytearray(storage.read_bytes(s.file, s.byte_offset, s.byte_offset + s.byte_length))
-    from streamckpt import dtypes
+    from streamckpt.core import dtypes
 
     dt = dtypes.to_torch(t.dtype)
     return (torch.frombuffer(raw, dtype=dt) if raw else torch.empty(0, dtype=dt)).reshape(s.shape)
@@ -67,7 +66,7 @@ def chunk_tensor(storage: Storage, m: Manifest, key: str, index: int = 0) -> tor
 
 def assemble(storage: Storage, m: Manifest, key: str) -> torch.Tensor:
     """A whole tensor from all its chunks (checks the shards tile it)."""
-    from streamckpt import dtypes
+    from streamckpt.core import dtypes
 
     t = m.tensors[key]
     out = torch.empty(t.shape, dtype=dtypes.to_torch(t.dtype))
@@ -109,14 +108,14 @@ def test_locating_is_coalesced(tmp_path: Path) -> None:
     state = {f"layer{i}": torch.randn(256, 256) for i in range(n)}  # 256 KiB each
     _dcp_save(state, tmp_path / "ck")
     storage = Storage(str(tmp_path / "ck"))
-    md = dcpfmt.parse_metadata((tmp_path / "ck" / ".metadata").read_bytes(), where="t")
-    cache = dcpfmt.RangeCache(storage)
-    cache.prefetch(dcpfmt._locating_windows(md))
+    md = dcpmeta.parse_metadata((tmp_path / "ck" / ".metadata").read_bytes(), where="t")
+    cache = dcpitem.RangeCache(storage)
+    cache.prefetch(dcpitem._locating_windows(md))
     for k, t in md.tensors.items():
-        loc = dcpfmt.locate_tensor(cache, t.chunks[0][2], where=k)
+        loc = dcpitem.locate_tensor(cache, t.chunks[0][2], where=k)
         assert loc.ref.size == (256, 256)
     assert cache.requests <= n + 1
-    assert cache.bytes_read <= n * (dcpfmt.HEAD_BYTES + dcpfmt.TAIL_BYTES)
+    assert cache.bytes_read <= n * (dcpitem.HEAD_BYTES + dcpitem.TAIL_BYTES)
 
 
 # ------------------------------------------------------ hostile .metadata
@@ -155,7 +154,7 @@ def test_malicious_metadata_refused_and_not_run(tmp_path: Path) -> None:
 ])
 def test_hostile_globals(tmp_path: Path, payload: bytes) -> None:
     with pytest.raises(CorruptCheckpointError, match="not on the allow-list"):
-        dcpfmt.parse_metadata(payload, where=".metadata")
+        dcpmeta.parse_metadata(payload, where=".metadata")
     assert not (Path.cwd() / "PWNED").exists()
 
 
@@ -164,8 +163,8 @@ def test_build_on_a_class_cannot_patch_it() -> None:
     p = (b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadataIndex\n"
          b"N}X\x08\x00\x00\x00__init__K\x01s\x86b.")
     with pytest.raises(CorruptCheckpointError):
-        dcpfmt.parse_metadata(p, where=".metadata")
-    assert dcpfmt._MetadataIndex.__init__ is safepickle.Record.__init__
+        dcpmeta.parse_metadata(p, where=".metadata")
+    assert dcpmeta._MetadataIndex.__init__ is safepickle.Record.__init__
 
 
 @pytest.mark.parametrize("payload, match", [
@@ -175,7 +174,7 @@ def test_build_on_a_class_cannot_patch_it() -> None:
 ])
 def test_malformed_metadata(payload: bytes, match: str) -> None:
     with pytest.raises(CorruptCheckpointError, match=match):
-        dcpfmt.parse_metadata(payload, where=".metadata")
+        dcpmeta.parse_metadata(payload, where=".metadata")
 
 
 def test_item_pickle_with_hostile_global(tmp_path: Path) -> None:
@@ -214,15 +213,15 @@ def test_tensor_pickle_parsing() -> None:
 
     z = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
     pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
-    ref = dcpfmt.parse_tensor_pickle(pkl, where="t")
+    ref = dcpitem.parse_tensor_pickle(pkl, where="t")
     assert (ref.dtype, ref.storage_offset, ref.size, ref.stride, ref.storage_numel) == (
         torch.float16, 6, (2, 6), (6, 1), 24)
     buf = io.BytesIO()
     torch.save(torch.zeros(3, dtype=torch.float8_e5m2), buf)  # _rebuild_tensor_v3 + UntypedStorage
     z = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
-    ref = dcpfmt.parse_tensor_pickle(z.read(next(n for n in z.namelist() if n.endswith("data.pkl"))), where="t")
+    ref = dcpitem.parse_tensor_pickle(z.read(next(n for n in z.namelist() if n.endswith("data.pkl"))), where="t")
     assert (ref.dtype, ref.size, ref.storage_numel) == (torch.float8_e5m2, (3,), 3)
-    assert dcpfmt.is_row_major((2, 6), (6, 1)) and not dcpfmt.is_row_major((2, 6), (1, 2))
+    assert dcpitem.is_row_major((2, 6), (6, 1)) and not dcpitem.is_row_major((2, 6), (1, 2))
 
 
 # --------------------------------------------------------- 2-rank DTensor
@@ -330,12 +329,12 @@ def test_build_cannot_patch_allowed_callables(module: str, name: str) -> None:
     every later load in the process (e.g. a function's __defaults__); refused."""
     p = (b"\x80\x02c" + module.encode() + b"\n" + name.encode() + b"\n"
          b"N}X\x0c\x00\x00\x00__defaults__K\x01\x85s\x86b.")
-    for allowed in (dcpfmt._METADATA_GLOBALS, dcpfmt._ITEM_GLOBALS):
+    for allowed in (dcpmeta._METADATA_GLOBALS, dcpitem._ITEM_GLOBALS):
         if (module, name) in allowed:
             with pytest.raises(CorruptCheckpointError):
                 safepickle.safe_unpickle(p, allowed=allowed, where="x")
-    assert dcpfmt._size.__defaults__ == ((),)
-    assert dcpfmt._ITEM_GLOBALS[("torch", "FloatStorage")].value is torch.float32
+    assert dcpmeta._size.__defaults__ == ((),)
+    assert dcpitem._ITEM_GLOBALS[("torch", "FloatStorage")].value is torch.float32
 
 
 # ------------------------------------------------ loads through the public API
@@ -359,7 +358,7 @@ def test_plain_dcp_loads_whole_and_sliced_over_s3(tmp_path: Path, s3_uri: str, s
     assert target["step"] == 17 and target["cfg"]["lr"] == 0.001
     # a slice of an item and the check of its layout (its head, or its tail and the next
     # item's head: see test_dcp_speculative), a few hundred bytes apart: one exact read
-    from streamckpt import speculation
+    from streamckpt.formats import speculation
 
     guessed = read_dcp_manifest(Storage(s3_uri, s3_opts), speculative=True)
     (check,) = speculation.heads_of(guessed, {"w"})
@@ -399,7 +398,7 @@ def test_memo_index_bombs_refused_without_allocating(bomb: bytes) -> None:
     tracemalloc.start()
     try:
         with pytest.raises(CorruptCheckpointError, match="memo entry|malformed"):
-            dcpfmt.parse_metadata(bomb, where=".metadata")
+            dcpmeta.parse_metadata(bomb, where=".metadata")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -421,7 +420,7 @@ def test_memo_prescan_accepts_real_pickles(tmp_path: Path) -> None:
     """Pickles as picklers write them (every protocol, shared references read back from
     the memo) pass the pre-scan and unpickle to the value they were made from."""
     _dcp_save({"w": torch.ones(3), "cfg": {"a": [1, 2]}}, tmp_path / "ck")
-    md = dcpfmt.parse_metadata((tmp_path / "ck" / ".metadata").read_bytes(), where=".metadata")
+    md = dcpmeta.parse_metadata((tmp_path / "ck" / ".metadata").read_bytes(), where=".metadata")
     assert md.tensors["w"].shape == (3,) and set(md.values) == {"cfg.a"}  # DCP flattens nested dicts
     shared = {"y": "z"}
     for value in ({"x": [1, 2, shared, shared]}, [[1], [2]] * 3):

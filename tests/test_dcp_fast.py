@@ -19,14 +19,13 @@ import pytest
 import torch
 
 import streamckpt as sc
+from streamckpt.core.manifest import Manifest, Shard, TensorMeta
+from streamckpt.core.targets import target_of
 from streamckpt.errors import CorruptCheckpointError
-from streamckpt import speculation
-from streamckpt.formats import dcp as dcpfmt
+from streamckpt.formats import dcp as dcpfmt, dcpitem, speculation
 from streamckpt.formats.zipdir import central_directory
-from streamckpt.manifest import Manifest, Shard, TensorMeta
-from streamckpt.plan import build_plan
+from streamckpt.plan.planner import build_plan
 from streamckpt.storage import Storage
-from streamckpt.targets import target_of
 from streamckpt.testing import FaultProxy
 
 
@@ -131,7 +130,7 @@ def test_direct_directory_matches_zipfile(tensor: torch.Tensor) -> None:
     rec = _torch_save_bytes(tensor)
     want = [(z.filename, z.compress_type, z.file_size, z.header_offset)
             for z in zipfile.ZipFile(io.BytesIO(rec)).infolist()]
-    for tail_len in (len(rec), dcpfmt.TAIL_BYTES):
+    for tail_len in (len(rec), dcpitem.TAIL_BYTES):
         start = max(0, len(rec) - tail_len)
         got = central_directory(rec[start:], start)
         assert got is not None
@@ -164,7 +163,7 @@ def test_direct_directory_declines_what_it_does_not_know(kind: str) -> None:
     """Anything but the plain layout goes to zipfile, which loads it or names the fault."""
     rec = _torch_save_bytes(torch.randn(1000))
     bad = _mutated(rec, kind)
-    start = len(bad) - dcpfmt.TAIL_BYTES
+    start = len(bad) - dcpitem.TAIL_BYTES
     assert central_directory(bad[start:], start) is None
 
 

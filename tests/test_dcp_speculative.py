@@ -1,6 +1,6 @@
 """DCP loads with predicted item layouts: one item located exactly, every other item's
 head predicted (``formats.dcplayout``) and verified with the bytes the load reads
-anyway (``streamckpt.speculation``); any difference falls back to locating every
+anyway (``streamckpt.formats.speculation``); any difference falls back to locating every
 item exactly. Real ``torch.save`` / ``dcp.save`` output, the moto S3 server, a
 request-counting proxy, real gloo ranks."""
 
@@ -18,16 +18,13 @@ import pytest
 import torch
 
 import streamckpt as sc
-from streamckpt import dtypes
-from streamckpt import manifest as mf
-from streamckpt import speculation
 from streamckpt.comm import SoloComm
+from streamckpt.core import dtypes, manifest as mf
 from streamckpt.errors import CorruptCheckpointError, MissingKeysError
-from streamckpt.formats import dcp as dcpfmt
-from streamckpt.formats import dcplayout, read_manifest
+from streamckpt.formats import dcp as dcpfmt, dcpitem, dcplayout, dcpmeta, read_manifest, speculation
 from streamckpt.formats.zipdir import central_directory
-from streamckpt.loader import LoadRequest, run_load
-from streamckpt.plan import PlanOptions
+from streamckpt.loading.loader import LoadRequest, run_load
+from streamckpt.plan.planner import PlanOptions
 from streamckpt.storage import Storage
 from streamckpt.testing import FaultProxy
 
@@ -81,10 +78,10 @@ def test_pickle_of_a_numel_past_32_bits_reads_back() -> None:
     """Numels of 2**31 and more (8-byte pickle ints): too big to torch.save here, so the
     pickle is read back by the reader's allow-list unpickler instead."""
     for shape in [(1 << 31,), (3, 1 << 33), (1 << 40, 2)]:
-        ref = dcpfmt.parse_tensor_pickle(dcplayout.tensor_pickle(torch.float16, shape), where="t")
+        ref = dcpitem.parse_tensor_pickle(dcplayout.tensor_pickle(torch.float16, shape), where="t")
         assert (ref.storage_numel, ref.size, ref.dtype, ref.storage_offset) == \
             (shape[0] * (shape[1] if len(shape) > 1 else 1), shape, torch.float16, 0)
-        assert dcpfmt.is_row_major(ref.size, ref.stride)
+        assert dcpitem.is_row_major(ref.size, ref.stride)
     assert not dcplayout.predictable("F16", (1 << 31,))  # a 4 GiB member needs ZIP64: located exactly
 
 
@@ -184,8 +181,8 @@ def test_full_and_row_loads_skip_the_locating_batch(tmp_path: Path, s3_uri: str,
         before = proxy.requests
         dcpfmt.read_dcp_manifest(Storage(s3_uri, opts))
         locating = proxy.requests - before - 2
-        assert locating == len(dcpfmt._coalesce(dcpfmt._locating_windows(
-            dcpfmt.parse_metadata((tmp_path / "ck" / ".metadata").read_bytes(), where="m")))) >= items
+        assert locating == len(dcpitem._coalesce(dcpitem._locating_windows(
+            dcpmeta.parse_metadata((tmp_path / "ck" / ".metadata").read_bytes(), where="m")))) >= items
         # the predictions are the exact offsets
         assert {k: t.shards for k, t in guessed.tensors.items()} == {k: t.shards for k, t in exact_manifest.tensors.items()}
         heads = speculation.heads_of(guessed)
@@ -240,7 +237,7 @@ def test_a_relaid_item_falls_back_to_exact_locating(tmp_path: Path, s3_uri: str,
     _relayout_last_item(tmp_path / "ck", "l1.wq")
     _put_dir(tmp_path / "ck", s3_uri, s3_opts)
     full = {k: torch.empty_like(v) for k, v in model.items()}
-    with caplog.at_level(logging.INFO, logger="streamckpt.loader"):
+    with caplog.at_level(logging.INFO, logger="streamckpt.loading.loader"):
         res = sc.load(full, s3_uri, storage_options=s3_opts)
     for k, v in model.items():
         assert torch.equal(full[k], v), k
@@ -249,7 +246,7 @@ def test_a_relaid_item_falls_back_to_exact_locating(tmp_path: Path, s3_uri: str,
     # a slice of another tensor reads no head of the relaid item: no fallback
     caplog.clear()
     part = torch.empty(12, 48)
-    with caplog.at_level(logging.INFO, logger="streamckpt.loader"):
+    with caplog.at_level(logging.INFO, logger="streamckpt.loading.loader"):
         sc.load({"l0.wq": sc.ShardedTensor(part, (48, 48), (12, 0))}, s3_uri, storage_options=s3_opts, strict=False)
     assert torch.equal(part, model["l0.wq"][12:24]) and "locating every item" not in caplog.text
 
@@ -303,7 +300,7 @@ def test_a_transposed_item_checked_by_its_tail_falls_back(tmp_path: Path, s3_uri
         sc.load({"t": sc.ShardedTensor(torch.empty(1, 4), (4, 4), (1, 0))}, s3_uri, storage_options=s3_opts,
                 strict=False)
     got = torch.empty(4, 4)
-    with caplog.at_level(logging.INFO, logger="streamckpt.loader"):
+    with caplog.at_level(logging.INFO, logger="streamckpt.loading.loader"):
         res = sc.load({"b": got}, s3_uri, storage_options=s3_opts, strict=False)
     assert torch.equal(got, other) and "locating every item" not in caplog.text
     # b is small: both its boundaries are checks, one read with its data (t's tail unverified)
@@ -343,7 +340,7 @@ def load_one_key(rank: int, world: int, uri: str, opts: dict[str, Any], keys: li
             records.append(record.getMessage())
 
     handler = _Keep(level=logging.INFO)
-    lg = logging.getLogger("streamckpt.loader")
+    lg = logging.getLogger("streamckpt.loading.loader")
     lg.addHandler(handler)
     lg.setLevel(logging.INFO)
     try:

@@ -22,10 +22,9 @@ import pytest
 import torch
 
 import streamckpt as sc
-from streamckpt import manifest as mf
-from streamckpt import values
+from streamckpt.core import manifest as mf, values
+from streamckpt.core.targets import collect
 from streamckpt.errors import CorruptCheckpointError, MissingKeysError
-from streamckpt.targets import collect
 
 from distributed import run_ranks
 from fsdp_job import differences, example, full

@@ -1,4 +1,4 @@
-"""Device choice and backend detection (streamckpt.device), every combination, no GPU needed.
+"""Device choice and backend detection (streamckpt.cuda.device), every combination, no GPU needed.
 
 The expected values are the rules as a table: the group's bound device, else the
 targets' device, else LOCAL_RANK (when it names a visible GPU), else the current
@@ -18,7 +18,7 @@ import torch
 import streamckpt as sc
 from distributed import run_ranks
 from fakecuda import FakeCuda
-from streamckpt.device import (
+from streamckpt.cuda.device import (
     Transport,
     bound_device,
     choose_device,

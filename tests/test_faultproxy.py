@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from streamckpt.checksum import crc32c
+from streamckpt.core.checksum import crc32c
 from streamckpt.errors import CorruptCheckpointError, StorageError
 from streamckpt.storage import RangeRead, RetryPolicy, Storage
 from streamckpt.testing import FaultProxy, LocalS3

@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from streamckpt.core.manifest import FORMAT_VERSION, Manifest, from_json, to_json
 from streamckpt.errors import CheckpointError
-from streamckpt.formats import dcp, hf, safepickle
-from streamckpt.manifest import FORMAT_VERSION, Manifest, from_json, to_json
+from streamckpt.formats import dcpmeta, hf, safepickle
 
 FUZZ = settings(
     derandomize=True,  # seeded: CI sees the same examples every run
@@ -270,7 +270,7 @@ def test_real_dcp_metadata_parses(dcp_dir: Path, dcp_metadata: bytes) -> None:
 
     import torch
 
-    md = dcp.parse_metadata(dcp_metadata, where=".metadata")
+    md = dcpmeta.parse_metadata(dcp_metadata, where=".metadata")
     assert set(md.tensors) == {"w"} and set(md.values) == {"step"}
     w = md.tensors["w"]
     assert (w.dtype, w.shape) == ("F32", (3, 4))
@@ -294,13 +294,13 @@ def test_corrupted_dcp_metadata_raises_only_checkpoint_errors(dcp_metadata: byte
     if data.draw(st.booleans()):
         blob = blob[: data.draw(st.integers(0, len(blob)))]
     raw = bytes(blob)
-    _bounded_memory(lambda: dcp.parse_metadata(raw, where=".metadata"), len(raw))
+    _bounded_memory(lambda: dcpmeta.parse_metadata(raw, where=".metadata"), len(raw))
 
 
 @FUZZ
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_dcp_metadata(raw: bytes) -> None:
-    _bounded_memory(lambda: dcp.parse_metadata(raw, where=".metadata"), len(raw))
+    _bounded_memory(lambda: dcpmeta.parse_metadata(raw, where=".metadata"), len(raw))
 
 
 # ------------------------------------------------------------- hostile sizes
@@ -338,7 +338,7 @@ def test_dcp_memo_index_bomb_is_refused_without_allocating() -> None:
     tracemalloc.start()
     try:
         with pytest.raises(CheckpointError):
-            dcp.parse_metadata(bomb, where=".metadata")
+            dcpmeta.parse_metadata(bomb, where=".metadata")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -354,7 +354,7 @@ def test_hostile_pickles_run_nothing(tmp_path: Any) -> None:
 
     for payload in (pickle.dumps(Evil()), pickle.dumps({"a": Evil()}), pickle.dumps([1, Evil()], protocol=0)):
         with pytest.raises(CheckpointError):
-            dcp.parse_metadata(payload, where=".metadata")
+            dcpmeta.parse_metadata(payload, where=".metadata")
     assert not marker.exists()
 
 

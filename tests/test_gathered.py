@@ -1,4 +1,4 @@
-"""Every rank's specs as gathered pieces (``streamckpt.gathered``).
+"""Every rank's specs as gathered pieces (``streamckpt.plan.gathered``).
 
 ``GatheredSpecs.distinct`` (numpy over the pieces) must give exactly what the
 plain ``dedupe`` gives on the decoded lists: the same ids in the same order, the
@@ -11,9 +11,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streamckpt import specwire
-from streamckpt.gathered import GatheredSpecs, dedupe, distinct
-from streamckpt.targets import TargetSpec
+from streamckpt.core.targets import TargetSpec
+from streamckpt.plan import specwire
+from streamckpt.plan.gathered import GatheredSpecs, dedupe, distinct
 
 from test_specwire import layouts, simulate
 
@@ -88,7 +88,7 @@ class _View:
 
 
 def _census_or_error(distinct, view):
-    from streamckpt.plan import _census
+    from streamckpt.plan.planner import _census
 
     try:
         c = _census(distinct, view)
@@ -114,7 +114,7 @@ def test_census_from_kinds_equals_census_of_lists(lists, rnd):
 def test_equal_rows_groups_rows_like_numpy_unique(width, picks, rnd):
     import numpy as np
 
-    from streamckpt.gathered import _equal_rows
+    from streamckpt.plan.gathered import _equal_rows
 
     pool = np.array([[rnd.randrange(-(1 << 62), 1 << 62) for _ in range(width)] for _ in range(4)], dtype=np.int64)
     rows = pool[picks]
@@ -127,7 +127,7 @@ def test_equal_rows_groups_rows_like_numpy_unique(width, picks, rnd):
 def test_unique_is_numpy_unique(values):
     import numpy as np
 
-    from streamckpt.gathered import unique
+    from streamckpt.plan.gathered import unique
 
     arr = np.array(values, dtype=np.int64)
     got = unique(arr)

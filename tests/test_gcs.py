@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import streamckpt as sc
-from streamckpt import dtypes
-from streamckpt.checksum import crc32c
+from streamckpt.core import dtypes
+from streamckpt.core.checksum import crc32c
 from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from streamckpt.storage import RangeRead, RetryPolicy, Storage
 from streamckpt.testing import FaultProxy, LocalGCS

@@ -17,8 +17,8 @@ import torch
 
 import streamckpt as sc
 from distributed import run_ranks
-from streamckpt.cudaapi import TorchCuda
-from streamckpt.device import DeviceToHost
+from streamckpt.cuda.device import DeviceToHost
+from streamckpt.cuda.runtime import TorchCuda
 
 pytestmark = [
     pytest.mark.gpu,

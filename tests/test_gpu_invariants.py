@@ -36,10 +36,10 @@ from gpu_cases import Case, cases, run_rank, write_checkpoint
 
 import streamckpt as sc
 from streamckpt.comm import GroupComm, SoloComm
-from streamckpt.device import DeviceToHost
-from streamckpt.loader import LoadRequest, run_load
-from streamckpt.plan import PlanOptions
-from streamckpt.saver import run_save
+from streamckpt.cuda.device import DeviceToHost
+from streamckpt.loading.loader import LoadRequest, run_load
+from streamckpt.plan.planner import PlanOptions
+from streamckpt.saving.saver import run_save
 from streamckpt.storage import Storage
 
 def slow_ok(n: int) -> settings:

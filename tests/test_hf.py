@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save, save_file
 
-from streamckpt import dtypes
+from streamckpt.core import dtypes
 from streamckpt.errors import CorruptCheckpointError
 from streamckpt.formats.hf import FIRST_READ_BYTES, read_hf_manifest
 from streamckpt.storage import Storage

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import streamckpt as sc
-from streamckpt.checksum import crc32c
+from streamckpt.core.checksum import crc32c
 from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from streamckpt.storage import RangeRead, RetryPolicy, Storage
 from streamckpt.storage.httpget import AUTO_PICKS_HTTP, SigV4, canonical_query, http_target

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import streamckpt as sc
-from streamckpt.checksum import crc32c
+from streamckpt.core.checksum import crc32c
 from streamckpt.errors import CorruptCheckpointError
 from streamckpt.storage import Landing, RangeRead, RetryPolicy, Storage
 
@@ -231,7 +231,7 @@ def test_huge_page_advice_covers_whole_2mib_blocks_only() -> None:
     import mmap
     import sys
 
-    from streamckpt.landing import HUGE, advise_huge
+    from streamckpt.loading.landing import HUGE, advise_huge
 
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
         pytest.skip("MADV_HUGEPAGE is Linux-only")

@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import load, load_file
 
 import streamckpt as sc
+from streamckpt.core.manifest import Manifest, Shard, TensorMeta
 from streamckpt.errors import CheckpointError, CheckpointNotFoundError
-from streamckpt.manifest import Manifest, Shard, TensorMeta
 from streamckpt.merging import (
     INDEX_NAME,
     assign_files,

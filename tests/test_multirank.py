@@ -784,7 +784,7 @@ def test_small_memory_budget_many_rounds_still_exact(w4: ScenarioResults, w2: Sc
 def test_small_memory_budget_staging_bounded_by_chunks(w4: ScenarioResults, w2: ScenarioResults) -> None:
     """What holds today: a round is never smaller than one checksum chunk, so staging stays
     within max(budget, two arenas of one chunk plus its messages)."""
-    from streamckpt.writer import DEFAULT_CHUNK_SIZE
+    from streamckpt.saving.writer import DEFAULT_CHUNK_SIZE
 
     bound = max(BUDGET, 2 * (2 * DEFAULT_CHUNK_SIZE + 4096))
     for s in w2.values("small_budget"):

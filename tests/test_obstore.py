@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from streamckpt.checksum import crc32c
+from streamckpt.core.checksum import crc32c
 from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from streamckpt.storage import RangeRead, RetryPolicy, Storage
 from streamckpt.storage.httpget import AUTO_PICKS_HTTP
 from streamckpt.storage.obstore_backend import AUTO_PICKS_OBSTORE, BACKEND_ENV, NotConfigurable, ObstoreBackend, s3_config
-from streamckpt.storage import RangeRead, RetryPolicy, Storage
 from conftest import STALL_SECONDS, fault_test_policy, put_random, storage_on
 from streamckpt.testing import FaultProxy, LocalS3
 

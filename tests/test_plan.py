@@ -17,12 +17,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamckpt.manifest import Manifest, Shard, TensorMeta, validate
-from streamckpt.pipeline import Destinations, LocalRound, _layout, local_schedule, pack_message, unpack_message
-from streamckpt.plan import (ALIGN, PlanOptions, build_plan, costs_of, ranks_of, is_packed, message_layout, message_size, messages_of,
+from streamckpt.core.manifest import Manifest, Shard, TensorMeta, validate
+from streamckpt.loading.pipeline import Destinations, LocalRound, _layout, local_schedule, pack_message, unpack_message
+from streamckpt.plan.planner import (ALIGN, PlanOptions, build_plan, costs_of, ranks_of, is_packed, message_layout, message_size, messages_of,
                              settle_all)
-from streamckpt.regions import Box
-from streamckpt.targets import TargetSpec
+from streamckpt.core.regions import Box
+from streamckpt.core.targets import TargetSpec
 
 
 def _grid(shape, rng, max_cuts=3):

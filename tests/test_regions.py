@@ -1,4 +1,4 @@
-"""Property tests for the pure geometry in streamckpt.regions."""
+"""Property tests for the pure geometry in streamckpt.core.regions."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamckpt.regions import (
+from streamckpt.core.regions import (
     Box, CoalesceOptions, coalesce, flat_range_bounding_box, flat_range_boxes, intersect, max_gap,
     cut_pieces, runs, span, split_for_span,
 )

@@ -13,10 +13,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamckpt.plandata import Copy, Read, Target, costs_of
-from streamckpt.regions import Box
-from streamckpt.rounds import RoundPacker
-from streamckpt.targets import TargetSpec
+from streamckpt.core.regions import Box
+from streamckpt.core.targets import TargetSpec
+from streamckpt.plan.data import Copy, Read, Target, costs_of
+from streamckpt.plan.rounds import RoundPacker
 
 
 class PlainPacker:
@@ -94,7 +94,7 @@ def test_lazy_packer_places_reads_like_the_plain_rule(seed, world, cap):
 def test_readers_go_to_the_least_loaded_holder(seed, world):
     """Shared reads go to the least-loaded holder, the lowest rank among ties (the planner
     keeps runs over one holder set in a heap; here each pick is made the plain way)."""
-    from streamckpt.plan import _assign_readers
+    from streamckpt.plan.planner import _assign_readers
 
     targets, pairs = _case(seed, world)
     reads = [a for a, _ in pairs]

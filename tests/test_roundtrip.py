@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import streamckpt as sc
-from streamckpt import dtypes
+from streamckpt.core import dtypes
 from streamckpt.storage import Storage
 
 

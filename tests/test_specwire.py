@@ -1,4 +1,4 @@
-"""The compact exchange of target specs (``streamckpt.specwire``).
+"""The compact exchange of target specs (``streamckpt.plan.specwire``).
 
 Pure tests simulate every rank of the two all-gathers on random layouts: the
 decoded lists equal the originals exactly (field by field, types included), plans
@@ -18,11 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streamckpt import dtypes, specwire
+from streamckpt.core import dtypes
+from streamckpt.core.targets import TargetSpec
 from streamckpt.errors import IncompatibleStateDictError
-from streamckpt.plan import PlanOptions, build_plan
-from streamckpt.specwire import SpecWireError
-from streamckpt.targets import TargetSpec
+from streamckpt.plan import specwire
+from streamckpt.plan.planner import PlanOptions, build_plan
+from streamckpt.plan.specwire import SpecWireError
 
 from distributed import run_ranks, run_scenarios
 from test_plan import _make_checkpoint, _make_targets, _zero_targets

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from streamckpt.staging import StagingArea, copy_all
+from streamckpt.saving.staging import StagingArea, copy_all
 
 
 def _offset(area: StagingArea, t: torch.Tensor) -> int:

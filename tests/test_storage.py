@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from streamckpt.checksum import crc32c
+from streamckpt.core.checksum import crc32c
 from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from streamckpt.storage import RangeRead, RetryPolicy, Storage
 from streamckpt.storage.httpget import AUTO_PICKS_HTTP
 from streamckpt.storage.obstore_backend import BACKEND_ENV
-from streamckpt.storage import RangeRead, RetryPolicy, Storage
 
 MiB = 1 << 20
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from streamckpt.checksum import crc32c
+from streamckpt.core.checksum import crc32c
 from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from streamckpt.storage import Permanent, RangeRead, RetryPolicy, Stalled, Storage, Transient
 from streamckpt.storage.backend import Backend, Fetched, ObjectInfo, PartSink

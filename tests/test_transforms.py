@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from streamckpt import TransformError
-from streamckpt.dtypes import to_code, to_torch
-from streamckpt.regions import Box
+from streamckpt.core.dtypes import to_code, to_torch
+from streamckpt.core.regions import Box
 from streamckpt.transforms import (
     SourceSegment,
     Transforms,

@@ -16,10 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import streamckpt as sc
+from streamckpt.saving.writer import pack
 from streamckpt.storage import Storage
 from streamckpt.storage.uploads import ObjectQueue
 from streamckpt.testing import FaultProxy, LocalS3
-from streamckpt.writer import pack
 
 MiB = 1 << 20
 

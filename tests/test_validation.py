@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import streamckpt as sc
+from streamckpt.core.manifest import MAX_MANIFEST_BYTES, from_json
 from streamckpt.errors import CorruptCheckpointError, UnsupportedVersionError
-from streamckpt.manifest import MAX_MANIFEST_BYTES, from_json
 from streamckpt.storage import Storage
 from streamckpt.testing import FaultProxy, LocalS3
 

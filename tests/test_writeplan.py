@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamckpt import dtypes, manifest as mf
-from streamckpt.targets import TargetSpec
-from streamckpt.writeplan import BLOCKS_PER_SHARE, MIN_BLOCK, WriteItem, assign, balance, piece_of, split_item
+from streamckpt.core import dtypes, manifest as mf
+from streamckpt.core.targets import TargetSpec
+from streamckpt.saving.writeplan import BLOCKS_PER_SHARE, MIN_BLOCK, WriteItem, assign, balance, piece_of, split_item
 
 from distributed import run_ranks
 
@@ -127,7 +127,7 @@ def test_split_items_cover_their_bytes(rows: int, cols: int, kind: str, max_byte
 
 def _rest(spec: TargetSpec) -> list[tuple[Any, Any]]:
     """The regions of the whole tensor that ``spec`` does not cover (so tiling can be checked)."""
-    from streamckpt.regions import Box
+    from streamckpt.core.regions import Box
 
     shape = spec.global_shape
     if spec.flat_range is not None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
+from ..core.manifest import Manifest
 from ..errors import CheckpointNotFoundError
-from ..manifest import Manifest
 from ..storage import Storage
 from .dcp import read_dcp_manifest
 from .hf import read_hf_manifest
@@ -28,7 +28,7 @@ def read_manifest(storage: Storage, *, speculative: bool = False) -> Manifest:
 def read_foreign_manifest(storage: Storage, *, speculative: bool = False) -> Manifest:
     """A checkpoint that has no ``manifest.json`` (already looked for), from its Hugging Face
     or DCP metadata. ``speculative``: a DCP manifest may hold predicted byte offsets that
-    the load must verify (``streamckpt.speculation``); only ``loader.run_load`` asks."""
+    the load must verify (``streamckpt.formats.speculation``); only ``loader.run_load`` asks."""
     m = read_hf_manifest(storage)
     if m is None:
         m = read_dcp_manifest(storage, speculative=speculative)

@@ -6,7 +6,7 @@ the layout it shows (``dcplayout``) predicts every other item's head, so every
 tensor's byte offset. Items too large to predict (4 GiB or more) are located
 exactly in the same batch. The manifest records the template under
 ``dcp.SPECULATION_KEY``: a load reads every predicted head it relies on with the
-tensor data and compares it before returning (``streamckpt.speculation``); on
+tensor data and compares it before returning (``streamckpt.formats.speculation``); on
 any difference the load locates every item exactly and runs again.
 """
 
@@ -16,13 +16,11 @@ import logging
 import math
 from typing import Any, Callable
 
-from ..manifest import Shard, TensorMeta
+from ..core.manifest import Shard, TensorMeta
 from ..storage import Storage
 from . import dcplayout
-from .dcp import (
-    DcpMetadata, DcpTensor, ItemInfo, RangeCache, TensorRef, _directory, item_where, item_windows,
-    located_shard, value_windows,
-)
+from .dcpitem import RangeCache, TensorRef, _directory, item_where, item_windows, located_shard, value_windows
+from .dcpmeta import DcpMetadata, DcpTensor, ItemInfo
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ data, then the storage member's local header; the tensor's bytes follow. Only
 A ``Template`` learnt from one item read exactly regenerates any other item's
 head — every byte before its tensor data — for a given dtype and shape. The
 prediction is a guess: the loader reads the predicted head with the tensor
-bytes and compares before returning (``streamckpt.speculation``).
+bytes and compares before returning (``streamckpt.formats.speculation``).
 
 Pure: no I/O. The pickle is written by ``pickle.Pickler`` over stand-ins that
 name torch's globals; no tensor is built and nothing is unpickled.
@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 import torch._utils
 
-from .. import dtypes
+from ..core import dtypes
 from .zipdir import central_directory
 
 LOCAL = b"PK\x03\x04"

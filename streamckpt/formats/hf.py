@@ -19,9 +19,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from .. import dtypes
+from ..core import dtypes
+from ..core.manifest import MAX_NDIM, MAX_TENSOR_BYTES, Manifest, Shard, TensorMeta, check_relative_name, validate
 from ..errors import CorruptCheckpointError
-from ..manifest import MAX_NDIM, MAX_TENSOR_BYTES, Manifest, Shard, TensorMeta, check_relative_name, validate
 from ..storage import RangeRead, Storage
 
 log = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import posixpath
 
+from ..core.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, from_json
 from ..errors import CheckpointError, CheckpointNotFoundError
-from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, from_json
 from ..storage import Storage
 
 log = logging.getLogger(__name__)

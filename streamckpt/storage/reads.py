@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence, TypeVar, Union
 
-from ..checksum import crc32c
+from ..core.checksum import crc32c
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from .backend import Backend, Fetched, NotFound, RangeNotSatisfiable, TooLarge, Transient, WorkerThreads
 from .gate import Gate

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from ..regions import Box, intersect, whole
+from ..core.regions import Box, intersect, whole
 
 Shape = tuple[int, ...]
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 import torch
 import yaml
 
-from .. import dtypes
+from ..core import dtypes
 from ..errors import CheckpointError, TransformError
 from .patterns import Pattern
 

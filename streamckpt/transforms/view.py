@@ -11,8 +11,8 @@ import bisect
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from ..core.regions import Box, intersect, whole
 from ..errors import TransformError
-from ..regions import Box, intersect, whole
 from .pieces import Piece, PiecedTensor, Shape, leaf_tensor, normalize, slab_axis
 
 #: A checkpoint's tensors as the rules see them: name -> (shape, dtype code).

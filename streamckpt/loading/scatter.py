@@ -14,9 +14,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import dtypes
-from .device import Stage
-from .plandata import Copy, is_packed, message_layout, packed_copy
+from ..core import dtypes
+from ..cuda.device import Stage
+from ..plan.data import Copy, is_packed, message_layout, packed_copy
 
 
 class Destinations:

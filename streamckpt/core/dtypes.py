@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CorruptCheckpointError, IncompatibleStateDictError
+from ..errors import CorruptCheckpointError, IncompatibleStateDictError
 
 
 def _build() -> dict[str, torch.dtype]:

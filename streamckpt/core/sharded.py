@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import IncompatibleStateDictError
+from ..errors import IncompatibleStateDictError
 from .regions import Box
 
 

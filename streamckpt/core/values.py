@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from .errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 
 RESTORABLE = "dict with str keys, list, tuple, int, float, bool, str, None"
 MAX_DEPTH = 100  # nesting a real optimizer or scheduler state never approaches

@@ -13,12 +13,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from . import dtypes
-from .errors import TransformError
-from .manifest import Manifest, Shard
-from .plandata import ChunkRun, Copy, IdentityView, PlanOptions, Read, Segment, Target, ViewLike
-from .regions import Box, CoalesceOptions, coalesce, cut_pieces, flat_range_boxes, max_gap, span, split_aligned
-from .targets import TargetSpec
+from ..core import dtypes
+from ..core.manifest import Manifest, Shard
+from ..core.regions import Box, CoalesceOptions, coalesce, cut_pieces, flat_range_boxes, max_gap, span, split_aligned
+from ..core.targets import TargetSpec
+from ..errors import TransformError
+from .data import ChunkRun, Copy, IdentityView, PlanOptions, Read, Segment, Target, ViewLike
 from .tensorindex import SourcePart, TensorIndex
 
 

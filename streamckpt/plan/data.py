@@ -1,6 +1,6 @@
 """The plan's plain data: options, the name view, targets, reads, copies, messages.
 
-``build_plan`` (in ``plan``) makes a ``LoadPlan``; ``pipeline`` executes one. The
+``build_plan`` (in ``planner``) makes a ``LoadPlan``; ``loading.pipeline`` executes one. The
 message helpers here fix how a read's pieces travel to the ranks that need them
 (their layout in one message and what they cost in a round), so that the
 planner and the executor size every buffer alike. No I/O.
@@ -12,10 +12,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
-from . import dtypes
-from .manifest import Manifest, Shard
-from .regions import Box, row_major_strides
-from .targets import TargetSpec
+from ..core import dtypes
+from ..core.manifest import Manifest, Shard
+from ..core.regions import Box, row_major_strides
+from ..core.targets import TargetSpec
 
 ALIGN = 64  # staging and message layouts place every piece at a multiple of this
 

@@ -16,15 +16,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from . import manifest as mf
+from ..comm import GroupComm, SoloComm, encode_error, gather_targets, raise_agreed
+from ..core import manifest as mf
+from ..core.targets import LocalTarget, TargetSpec, collect
+from ..cuda.device import cuda_devices
+from ..cuda.runtime import CudaApi, TorchCuda
+from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleStateDictError
+from ..results import SaveResult
+from ..storage import Storage
 from . import writeplan
-from .comm import GroupComm, SoloComm, encode_error, gather_targets, raise_agreed
-from .cudaapi import CudaApi, TorchCuda
-from .device import cuda_devices
-from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleStateDictError
-from .results import SaveResult
-from .storage import Storage
-from .targets import LocalTarget, TargetSpec, collect
 from .writer import DEFAULT_CHUNK_SIZE, ShardToWrite, UploadShape, write_data_files
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 A read goes to the earliest round (at or after each involved rank's current
 one) where every rank it involves still has room for what it costs that rank
-(``plandata.costs_of``). Pure integers: no I/O, no ranks.
+(``data.costs_of``). Pure integers: no I/O, no ranks.
 
 Each rank's state is one integer, ``round << 64 | bytes used in that round``,
 and placing a read with cost ``c`` on a rank is ``state = max(state, base) + c``
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from .data import Read, Target, costs_of, is_packed, message_layout, read_cost
 from .needs import Group
-from .plandata import Read, Target, costs_of, is_packed, message_layout, read_cost
 
 SHIFT = 64  # a rank's round sits above its bytes used (used < 2**63)
 USED = (1 << SHIFT) - 1

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence, overload
 
 import numpy as np
 
-from .targets import TargetSpec
+from ..core.targets import TargetSpec
 
 
 @dataclass(slots=True)

@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
+from ..errors import IncompatibleStateDictError
 from . import dtypes
-from .errors import IncompatibleStateDictError
 from .regions import Box
 from .sharded import ShardedTensor
 

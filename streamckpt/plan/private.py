@@ -15,12 +15,12 @@ import zlib
 from dataclasses import replace
 from typing import Sequence
 
-from . import dtypes
-from .manifest import Shard
+from ..core import dtypes
+from ..core.manifest import Shard
+from ..core.regions import Box, CoalesceOptions
+from ..core.targets import TargetSpec
+from .data import Copy, Read, Target, ranks_of
 from .needs import FrameOffsets, Need, PlanContext, make_read, need_bytes
-from .plandata import Copy, Read, Target, ranks_of
-from .regions import Box, CoalesceOptions
-from .targets import TargetSpec
 
 
 def edge_tag(r: Read) -> int:

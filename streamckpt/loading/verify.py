@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 
 VERIFY_BATCH_BYTES = 64 << 20
 VERIFY_PIECE_BYTES = 16 << 20
@@ -67,8 +67,8 @@ def verify_checkpoint(uri: str, *, storage_options: dict[str, Any] | None = None
     every zstd frame decodes to its size); raises on the first bad object."""
     import zstandard
 
-    from .formats import read_manifest
-    from .storage import RangeRead, Storage
+    from ..formats import read_manifest
+    from ..storage import RangeRead, Storage
 
     t0 = time.perf_counter()
     storage = Storage(uri, storage_options)

@@ -11,9 +11,9 @@ import bisect
 import math
 from typing import Iterable, NamedTuple, Sequence
 
-from . import dtypes
-from .manifest import Shard
-from .regions import Box, flat_range_boxes, intersect, row_major_strides
+from ..core import dtypes
+from ..core.manifest import Shard
+from ..core.regions import Box, flat_range_boxes, intersect, row_major_strides
 
 
 class SourcePart(NamedTuple):

@@ -21,7 +21,7 @@ Every rule of the GPU path lives here, once:
   receive buffers come from the current stream (NCCL's order) and are recorded on the
   side stream that reads them.
 
-The CUDA calls go through a ``cudaapi.CudaApi``; ``HostStage`` is the CPU path with
+The CUDA calls go through a ``runtime.CudaApi``; ``HostStage`` is the CPU path with
 the same interface, so the executor has one code path.
 """
 
@@ -34,9 +34,9 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 
-from .cudaapi import CudaApi
-from .errors import CheckpointError, IncompatibleStateDictError
-from .plandata import ALIGN  # a piece keeps its address modulo this on the device
+from ..errors import CheckpointError, IncompatibleStateDictError
+from ..plan.data import ALIGN  # a piece keeps its address modulo this on the device
+from .runtime import CudaApi
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import concurrent.futures as cf
 import queue
 from typing import Callable, Sequence
 
+from ..plan.data import Read
+from ..storage import Landing, RangeRead, Storage
 from .landing import ReadLanding
-from .plandata import Read
-from .storage import Landing, RangeRead, Storage
 
 
 class DirectBatch:

@@ -37,9 +37,9 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from .errors import CheckpointError, IncompatibleStateDictError
+from ..core.targets import TargetSpec
+from ..errors import CheckpointError, IncompatibleStateDictError
 from .gathered import GatheredSpecs, Layout
-from .targets import TargetSpec
 
 VERSION = 1
 DIGEST = 16  # blake2b-128: distinct blobs collide with probability ~n²/2¹²⁹

@@ -20,9 +20,9 @@ from typing import Any, Callable, Collection, Iterable, Sequence
 
 import torch
 
-from . import dtypes
-from .plandata import Copy, Read
-from .regions import row_major_strides
+from ..core import dtypes
+from ..core.regions import row_major_strides
+from ..plan.data import Copy, Read
 from .scatter import Destinations
 
 

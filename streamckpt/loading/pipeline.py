@@ -28,16 +28,16 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import zstandard
 
-from .comm import P2P, GroupComm, SoloComm
-from .cudaapi import TorchCuda
-from .device import Placement, finishing, place
+from ..comm import P2P, GroupComm, SoloComm
+from ..cuda.device import Placement, finishing, place
+from ..cuda.runtime import TorchCuda
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..plan.data import Copy, LoadPlan, Read, is_packed, message_size
+from ..storage import Landing, RangeRead, Storage
 from .direct import DirectBatch
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .landing import advise_huge, plan_landings
-from .plandata import Copy, LoadPlan, Read, is_packed, message_size
-from .schedule import LocalRound, Message, layout, local_schedule
 from .scatter import Destinations, message_pieces, pack_message, source_view, unpack_message
-from .storage import Landing, RangeRead, Storage
+from .schedule import LocalRound, Message, layout, local_schedule
 
 log = logging.getLogger(__name__)
 

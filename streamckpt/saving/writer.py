@@ -22,13 +22,13 @@ from typing import Callable, Iterator, Protocol, Sequence
 import torch
 import zstandard
 
-from . import dtypes
-from .checksum import crc32c
-from .cudaapi import CudaApi, TorchCuda
-from .device import DeviceToHost
-from .manifest import Shard
-from .storage import Storage
-from .targets import TargetSpec
+from ..core import dtypes
+from ..core.checksum import crc32c
+from ..core.manifest import Shard
+from ..core.targets import TargetSpec
+from ..cuda.device import DeviceToHost
+from ..cuda.runtime import CudaApi, TorchCuda
+from ..storage import Storage
 
 log = logging.getLogger(__name__)
 

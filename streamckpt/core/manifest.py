@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..errors import CorruptCheckpointError, UnsupportedVersionError
 from . import dtypes, values as vals
-from .errors import CorruptCheckpointError, UnsupportedVersionError
 from .regions import Box, flat_range_boxes, intersect
 
 FORMAT_NAME = "streamckpt"

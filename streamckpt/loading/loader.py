@@ -13,20 +13,20 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from . import manifest as mf
-from . import speculation as spec
-from .comm import GroupComm, SoloComm, encode_error, gather_targets, raise_agreed
-from .cudaapi import CudaApi, TorchCuda
-from .device import Placement, cuda_devices, place
-from .errors import CheckpointError, MissingKeysError
-from .formats import read_foreign_manifest, read_manifest
-from .formats.native import read_native_bytes
+from ..comm import GroupComm, SoloComm, encode_error, gather_targets, raise_agreed
+from ..core import manifest as mf
+from ..core.targets import LocalTarget, TargetSpec, ValueSlot, collect
+from ..core.values import ValuePlan, plan_values
+from ..cuda.device import Placement, cuda_devices, place
+from ..cuda.runtime import CudaApi, TorchCuda
+from ..errors import CheckpointError, MissingKeysError
+from ..formats import speculation as spec
+from ..formats import read_foreign_manifest, read_manifest
+from ..formats.native import read_native_bytes
+from ..plan.planner import IdentityView, LoadPlan, PlanOptions, build_plan, settle_rounds
+from ..results import LoadResult
+from ..storage import Storage
 from .pipeline import Destinations, Executor
-from .plan import IdentityView, LoadPlan, PlanOptions, build_plan, settle_rounds
-from .results import LoadResult
-from .storage import Storage
-from .targets import LocalTarget, TargetSpec, ValueSlot, collect
-from .values import ValuePlan, plan_values
 
 log = logging.getLogger(__name__)
 

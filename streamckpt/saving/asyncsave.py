@@ -40,14 +40,14 @@ from typing import Any, Mapping
 
 import torch
 
+from ..comm import GroupComm, SoloComm, make_comm
+from ..core.targets import TargetSpec
+from ..errors import CheckpointError
+from ..results import SaveResult
+from ..storage import Storage
 from . import writeplan
-from .comm import GroupComm, SoloComm, make_comm
-from .errors import CheckpointError
-from .results import SaveResult
 from .saver import Prepared, prepare, write_and_commit
 from .staging import StagingArea, copy_all
-from .storage import Storage
-from .targets import TargetSpec
 
 log = logging.getLogger(__name__)
 

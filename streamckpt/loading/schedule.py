@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from ..plan.data import ALIGN, Copy, LoadPlan, Read, is_packed, message_layout, message_size, messages_of
 from .landing import ReadLanding
-from .plandata import ALIGN, Copy, LoadPlan, Read, is_packed, message_layout, message_size, messages_of
 
 
 def align(n: int) -> int:

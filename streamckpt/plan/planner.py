@@ -26,11 +26,11 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import IncompatibleStateDictError, TransformError
+from ..core.manifest import Manifest
+from ..errors import IncompatibleStateDictError, TransformError
 from .gathered import Distinct, Kinds, distinct as number_targets, unique
-from .manifest import Manifest
 from .needs import Need, PlanContext, coalesce_needs, fresh_copy, group_needs, make_read
-from .plandata import (
+from .data import (
     ALIGN,
     ChunkRun,
     Copy,
@@ -53,11 +53,11 @@ from .plandata import (
     settle_rounds,
     wire_length,
 )
+from ..core.targets import TargetSpec
 from .private import absorb_small_shared, closure, edge_tag, plan_private
 from .rounds import RoundPacker, reachable
-from .targets import TargetSpec
 
-__all__ = [  # the plan's data lives in plandata; importers may take it from here
+__all__ = [  # the plan's data lives in plan.data; importers may take it from here
     "ALIGN", "ChunkRun", "Copy", "IdentityView", "LoadPlan", "PlanOptions", "Read", "Segment", "Target", "ViewLike",
     "build_plan", "costs_of", "is_packed", "message_layout", "message_size", "messages_of", "packed_copy", "ranks_of",
     "read_cost", "settle_all", "settle_rounds", "wire_length",

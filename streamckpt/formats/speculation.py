@@ -29,13 +29,13 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from .errors import CheckpointError
-from .formats import dcplayout
-from .formats.dcp import SPECULATION_KEY
-from .manifest import Manifest, Shard, TensorMeta
-from .plandata import Segment
-from .regions import Box, intersect
-from .targets import LocalTarget, TargetSpec
+from ..core.manifest import Manifest, Shard, TensorMeta
+from ..core.regions import Box, intersect
+from ..core.targets import LocalTarget, TargetSpec
+from ..errors import CheckpointError
+from ..plan.data import Segment
+from . import dcplayout
+from .dcp import SPECULATION_KEY
 
 PREFIX = "__streamckpt_dcp_head__/"  # internal tensor names: never a user's key, never reported
 U8 = "U8"

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dtypes
-from .errors import IncompatibleStateDictError
-from .targets import TargetSpec
+from ..core import dtypes
+from ..core.targets import TargetSpec
+from ..errors import IncompatibleStateDictError
 
 MIN_BLOCK = 64 << 10  # never cut a replicated region into blocks smaller than this
 BLOCKS_PER_SHARE = 16  # a block is at most 1/16 of a rank's fair share: greedy ends within 1/16 of even
