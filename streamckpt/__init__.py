@@ -1,6 +1,6 @@
 """streamckpt: stream sharded PyTorch checkpoints from object storage into any layout."""
 
-from .api import inspect, latest, load, load_full, merge, save
+from .api import inspect, latest, load, load_full, load_state, merge, save
 from .saving.asyncsave import SaveHandle, async_save
 from .errors import (
     CheckpointError,
@@ -20,7 +20,7 @@ from .results import CheckpointInfo, LoadResult, SaveResult, TensorInfo
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "async_save", "SaveHandle", "load", "load_full", "merge", "inspect", "latest",
+    "save", "async_save", "SaveHandle", "load", "load_full", "load_state", "merge", "inspect", "latest",
     "ShardedTensor", "LoadResult", "SaveResult", "CheckpointInfo", "TensorInfo",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompatibleStateDictError", "MissingKeysError", "PeerError", "StorageError", "TransformError",

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from .comm import SoloComm, make_comm
-from .core import dtypes
+from .core import dtypes, tree as trees
 from .errors import CheckpointError, MissingKeysError
 from .formats import read_manifest
 from .formats.native import latest_committed
@@ -106,15 +106,46 @@ def load_full(
             raise MissingKeysError(
                 f"{len(absent)} key(s) not in {storage.describe('')}: {', '.join(absent[:10])}", missing_keys=absent
             )
-        out = {
-            k: torch.empty(shapes[k][0], dtype=dtypes.to_torch(shapes[k][1]), device=device) for k in wanted
-        }
-        options = PlanOptions(memory_budget=storage.reserve_inflight(memory_budget))
-        req = LoadRequest(out, strict=True, options=options, transforms=tf, manifest=manifest)
-        run_load(SoloComm(), storage, req)
-        return out
+        return _read_whole(storage, manifest, {k: shapes[k] for k in wanted}, device, memory_budget, tf)
     finally:
         storage.close()
+
+
+def load_state(
+    uri: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    device: str | torch.device = "cpu",
+    keys: Iterable[str] | None = None,
+    memory_budget: int = 256 * 2**20,
+) -> Any:
+    """The checkpoint as it was saved, the streaming twin of ``torch.load`` (no pickle).
+
+    The same nesting, key types (str and int), tuples vs lists and values, every tensor
+    whole on ``device``, whatever rank layout saved it. ``keys``: dotted prefixes (such
+    as ``["model"]`` or ``["optim.state"]``) to read only those subtrees. A checkpoint
+    that recorded no structure (Hugging Face files, an older native checkpoint) comes back
+    as one flat dict of its dotted keys; a DCP checkpoint is rebuilt from its planner's
+    paths as DCP rebuilds it (dict keys as strings, list indices as lists)."""
+    storage = Storage(uri, storage_options)
+    try:
+        manifest = read_manifest(storage)
+        doc = manifest.tree if manifest.tree is not None else trees.flat(manifest.tensors, manifest.values)
+        doc = trees.select(doc, keys, where=storage.describe(""))
+        shapes = {k: (manifest.tensors[k].shape, manifest.tensors[k].dtype) for k in trees.tensor_keys(doc)}
+        tensors = _read_whole(storage, manifest, shapes, device, memory_budget, None)
+        return trees.build(doc, tensors, manifest.values)
+    finally:
+        storage.close()
+
+
+def _read_whole(storage: Storage, manifest: Any, shapes: Mapping[str, tuple[Sequence[int], str]],
+                device: str | torch.device, memory_budget: int, transforms: Any) -> dict[str, torch.Tensor]:
+    """Tensors of the given (view) shapes, whole, in this process."""
+    out = {k: torch.empty(tuple(shape), dtype=dtypes.to_torch(dt), device=device) for k, (shape, dt) in shapes.items()}
+    options = PlanOptions(memory_budget=storage.reserve_inflight(memory_budget))
+    run_load(SoloComm(), storage, LoadRequest(out, strict=True, options=options, transforms=transforms, manifest=manifest))
+    return out
 
 
 def inspect(uri: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
@@ -154,7 +185,8 @@ def merge(
     out_storage_options: dict[str, Any] | None = None,
     process_group: Any = None,
 ) -> None:
-    """Write a checkpoint as a Hugging Face safetensors directory (see streamckpt.merging)."""
+    """Write a checkpoint as a Hugging Face safetensors directory (see streamckpt.merging); the output
+    reuses ``storage_options`` unless ``out_storage_options`` are given."""
     from .merging import merge as _merge
 
     _merge(uri, out_uri, max_shard_bytes=max_shard_bytes, skip=skip, storage_options=storage_options,

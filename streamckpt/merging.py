@@ -238,13 +238,17 @@ def merge(
     progress: Callable[[int], None] | None = None,
 ) -> MergeResult:
     """Write the checkpoint at ``uri`` as a Hugging Face safetensors directory at
-    ``out_uri``. Collective when a process group is given or initialized."""
+    ``out_uri``. Collective when a process group is given or initialized.
+
+    ``out_storage_options`` default to ``storage_options``: an export writes to the store
+    it read from (the same endpoint and keys) unless told otherwise, never to a default
+    endpoint such as AWS's."""
     t0 = time.perf_counter()
     if isinstance(skip, str):
         skip = (skip,)
     comm = make_comm(process_group)
     storage = Storage(uri, storage_options)
-    out = Storage(out_uri, out_storage_options)
+    out = Storage(out_uri, storage_options if out_storage_options is None else out_storage_options)
     result = MergeResult()
     try:
         manifest = share_manifest(comm, storage)
@@ -253,6 +257,9 @@ def merge(
         try:
             if memory_budget <= 0:
                 raise CheckpointError(f"memory_budget must be positive, got {memory_budget}")
+            if out.entry is not None:
+                raise CheckpointError(f"{out.describe(out.entry)} names one file; merge writes a directory: "
+                                      f"pass its directory URI")
             keys = select_keys(manifest, skip)
             if not keys:
                 raise CheckpointError(f"nothing to merge: {storage.describe('')} has no tensors left after skip={list(skip)}")

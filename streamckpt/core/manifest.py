@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..errors import CorruptCheckpointError, UnsupportedVersionError
-from . import dtypes, values as vals
+from . import dtypes, tree as trees, values as vals
 from .regions import Box, flat_range_boxes, intersect
 
 FORMAT_NAME = "streamckpt"
@@ -97,6 +97,14 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     kind: str = FORMAT_NAME
     version: int = FORMAT_VERSION
+    tree: dict[str, Any] | None = None  # the saved state's structure (core.tree); None: a flat dict
+    committed_ns: int | None = None  # when the save committed (ns since the epoch, the committing rank's clock)
+
+    @property
+    def tagged_values(self) -> bool:
+        """Values are tagged JSON (``values.encode``) in DCP manifests and in every manifest
+        with a tree; older native manifests hold plain JSON values."""
+        return self.kind == "dcp" or self.tree is not None
 
     @property
     def total_bytes(self) -> int:
@@ -111,6 +119,8 @@ def to_json(m: Manifest) -> bytes:
     doc = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
+        # first, so that ``latest`` finds it in a manifest's first bytes
+        **({"committed_ns": m.committed_ns} if m.committed_ns is not None else {}),
         **({"kind": m.kind} if m.kind != FORMAT_NAME else {}),
         "files": {name: {"size": size} for name, size in m.files.items()},
         "tensors": {
@@ -121,7 +131,8 @@ def to_json(m: Manifest) -> bytes:
             }
             for name, t in m.tensors.items()
         },
-        "values": {k: vals.encode(v) for k, v in m.values.items()} if m.kind == "dcp" else m.values,
+        "values": {k: vals.encode(v) for k, v in m.values.items()} if m.tagged_values else m.values,
+        **({"tree": m.tree} if m.tree is not None else {}),
         "metadata": m.metadata,
     }
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
@@ -181,9 +192,14 @@ def from_json(data: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
     kind = obj.get("kind", FORMAT_NAME)
     if kind not in (FORMAT_NAME, "safetensors", "dcp"):
         raise CorruptCheckpointError(f"{where}: field 'kind' is {kind!r}")
-    if kind == "dcp":  # values unpickled from DCP items: tuples and infinities are tagged
-        values = {k: vals.decode(v, where=f"{where}: values.{k}") for k, v in values.items()}
-    m = Manifest(tensors=tensors, files=files, values=values, metadata=metadata, kind=kind)
+    tree = obj.get("tree")
+    committed = obj.get("committed_ns")
+    if committed is not None:
+        committed = p.int_(committed, "committed_ns")
+    m = Manifest(tensors=tensors, files=files, values=values, metadata=metadata, kind=kind,
+                 tree=None if tree is None else p.mapping(tree, "tree"), committed_ns=committed)  # type: ignore[arg-type]
+    if m.tagged_values:  # tuples, infinities and int-keyed dicts are tagged
+        m.values = {k: vals.decode(v, where=f"{where}: values.{k}") for k, v in values.items()}
     validate(m, where=where)
     return m
 
@@ -287,6 +303,8 @@ def validate(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
         check_relative_name(name, where=where)
     for key, t in m.tensors.items():
         _validate_tensor(m, key, t, where)
+    if m.tree is not None:
+        trees.check(m.tree, m.tensors, m.values, where=where)
 
 
 def _validate_tensor(m: Manifest, key: str, t: TensorMeta, where: str) -> None:

@@ -1,14 +1,14 @@
 """Turning a state_dict into plain target descriptions (and back for values).
 
 A state_dict value is a plain tensor (a whole replica), a DTensor, a
-``ShardedTensor``, a nested dict (keys joined with ``.``) or a JSON value. The
+``ShardedTensor``, a nested dict (str or int keys, joined with ``.``), a list or tuple
+holding any of these, or plain data (``values.SAVABLE``). The
 ``TargetSpec`` of each tensor is plain data (gathered across ranks to plan);
 the ``LocalTarget`` keeps the tensor that bytes are written into. No I/O.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -20,6 +20,7 @@ from ..errors import IncompatibleStateDictError
 from . import dtypes
 from .regions import Box
 from .sharded import ShardedTensor
+from .values import SAVABLE, unsavable
 
 
 class TargetSpec(NamedTuple):
@@ -79,36 +80,56 @@ class ValueSlot:
 Leaf = tuple[str, Any, "str | int", Any]  # (dotted key, container, name or index in it, value)
 
 
-def iter_leaves(state_dict: Mapping[str, Any], prefix: str = "") -> Iterator[Leaf]:
-    """``(dotted_key, container, name, value)`` for every leaf of a nested dict. A list
-    that holds tensors is split like torch DCP splits it, one key per element
-    (``optim.param_groups.0.lr`` for a tensor learning rate); other lists are values."""
+def iter_leaves(state_dict: Mapping[Any, Any], prefix: str = "") -> Iterator[Leaf]:
+    """``(dotted_key, container, name, value)`` for every leaf of a nested dict. Keys are
+    strings or ints (a plain ``optimizer.state_dict()`` keys its state by parameter index),
+    joined with ``.``. A list or tuple that holds tensors is split like torch DCP splits it,
+    one key per element (``optim.param_groups.0.lr`` for a tensor learning rate); other
+    lists and tuples are values."""
     for name, value in state_dict.items():
-        if not isinstance(name, str):
-            raise IncompatibleStateDictError(f"state_dict key {name!r} under {prefix or '<root>'!r} is not a string")
+        if not is_key(name):
+            raise IncompatibleStateDictError(
+                f"state_dict key {name!r} under {prefix or '<root>'!r} is a {type(name).__name__}; "
+                f"keys must be strings or ints"
+            )
         yield from _leaves(f"{prefix}{name}", state_dict, name, value)
+
+
+def is_key(name: Any) -> bool:
+    """A key a checkpoint can record exactly: a str, or an int (not a bool)."""
+    return isinstance(name, str) or (isinstance(name, int) and not isinstance(name, bool))
 
 
 def _leaves(key: str, container: Any, name: str | int, value: Any) -> Iterator[Leaf]:
     if isinstance(value, Mapping):
         yield from iter_leaves(value, key + ".")
-    elif isinstance(value, list) and _holds_tensor(value):
+    elif is_split(value):
         for i, v in enumerate(value):
             yield from _leaves(f"{key}.{i}", value, i, v)
     else:
         yield key, container, name, value
 
 
+def is_split(value: Any) -> bool:
+    """A list or tuple stored element by element (it holds a tensor), not as one value."""
+    return isinstance(value, (list, tuple)) and _holds_tensor(value)
+
+
 def _holds_tensor(value: Any) -> bool:
     if is_tensor_like(value) or _is_dtensor(value):
         return True
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return any(_holds_tensor(v) for v in value)
     return isinstance(value, Mapping) and any(_holds_tensor(v) for v in value.values())
 
 
 def is_tensor_like(value: Any) -> bool:
     return isinstance(value, (torch.Tensor, ShardedTensor))
+
+
+def is_tensor_leaf(value: Any) -> bool:
+    """A leaf stored as a tensor: a plain tensor, a ``ShardedTensor`` or a DTensor."""
+    return is_tensor_like(value) or _is_dtensor(value)
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -160,16 +181,17 @@ def _dtensor_target(key: str, value: Any) -> LocalTarget | None:
     return LocalTarget(TargetSpec(key, code, global_shape, tuple(offset), tuple(local_shape)), local)
 
 
-def check_json_value(key: str, value: Any) -> None:
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as e:
+def check_value(key: str, value: Any) -> None:
+    """A non-tensor leaf must be plain data the manifest can record exactly."""
+    why = unsavable(value)
+    if why is not None:
         raise IncompatibleStateDictError(
-            f"{key}: value of type {type(value).__name__} is neither a tensor nor JSON-serializable ({e})"
-        ) from None
+            f"{key}: {why} cannot be saved; a state_dict leaf is a tensor or plain data "
+            f"({SAVABLE}); convert it first (e.g. tensor.tolist(), str(value))"
+        )
 
 
-def collect(state_dict: Mapping[str, Any], *, for_save: bool = False) -> tuple[list[LocalTarget], list[ValueSlot]]:
+def collect(state_dict: Mapping[Any, Any], *, for_save: bool = False) -> tuple[list[LocalTarget], list[ValueSlot]]:
     """Split a state_dict into tensor targets and non-tensor value slots."""
     if not isinstance(state_dict, Mapping):
         raise IncompatibleStateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}")
@@ -180,7 +202,7 @@ def collect(state_dict: Mapping[str, Any], *, for_save: bool = False) -> tuple[l
         if key in seen:
             raise IncompatibleStateDictError(f"state_dict key {key!r} appears twice after joining nested keys with '.'")
         seen.add(key)
-        if is_tensor_like(value) or _is_dtensor(value):
+        if is_tensor_leaf(value):
             t = target_of(key, value)
             if t is not None:
                 if t.tensor.device.type == "meta":
@@ -188,7 +210,7 @@ def collect(state_dict: Mapping[str, Any], *, for_save: bool = False) -> tuple[l
                 targets.append(t)
         else:
             if for_save:
-                check_json_value(key, value)
+                check_value(key, value)
             values.append(ValueSlot(key, container, name, value))  # type: ignore[arg-type]
     return targets, values
 

@@ -10,9 +10,9 @@ where the caller holds a tuple), and a list or dict the checkpoint split is
 rebuilt element by element from the keys under it. Keys the caller asks for and
 the checkpoint lacks are reported, never invented.
 
-Values unpickled from a DCP checkpoint may hold tuples (``betas``) and infinite
-floats (``ReduceLROnPlateau.best``), which JSON cannot carry; ``encode`` and
-``decode`` tag them for the manifest JSON that ranks exchange. Pure: no I/O.
+Values may hold tuples (``betas``), infinite floats (``ReduceLROnPlateau.best``) and
+dicts keyed by ints, which JSON cannot carry; ``encode`` and ``decode`` tag them for
+the manifest JSON (and the JSON that ranks exchange). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from typing import Any, Iterable, Mapping
 from ..errors import CorruptCheckpointError
 
 RESTORABLE = "dict with str keys, list, tuple, int, float, bool, str, None"
+SAVABLE = "None, bool, int, float (inf and nan too), str, and lists, tuples and dicts (str or int keys) of them"
 MAX_DEPTH = 100  # nesting a real optimizer or scheduler state never approaches
 
 _SCALARS = (bool, int, str)
 _FLOAT_TAGS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-_TAGS = ("$tuple", "$float", "$dict")
+_TAGS = ("$tuple", "$float", "$dict", "$items")
 
 
 def unrestorable(value: Any, depth: int = 0) -> str | None:
@@ -46,21 +47,46 @@ def unrestorable(value: Any, depth: int = 0) -> str | None:
     return f"a {type(value).__name__} value"
 
 
+def unsavable(value: Any, depth: int = 0) -> str | None:
+    """Why a state_dict leaf cannot be recorded exactly as data, or None when it can.
+
+    Subclasses of the containers are accepted (an ``OrderedDict``, a ``torch.Size``) and
+    come back as the plain type; anything else names its type."""
+    if depth > MAX_DEPTH:
+        return f"a value nested deeper than {MAX_DEPTH} levels"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return None
+    if isinstance(value, (list, tuple)):
+        return next((r for r in (unsavable(v, depth + 1) for v in value) if r), None)
+    if isinstance(value, Mapping):
+        bad = next((k for k in value if not (isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool)))),
+                   _NO_KEY)
+        if bad is not _NO_KEY:
+            return f"a dict key {bad!r} of type {type(bad).__name__}"
+        return next((r for r in (unsavable(v, depth + 1) for v in value.values()) if r), None)
+    return f"a value of type {type(value).__name__}"
+
+
+_NO_KEY = object()
+
+
 # ----------------------------------------------------------------- JSON transport
 
 
 def encode(value: Any) -> Any:
-    """A restorable value as JSON data: tuples and non-finite floats tagged."""
+    """A savable value as JSON data: tuples, non-finite floats and int-keyed dicts tagged."""
     if isinstance(value, float) and not math.isfinite(value):
         return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if isinstance(value, tuple):
         return {"$tuple": [encode(v) for v in value]}
     if isinstance(value, list):
         return [encode(v) for v in value]
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            return {"$items": [[k, encode(v)] for k, v in value.items()]}
         doc = {k: encode(v) for k, v in value.items()}
         return {"$dict": doc} if len(doc) == 1 and next(iter(doc)).startswith("$") else doc
-    return value
+    return next((base(value) for base in (bool, int, float, str) if isinstance(value, base)), value)  # IntEnum: int
 
 
 def decode(doc: Any, *, where: str) -> Any:
@@ -84,8 +110,15 @@ def _decode(doc: Any, where: str) -> Any:
             return _FLOAT_TAGS[body]
         if tag == "$dict" and isinstance(body, dict):
             return {k: _decode(v, where) for k, v in body.items()}
+        if tag == "$items" and isinstance(body, list) and all(_is_item(i) for i in body):
+            return {k: _decode(v, where) for k, v in body}
         raise CorruptCheckpointError(f"{where}: malformed {tag} value {body!r:.80}")
     return {k: _decode(v, where) for k, v in doc.items()}
+
+
+def _is_item(item: Any) -> bool:
+    return (isinstance(item, list) and len(item) == 2 and not isinstance(item[0], bool)
+            and isinstance(item[0], (str, int)))
 
 
 # ---------------------------------------------------------------- restoring

@@ -21,6 +21,11 @@ log = logging.getLogger(__name__)
 def read_manifest(storage: Storage, *, speculative: bool = False) -> Manifest:
     """The checkpoint at ``storage``'s prefix, as a validated Manifest (``speculative``:
     see ``read_foreign_manifest``)."""
+    if storage.entry is not None:  # the URI named one Hugging Face file or index
+        m = read_hf_manifest(storage, entry=storage.entry)
+        if m is None:
+            raise CheckpointNotFoundError(f"no such object: {storage.describe(storage.entry)}")
+        return m
     m = read_native_manifest(storage)
     return m if m is not None else read_foreign_manifest(storage, speculative=speculative)
 

@@ -21,6 +21,7 @@ import json
 import logging
 from typing import Any
 
+from ..core import tree as trees
 from ..core.manifest import Manifest, TensorMeta, validate
 from ..core.values import RESTORABLE, unrestorable
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -100,7 +101,8 @@ def read_dcp_manifest(storage: Storage, *, speculative: bool = False) -> Manifes
         metadata["unloadable_reasons"] = unloadable
     log.debug("DCP manifest: %d tensors, %d values; locating cost %d requests, %d bytes",
               len(tensors), len(values), cache.requests, cache.bytes_read)
-    manifest = Manifest(tensors=tensors, files=files, values=values, metadata=metadata, kind=KIND)
+    tree = trees.from_paths(md.paths, tensors, values) if md.paths else None
+    manifest = Manifest(tensors=tensors, files=files, values=values, metadata=metadata, kind=KIND, tree=tree)
     validate(manifest, where=where)
     return manifest
 

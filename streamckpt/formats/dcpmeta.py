@@ -12,7 +12,7 @@ each tensor chunk and each non-tensor entry.
 from __future__ import annotations
 
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -131,6 +131,9 @@ class DcpMetadata:
     tensors: dict[str, DcpTensor]
     values: dict[str, ItemInfo]  # non-tensor (bytes) entries
     version: str | None
+    paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)  # fqn -> the state's nesting
+
+
 
 
 def parse_metadata(data: bytes, *, where: str) -> DcpMetadata:
@@ -155,7 +158,23 @@ def parse_metadata(data: bytes, *, where: str) -> DcpMetadata:
         else:
             raise CorruptCheckpointError(f"{where}: entry {fqn!r} has unknown type {type(entry).__name__}")
     version = md.get("version")
-    return DcpMetadata(tensors=tensors, values=values, version=version if isinstance(version, str) else None)
+    return DcpMetadata(tensors=tensors, values=values, version=version if isinstance(version, str) else None,
+                       paths=_paths(md.get("planner_data"), set(tensors) | set(values)))
+
+
+def _paths(planner_data: Any, fqns: set[str]) -> dict[str, tuple[str | int, ...]]:
+    """DCP's default planner records how it flattened the state (``fqn -> path``, path
+    components str or int); anything else there (a custom planner's data) is not a nesting."""
+    if not isinstance(planner_data, dict):
+        return {}
+    out: dict[str, tuple[str | int, ...]] = {}
+    for fqn, path in planner_data.items():
+        if not (fqn in fqns and isinstance(path, tuple) and path and len(path) <= MAX_NDIM * 2 and all(
+                isinstance(c, str) or (isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 20)
+                for c in path)):
+            return {}
+        out[fqn] = path
+    return out if set(out) == fqns else {}
 
 
 def _storage_infos(storage: dict[Any, Any], where: str) -> dict[tuple[str, tuple[int, ...] | None], ItemInfo]:

@@ -157,25 +157,36 @@ def _check_no_overlap(entries: list[HeaderEntry], where: str) -> None:
 # -------------------------------------------------------------------- discovery
 
 
-def _layout(storage: Storage) -> tuple[list[str], dict[str, str] | None]:
-    """(safetensors files to read, weight_map or None) for a prefix; ([], None) if none."""
+def _layout(storage: Storage, entry: str | None = None) -> tuple[list[str], dict[str, str] | None]:
+    """(safetensors files to read, weight_map or None) for a prefix, or for the one file or
+    index ``entry`` names; ([], None) if none."""
     names = [n for n in storage.list("") if "/" not in n]
+    if entry is not None:
+        if entry not in names:
+            return [], None
+        if not entry.endswith(INDEX_SUFFIX):
+            return [entry], None
+        return _indexed(storage, [entry])
     indexes = sorted(n for n in names if n.endswith(INDEX_SUFFIX))
     if DEFAULT_INDEX in indexes:
         indexes = [DEFAULT_INDEX]
     elif SINGLE_FILE in names:
         return [SINGLE_FILE], None
     if indexes:
-        weight_map: dict[str, str] = {}
-        for idx in indexes:
-            for key, file in _read_index(storage, idx).items():
-                if key in weight_map and weight_map[key] != file:
-                    raise CorruptCheckpointError(
-                        f"{storage.describe(idx)}: tensor {key!r} is mapped to {file!r} and {weight_map[key]!r}"
-                    )
-                weight_map[key] = file
-        return sorted(set(weight_map.values())), weight_map
+        return _indexed(storage, indexes)
     return sorted(n for n in names if n.endswith(FILE_SUFFIX)), None
+
+
+def _indexed(storage: Storage, indexes: list[str]) -> tuple[list[str], dict[str, str]]:
+    weight_map: dict[str, str] = {}
+    for idx in indexes:
+        for key, file in _read_index(storage, idx).items():
+            if key in weight_map and weight_map[key] != file:
+                raise CorruptCheckpointError(
+                    f"{storage.describe(idx)}: tensor {key!r} is mapped to {file!r} and {weight_map[key]!r}"
+                )
+            weight_map[key] = file
+    return sorted(set(weight_map.values())), weight_map
 
 
 def _read_index(storage: Storage, name: str) -> dict[str, str]:
@@ -222,10 +233,10 @@ def _fetch(storage: Storage, reads: list[RangeRead]) -> dict[str, bytes]:
     return {r.name: bytes(b) for r, b in zip(reads, bufs)}
 
 
-def read_hf_manifest(storage: Storage) -> Manifest | None:
-    """The Manifest of a safetensors checkpoint at ``storage``'s prefix, or None if
-    the prefix holds no safetensors files."""
-    files, weight_map = _layout(storage)
+def read_hf_manifest(storage: Storage, *, entry: str | None = None) -> Manifest | None:
+    """The Manifest of a safetensors checkpoint at ``storage``'s prefix (or of the one file
+    or index ``entry`` there), or None if there are no such safetensors files."""
+    files, weight_map = _layout(storage, entry)
     if not files:
         return None
     headers = read_headers(storage, files)

@@ -204,6 +204,9 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
         if comm.max_ints([1 if bad is not None else 0])[0]:
             return None, bad or "on another rank"
     for slot, value in vplan.assign:
+        if isinstance(slot.container, tuple):  # immutable in place: the caller keeps its element
+            log.debug("%s: a value inside a tuple is not replaced in place (sc.load_state returns it)", slot.key)
+            continue
         slot.container[slot.name] = value
     mine_keys = {t.spec.key for t in targets} | {v.key for v in values} | vplan.used | set(vplan.missing)
     view_names = set(view.tensors)

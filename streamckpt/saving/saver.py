@@ -6,6 +6,10 @@ bounded size, several at once (``writer.write_data_files``); rank 0 gathers the 
 validates the whole manifest (shards must tile every tensor exactly) and writes
 ``manifest.json`` last. Every step ends in failure agreement, so ``save``
 returns on every rank only after the commit, or raises on every rank.
+
+The manifest records the state's structure (``core.tree``) as rank 0 holds it, plus the
+tensors only other ranks hold (pipeline stages): each rank sends the part of its tree
+that reaches tensors rank 0 lacks, with its shard records.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from ..comm import GroupComm, SoloComm, encode_error, gather_targets, raise_agreed
-from ..core import manifest as mf
+from ..core import manifest as mf, tree as trees, values as vals
 from ..core.targets import LocalTarget, TargetSpec, collect
 from ..cuda.device import cuda_devices
 from ..cuda.runtime import CudaApi, TorchCuda
@@ -79,6 +83,7 @@ class Prepared:
     items: list[writeplan.WriteItem]  # this rank's
     local: list[LocalTarget]
     values: dict[str, Any]
+    tree: dict[str, Any]  # this rank's; on ranks other than 0 only what reaches tensors rank 0 lacks
     metadata: dict[str, Any]
     compression: str | None
     upload: UploadShape
@@ -108,7 +113,13 @@ def prepare(
     specs: list[TargetSpec] = []
     local: list[LocalTarget] = []
     values: dict[str, Any] = {}
+    tree: dict[str, Any] = {}
     try:
+        if storage.entry is not None:
+            raise CheckpointError(
+                f"{storage.describe(storage.entry)} names one file; a save writes a directory of files: "
+                f"pass its directory URI, e.g. {storage.describe('')}"
+            )
         if compression not in COMPRESSIONS:
             raise CheckpointError(f"compression={compression!r} is not supported (use None or 'zstd')")
         if metadata is not None:
@@ -123,7 +134,8 @@ def prepare(
         local, slots = collect(state_dict, for_save=True)
         comm.prefer_device(cuda_devices(cuda or TorchCuda(), (t.tensor for t in local)))
         specs = [t.spec for t in local]
-        values = {v.key: v.value for v in slots}
+        values = {v.key: vals.decode(vals.encode(v.value), where=v.key) for v in slots}  # a copy, as of now
+        tree = trees.describe(state_dict)
         if comm.rank == 0:
             if storage.modified(mf.MANIFEST_NAME) is not None:  # one HEAD (exists() would also LIST)
                 if not overwrite:
@@ -141,10 +153,12 @@ def prepare(
         items = writeplan.assign(all_specs)[comm.rank]
         cap = min(upload.object_bytes, max_item_bytes or upload.object_bytes)
         items = [piece for it in items for piece in writeplan.split_item(it, cap)]
+        if comm.rank != 0:
+            tree = trees.only(tree, {s.key for s in specs} - {s.key for s in all_specs[0]})
     except CheckpointError as e:
         own = e
     comm.agree(own)
-    return Prepared(all_specs, items, local, values, metadata or {}, compression, upload, t0)
+    return Prepared(all_specs, items, local, values, tree, metadata or {}, compression, upload, t0)
 
 
 def write_and_commit(
@@ -166,12 +180,17 @@ def write_and_commit(
             result.bytes_written += sum(files.values())
     except CheckpointError as e:
         own = e
-    doc = {"files": files, "records": [[k, json.loads(json.dumps(mf._shard_doc(s)))] for k, s in records]}
+    doc = {"files": files, "records": [[k, json.loads(json.dumps(mf._shard_doc(s)))] for k, s in records],
+           "tree": prep.tree if comm.rank != 0 and prep.tree else None}
     per_rank = _gather_json(comm, doc, own)
 
     try:
         if comm.rank == 0:
-            manifest = _assemble(prep.all_specs, per_rank, prep.values, prep.metadata, storage)
+            tree = prep.tree
+            for d in per_rank[1:]:
+                if d.get("tree"):
+                    tree = trees.merge(tree, d["tree"])
+            manifest = _assemble(prep.all_specs, per_rank, prep.values, tree, prep.metadata, storage)
             blob = mf.to_json(manifest)
             storage.write_bytes(mf.MANIFEST_NAME, blob)
             result.files.append(mf.MANIFEST_NAME)
@@ -204,7 +223,7 @@ def run_save(
 
 
 def _assemble(
-    all_specs: list[list[TargetSpec]], per_rank: list[Any], values: dict[str, Any],
+    all_specs: list[list[TargetSpec]], per_rank: list[Any], values: dict[str, Any], tree: dict[str, Any],
     metadata: dict[str, Any], storage: Storage,
 ) -> mf.Manifest:
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -222,7 +241,8 @@ def _assemble(
         k: mf.TensorMeta(dtype=dt, shape=shape, shards=tuple(sorted(shards[k], key=lambda s: (s.offset, s.flat_range or (0, 0)))))
         for k, (shape, dt) in shapes.items()
     }
-    manifest = mf.Manifest(tensors=tensors, files=files, values=values, metadata=metadata)
+    manifest = mf.Manifest(tensors=tensors, files=files, values=values, metadata=metadata, tree=tree,
+                           committed_ns=time.time_ns())
     try:
         mf.validate(manifest, where=f"save to {storage.describe('')}")
     except CorruptCheckpointError as e:

@@ -109,6 +109,9 @@ def s3_config(options: dict[str, Any]) -> dict[str, Any]:
         raise NotConfigurable("no explicit credentials (key/secret or AWS_ACCESS_KEY_ID)")
     if endpoint:
         config["endpoint"] = str(endpoint)
+        if os.environ.get("AWS_ENDPOINT_URL_S3"):
+            # object_store ranks that variable above ``endpoint``: an explicit endpoint_url must win, as in botocore
+            config["aws_endpoint_url_s3"] = str(endpoint)
         config["virtual_hosted_style_request"] = s3_section.get("addressing_style") == "virtual"
     config["region"] = str(region or os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
                            or "us-east-1")

@@ -4,7 +4,9 @@ policy (``reads``, ``uploads``) on the storage event loop, and gives blocking me
 to callers plus ``read_into`` that returns a future, so a batch of range reads proceeds
 while the caller's thread does other work.
 
-Names are relative to the prefix; messages carry no credentials.
+Names are relative to the prefix; messages carry no credentials. A URI that names one
+object standing for a whole checkpoint (a Hugging Face ``*.safetensors`` file or
+``*.safetensors.index.json``) opens its directory, with ``entry`` naming that object.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ INFLIGHT_MAX = 64 << 20  # ... and at most this much of a budget (16 concurrent 
 PART_SIZE = 8 << 20  # upload part size (larger when an object's size hint needs it: S3 allows 10,000 parts)
 PARTS_IN_FLIGHT = 4  # upload part buffers per object, the one being filled included (4 x 8 MiB = 32 MiB)
 MAX_PARTS = 9_000
+ENTRY_SUFFIXES = (".safetensors", ".safetensors.index.json")  # objects a URI may name for a checkpoint
 _SECRET_OPTION = re.compile(r"(secret|token|password|passwd|key|credential|sas|signature)", re.I)
 
 
@@ -49,7 +52,7 @@ class Storage:
 
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, *, policy: RetryPolicy | None = None,
                  max_concurrency: int = 32, backend: Backend | None = None) -> None:
-        self.uri = str(uri)
+        self.uri, self.entry = split_entry(str(uri))
         self.policy = policy or RetryPolicy.from_env()
         self.max_concurrency = max(1, int(max_concurrency))
         opts = dict(storage_options or {})
@@ -391,6 +394,16 @@ class Storage:
         for extra in {id(b): b for b in (self._writer, self._s3fs_backend) if b is not None}.values():
             if extra is not self._reader.backend:
                 extra.close()
+
+
+def split_entry(uri: str) -> tuple[str, str | None]:
+    """``(directory URI, object name)`` for a URI naming one of ``ENTRY_SUFFIXES``, else ``(uri, None)``."""
+    if "?" in uri or "::" in uri:
+        return uri, None
+    head, sep, base = uri.rstrip("/").rpartition("/")
+    if not base.endswith(ENTRY_SUFFIXES) or head.endswith(":/") or head.endswith(":"):
+        return uri, None  # a bucket named like a file is still a bucket
+    return (head if sep else "."), base
 
 
 def _public(uri: str) -> str:
