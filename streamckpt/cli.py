@@ -4,8 +4,11 @@ Storage is reached as in the library: any fsspec URL, ``--endpoint-url`` and
 repeated ``--storage-option key=value`` (dotted keys nest, values are parsed as
 JSON when they can be: ``--storage-option client_kwargs.verify=false``); the
 standard AWS environment variables work through s3fs/botocore. Long operations
-show a byte progress bar on stderr unless ``--quiet``. A ``CheckpointError``
-prints its message on stderr and exits with status 2.
+show their progress on stderr unless ``--quiet``: a bar on a terminal, a plain
+line every few seconds elsewhere. A ``CheckpointError`` prints its message on
+stderr and exits with status 2, as does a bad argument (with the command's
+usage). Output into a pipe closed early (``| head``) ends quietly with status 141
+(128 + SIGPIPE, what a shell reports for a command killed by a closed pipe).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from typing import Any, Sequence
@@ -20,16 +24,50 @@ from typing import Any, Sequence
 from .errors import CheckpointError
 from .loading.verify import verify_checkpoint
 from .results import human_bytes as human
+from .results import plural
 
 log = logging.getLogger("streamckpt.cli")
 
 EXIT_CHECKPOINT_ERROR = 2
+EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE: what `set -o pipefail` sees from `cat big | head`
 
 
 # ------------------------------------------------------------------ options
 
 
-def parse_storage_options(pairs: Sequence[str], endpoint_url: str | None = None) -> dict[str, Any]:
+def key_value(pair: str) -> str:
+    """argparse ``type`` of ``--storage-option``: refuses a pair without ``key=`` while
+    the command's own parser reads it (so the error shows that command's usage)."""
+    key, sep, _ = pair.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expects key=value, got {pair!r}")
+    return pair
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type`` for counts (ranks, repetitions): an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type`` for sizes given as a number (``--size-mb``): a float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number: {text!r}")
+    return value
+
+
+def parse_storage_options(pairs: Sequence[str], endpoint_url: str | None = None,
+                          flag: str = "--storage-option") -> dict[str, Any]:
     """``["a=1", "client_kwargs.region_name=x"]`` -> ``{"a": 1, "client_kwargs": {"region_name": "x"}}``."""
     opts: dict[str, Any] = {}
     if endpoint_url:
@@ -37,7 +75,7 @@ def parse_storage_options(pairs: Sequence[str], endpoint_url: str | None = None)
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
-            raise argparse.ArgumentTypeError(f"--storage-option expects key=value, got {pair!r}")
+            raise argparse.ArgumentTypeError(f"{flag} expects key=value, got {pair!r}")
         try:
             value: Any = json.loads(raw)
         except ValueError:
@@ -47,7 +85,7 @@ def parse_storage_options(pairs: Sequence[str], endpoint_url: str | None = None)
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise argparse.ArgumentTypeError(f"--storage-option {key!r}: {part!r} is already a value")
+                raise argparse.ArgumentTypeError(f"{flag} {key!r}: {part!r} is already a value")
         node[parts[-1]] = value
     return opts
 
@@ -91,9 +129,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         rep = verify_checkpoint(args.uri, storage_options=args.storage_options, progress=bar,
                                 on_total=bar.set_total)
     rate = rep.bytes_read / rep.seconds / 1e6 if rep.seconds else 0.0
-    print(f"OK {rep.uri} [{rep.kind}]: {rep.files} files, {rep.shards} shards, {human(rep.bytes_read)} read "
-          f"in {rep.requests} requests, {rep.checksums} checksums verified"
-          f"{f', {rep.frames_decoded} zstd frames decoded' if rep.frames_decoded else ''}"
+    frames = f", {plural(rep.frames_decoded, 'zstd frame')} decoded" if rep.frames_decoded else ""
+    print(f"OK {rep.uri} [{rep.kind}]: {plural(rep.files, 'file')}, {plural(rep.shards, 'shard')}, "
+          f"{human(rep.bytes_read)} read in {plural(rep.requests, 'request')}, "
+          f"{plural(rep.checksums, 'checksum')} verified{frames}"
           f"{'' if rep.checksums else ' (this format stores no checksums: every byte was read)'}; "
           f"{rep.seconds:.2f} s, {rate:.1f} MB/s")
     return 0
@@ -115,8 +154,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
                     storage_options=args.storage_options, out_storage_options=out_opts,
                     memory_budget=args.memory_budget, progress=bar)
     rate = res.total_size / res.seconds / 1e6 if res.seconds else 0.0
-    print(f"wrote {len(res.files)} files + model.safetensors.index.json to {args.out}: "
-          f"{human(res.total_size)} of tensors, {human(res.bytes_read)} read in {res.requests} requests, "
+    print(f"wrote {plural(len(res.files), 'file')} + model.safetensors.index.json to {args.out}: "
+          f"{human(res.total_size)} of tensors, {human(res.bytes_read)} read in {plural(res.requests, 'request')}, "
           f"{res.seconds:.2f} s, {rate:.1f} MB/s")
     for f in res.files:
         print(f"  {f}")
@@ -133,7 +172,7 @@ def cmd_load_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([[asdict(r) for r in runs] for runs in reps], indent=2))
     else:
-        print(f"{args.uri}: layout {args.layout!r} on {args.processes} rank(s), memory_budget "
+        print(f"{args.uri}: layout {args.layout!r} on {plural(args.processes, 'rank')}, memory_budget "
               f"{human(args.memory_budget)}, read_once={not args.no_read_once}")
         print(loadbench.format_runs(reps))
     return 0
@@ -231,9 +270,9 @@ def run_demo(size_mb: float = 64.0, quiet: bool = False, serve: bool = False, mu
         sd = demo_state(size_mb)
         nbytes = sum(v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor))
         print(f"embedded S3 server (moto) at {s3.endpoint_url}")
-        print(f"saving {len(sd) - 1} tensors ({human(nbytes)}) to {uri} ...")
+        print(f"saving {plural(len(sd) - 1, 'tensor')} ({human(nbytes)}) to {uri} ...")
         saved = api.save(sd, uri, storage_options=opts, metadata={"demo": True})
-        print(f"saved {human(saved.bytes_written)} in {len(saved.files)} file(s), {saved.seconds:.2f} s")
+        print(f"saved {human(saved.bytes_written)} in {plural(len(saved.files), 'file')}, {saved.seconds:.2f} s")
         rows = []
         for name, targets, expected in demo_layouts(sd):
             with ByteProgress(f"{name} (read)", enabled=not quiet) as bar:
@@ -298,58 +337,103 @@ def _serve(s3: Any, uri: str) -> None:
 # -------------------------------------------------------------------- main
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--endpoint-url", help="S3-compatible endpoint (e.g. http://127.0.0.1:9000)")
-    common.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="fsspec storage option (repeatable; dotted keys nest; JSON values parsed)")
-    common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-    common.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
+URI_HELP = ("the checkpoint: s3://bucket/prefix, gs://..., az://..., file:///dir or a local path "
+            "(also one *.safetensors file or a *.safetensors.index.json)")
 
-    p = argparse.ArgumentParser(prog="streamckpt", description="Stream sharded PyTorch checkpoints from object storage.")
+EPILOG = """examples:
+  streamckpt demo              # an embedded S3 server: save, then load 4 other layouts
+  streamckpt inspect s3://bucket/run/step-1000 --endpoint-url http://127.0.0.1:9000
+  streamckpt verify s3://bucket/run/step-1000
+  streamckpt merge s3://bucket/run/step-1000 s3://bucket/hf --max-shard-bytes 2GiB --skip .exp_avg
+
+'streamckpt COMMAND --help' lists the options of a command. Exit status: 0 done,
+1 demo mismatch, 2 checkpoint error or bad arguments, 130 interrupted, 141 output
+pipe closed early."""
+
+
+def _parents() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """(storage flags, output flags): every command has the second; ``demo`` brings its
+    own server, so it has no storage flags to ignore."""
+    storage = argparse.ArgumentParser(add_help=False)
+    storage.add_argument("--endpoint-url", metavar="URL", help="S3-compatible endpoint (e.g. http://127.0.0.1:9000)")
+    storage.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", type=key_value,
+                         help="fsspec storage option (repeatable; dotted keys nest; JSON values parsed, "
+                              "e.g. client_kwargs.verify=false)")
+    output = argparse.ArgumentParser(add_help=False)
+    output.add_argument("-q", "--quiet", action="store_true", help="no progress output on stderr")
+    output.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
+    return storage, output
+
+
+def _command(sub: Any, name: str, func: Any, help: str, description: str,
+             parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """One subcommand; its parser rides along in the namespace so that value errors found
+    after parsing (``command_parser.error``) print this command's usage, not the top one."""
+    s = sub.add_parser(name, parents=parents, help=help, description=description)
+    s.set_defaults(func=func, command_parser=s)
+    return s
+
+
+def build_parser() -> argparse.ArgumentParser:
+    storage, output = _parents()
+    both = [storage, output]
+    p = argparse.ArgumentParser(prog="streamckpt",
+                                description="Stream sharded PyTorch checkpoints from object storage.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("inspect", parents=[common], help="describe a checkpoint (any kind) from its metadata")
-    s.add_argument("uri")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.set_defaults(func=cmd_inspect)
+    s = _command(sub, "inspect", cmd_inspect, "describe a checkpoint (any kind) from its metadata",
+                 "Describe a checkpoint from its metadata alone (no tensor data is read): its kind, each "
+                 "tensor's dtype, shape, shards and bytes, its files, non-tensor values and user metadata.", both)
+    s.add_argument("uri", metavar="URI", help=URI_HELP)
+    s.add_argument("--json", action="store_true", help="machine-readable output (values in full)")
 
-    s = sub.add_parser("verify", parents=[common], help="read every byte and check every checksum")
-    s.add_argument("uri")
-    s.set_defaults(func=cmd_verify)
+    s = _command(sub, "verify", cmd_verify, "read every byte and check every checksum",
+                 "Read every stored byte of every tensor, check every checksum and that every zstd frame "
+                 "decodes; the first bad object is named and the exit status is 2.", both)
+    s.add_argument("uri", metavar="URI", help=URI_HELP)
 
-    s = sub.add_parser("merge", parents=[common], help="write a checkpoint as Hugging Face safetensors shards")
-    s.add_argument("uri")
-    s.add_argument("out")
-    s.add_argument("--max-shard-bytes", type=parse_size, default=5 * 2**30,
+    s = _command(sub, "merge", cmd_merge, "write a checkpoint as Hugging Face safetensors shards",
+                 "Write the checkpoint at URI to OUT as Hugging Face safetensors shards "
+                 "(model-0000k-of-0000n.safetensors) and model.safetensors.index.json, streamed.", both)
+    s.add_argument("uri", metavar="URI", help=URI_HELP)
+    s.add_argument("out", metavar="OUT", help="the output directory (any URI, like URI)")
+    s.add_argument("--max-shard-bytes", type=parse_size, default=5 * 2**30, metavar="SIZE",
                    help="tensor bytes per output file (default 5GiB; accepts 500MB, 2GiB, ...)")
-    s.add_argument("--skip", action="append", metavar="SUFFIX", help="drop tensors whose name ends with SUFFIX")
-    s.add_argument("--memory-budget", type=parse_size, default=256 * 2**20, help="staging bytes (default 256MiB)")
-    s.add_argument("--out-storage-option", action="append", default=None, metavar="KEY=VALUE",
-                   help="storage options for OUT (default: the same as for URI)")
-    s.set_defaults(func=cmd_merge)
+    s.add_argument("--skip", action="append", metavar="SUFFIX",
+                   help="drop tensors whose name ends with SUFFIX (repeatable)")
+    s.add_argument("--memory-budget", type=parse_size, default=256 * 2**20, metavar="SIZE",
+                   help="staging bytes (default 256MiB)")
+    s.add_argument("--out-storage-option", action="append", default=None, metavar="KEY=VALUE", type=key_value,
+                   help="storage option for OUT (repeatable; default: the same options as for URI)")
 
-    s = sub.add_parser("load-bench", parents=[common],
-                       help="time loads into a synthetic layout (rows, cols, zero, full) on N local gloo ranks")
-    s.add_argument("uri")
-    s.add_argument("--processes", "-n", type=int, default=1, help="local ranks, spawned with gloo (default 1)")
+    s = _command(sub, "load-bench", cmd_load_bench,
+                 "time loads into a synthetic layout (rows, cols, zero, full) on N local gloo ranks",
+                 "Time loads of the checkpoint at URI into a synthetic layout (built from its metadata) on N "
+                 "local gloo ranks; prints each rank's bytes needed, read and sent, and the median GB/s.", both)
+    s.add_argument("uri", metavar="URI", help=URI_HELP)
+    s.add_argument("--processes", "-n", type=positive_int, default=1, metavar="N",
+                   help="local ranks, spawned with gloo (default 1)")
     s.add_argument("--layout", choices=("full", "rows", "cols", "zero"), default="full",
                    help="each rank's targets: whole tensors, row blocks, column blocks or flat ZeRO ranges")
-    s.add_argument("--memory-budget", type=parse_size, default=256 * 2**20, help="staging bytes (default 256MiB)")
-    s.add_argument("--repeat", type=int, default=3, help="timed loads (default 3; the median is reported)")
+    s.add_argument("--memory-budget", type=parse_size, default=256 * 2**20, metavar="SIZE",
+                   help="staging bytes (default 256MiB)")
+    s.add_argument("--repeat", type=positive_int, default=3, metavar="N",
+                   help="timed loads (default 3; the median is reported)")
     s.add_argument("--no-read-once", action="store_true", help="every rank reads its own bytes (no exchange)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.set_defaults(func=cmd_load_bench)
 
-    s = sub.add_parser("demo", parents=[common],
-                       help="save a checkpoint to an embedded S3 server and stream back other layouts")
-    s.add_argument("--size-mb", type=float, default=64.0, help="approximate checkpoint size in MiB (default 64)")
+    s = _command(sub, "demo", cmd_demo, "save a checkpoint to an embedded S3 server and stream back other layouts",
+                 "Start an embedded S3 server (moto, 127.0.0.1), save a transformer-like checkpoint to it, load "
+                 "other layouts by range reads and check every element; then the same with several processes.",
+                 [output])
+    s.add_argument("--size-mb", type=positive_float, default=64.0, metavar="MIB",
+                   help="approximate checkpoint size in MiB (default 64)")
     s.add_argument("--serve", action="store_true",
                    help="keep the embedded S3 server running afterwards (Ctrl-C stops it)")
     s.add_argument("--single-process", action="store_true",
                    help="skip the multi-rank part (4 gloo processes save, 2 and 3 load other layouts)")
-    s.set_defaults(func=cmd_demo)
     return p
 
 
@@ -368,16 +452,26 @@ def _setup_logging(verbose: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``streamckpt`` console script; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _setup_logging(args.verbose)
+    """Entry point of the ``streamckpt`` console script; returns the exit status.
+
+    A reader that closes the output pipe early (``| head``) is no error: no traceback,
+    status ``EXIT_BROKEN_PIPE``."""
     try:
-        args.storage_options = parse_storage_options(args.storage_option, args.endpoint_url) or None
-        outs = getattr(args, "out_storage_option", None)
-        args.out_storage_options = parse_storage_options(outs) if outs is not None else None
-    except argparse.ArgumentTypeError as e:
-        parser.error(str(e))
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # here, inside the try, rather than in the interpreter's final flush
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # argparse would report these with the top-level usage
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    _setup_logging(args.verbose)
+    _storage_options(args)
     try:
         return int(args.func(args) or 0)
     except CheckpointError as e:
@@ -386,6 +480,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _storage_options(args: argparse.Namespace) -> None:
+    """``args.storage_options`` / ``args.out_storage_options`` from the repeated flags; a
+    bad combination exits through the command's own parser (its usage, status 2)."""
+    try:
+        pairs = getattr(args, "storage_option", [])
+        args.storage_options = parse_storage_options(pairs, getattr(args, "endpoint_url", None)) or None
+        outs = getattr(args, "out_storage_option", None)
+        args.out_storage_options = (parse_storage_options(outs, flag="--out-storage-option")
+                                    if outs is not None else None)
+    except argparse.ArgumentTypeError as e:
+        args.command_parser.error(str(e))
+
+
+def _discard_stdout() -> None:
+    """Point file descriptor 1 at /dev/null, so that flushing what is still buffered
+    (the interpreter does at exit) cannot raise BrokenPipeError a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError):  # no real stdout (replaced by a test harness): nothing to flush
+        pass
 
 
 def console() -> None:  # pragma: no cover - thin wrapper for setuptools

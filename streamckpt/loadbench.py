@@ -21,6 +21,7 @@ import torch
 
 from .core import dtypes
 from .errors import CheckpointError
+from .results import plural
 
 LAYOUTS = ("full", "rows", "cols", "zero")
 
@@ -150,7 +151,8 @@ def format_runs(reps: list[list[BenchRun]]) -> str:
     read = sum(r.bytes_read for r in reps[0])
     wall = sorted(walls)[len(walls) // 2]
     lines.append(
-        f"median wall {wall:.2f} s over {len(walls)} repetition(s): {needed / wall / 1e9:.3f} GB/s of bytes needed; "
+        f"median wall {wall:.2f} s over {plural(len(walls), 'repetition')}: "
+        f"{needed / wall / 1e9:.3f} GB/s of bytes needed; "
         f"all ranks read {read / 2**20:.2f} MiB for {needed / 2**20:.2f} MiB needed "
         f"({read / needed if needed else 0:.3f}×)"
     )

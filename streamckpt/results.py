@@ -14,6 +14,21 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``"1 file"``, ``"2 files"``: a count with its noun in the right number
+    (``many`` where the plural is not ``word + "s"``)."""
+    return f"{n} {word if n == 1 else many or word + 's'}"
+
+
+ABBREVIATE_AT = 60
+
+
+def abbreviate(text: str, width: int = ABBREVIATE_AT) -> str:
+    """``text`` cut to at most ``width`` characters, ending in ``...`` when cut, so
+    that one long value (a list of 10k ids) does not flood a listing."""
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 @dataclass(slots=True)
 class LoadResult:
     """Per-rank statistics of one ``load`` (and the keys that did not match)."""
@@ -135,17 +150,30 @@ class CheckpointInfo:
     def __str__(self) -> str:
         lines = [
             f"{self.uri}  [{self.kind}]",
-            f"{len(self.tensors)} tensors, {human_bytes(self.total_bytes)} of tensor data, "
-            f"{len(self.files)} files ({human_bytes(self.stored_bytes)} stored)",
+            f"{plural(len(self.tensors), 'tensor')}, {human_bytes(self.total_bytes)} of tensor data, "
+            f"{plural(len(self.files), 'file')} ({human_bytes(self.stored_bytes)} stored)",
         ]
-        if self.tensors:
-            width = min(60, max(4, max(len(k) for k in self.tensors)))
-            lines.append(f"{'name':<{width}}  {'dtype':<8} {'shape':<22} {'shards':>6} {'bytes':>11}")
-            for k, t in self.tensors.items():
-                shape = "x".join(map(str, t.shape)) or "()"
-                lines.append(f"{k:<{width}}  {t.dtype:<8} {shape:<22} {t.shards:>6} {human_bytes(t.bytes):>11}")
-        if self.values:
-            lines.append(f"values: {', '.join(sorted(self.values))}")
+        lines += self._tensor_lines()
+        lines += self._value_lines()
         if self.metadata:
             lines.append(f"metadata: {self.metadata}")
         return "\n".join(lines)
+
+    def _tensor_lines(self) -> list[str]:
+        if not self.tensors:
+            return []
+        width = min(60, max(4, max(len(k) for k in self.tensors)))
+        lines = [f"{'name':<{width}}  {'dtype':<8} {'shape':<22} {'shards':>6} {'bytes':>11}"]
+        for k, t in self.tensors.items():
+            shape = "x".join(map(str, t.shape)) or "()"
+            lines.append(f"{k:<{width}}  {t.dtype:<8} {shape:<22} {t.shards:>6} {human_bytes(t.bytes):>11}")
+        return lines
+
+    def _value_lines(self) -> list[str]:
+        """Each non-tensor value beside its name (``repr``, abbreviated: ``to_dict`` has them whole)."""
+        if not self.values:
+            return []
+        width = min(60, max(len(k) for k in self.values))
+        return [f"{plural(len(self.values), 'value')}:"] + [
+            f"  {k:<{width}} = {abbreviate(repr(v))}" for k, v in self.values.items()
+        ]

@@ -4,9 +4,11 @@ and errors (exit status 2 with the message on stderr)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -20,8 +22,10 @@ import torch
 from safetensors.torch import load
 
 import streamckpt as sc
-from streamckpt.cli import parse_size, parse_storage_options
+from streamckpt.cli import EXIT_BROKEN_PIPE, parse_size, parse_storage_options
 from streamckpt.merging import INDEX_NAME
+from streamckpt.progress import ByteProgress, is_terminal
+from streamckpt.results import DtypeName, TensorInfo, abbreviate, human_bytes as human, plural
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,6 +142,8 @@ def test_merge_command(native: tuple[str, dict[str, torch.Tensor]], s3_uri: str,
         got.update(load(fs.cat_file(f"{s3_uri}/{f}")))
     assert set(got) == {"w", "b"} and all(torch.equal(got[k], tensors[k]) for k in got)
     assert "wrote 2 files" in r.stdout
+    total = 256 * 512 * 4 + 512 * 2  # the tensors kept, known before the merge starts (stderr is a pipe here)
+    assert _final("merge", total, total).fullmatch(r.stderr.splitlines()[-1]), r.stderr
 
 
 def test_load_bench_zero_layout_on_2_ranks(native: tuple[str, dict[str, torch.Tensor]],
@@ -166,6 +172,7 @@ def test_load_bench_text_single_process(native: tuple[str, dict[str, torch.Tenso
     assert r.returncode == 0, r.stderr
     mib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
     assert f"read {mib:.2f} MiB for {mib:.2f} MiB needed (1.000×)" in r.stdout, r.stdout
+    assert " on 1 rank, memory_budget 256.0 MiB," in r.stdout and " over 1 repetition: " in r.stdout, r.stdout
 
 
 def test_missing_checkpoint_exit_2(s3_uri: str, s3_opts: dict[str, Any]) -> None:
@@ -247,7 +254,7 @@ def test_demo_serve_then_commands_against_it(tmp_path: Path) -> None:
             if c[1] == "verify":
                 assert "checksums verified" in r.stdout
             if c[1] == "merge":
-                assert re.search(r"wrote \d+ files", r.stdout)
+                assert r.stdout.startswith("wrote 1 file + model.safetensors.index.json")  # 4 MiB < 8MiB
     finally:
         p.send_signal(signal.SIGINT)
         try:
@@ -255,3 +262,235 @@ def test_demo_serve_then_commands_against_it(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+# ------------------------------------------------- what a new user meets (#24)
+
+
+def test_plural_and_abbreviate() -> None:
+    assert [plural(n, "file") for n in (0, 1, 2)] == ["0 files", "1 file", "2 files"]
+    assert plural(1, "index", "indices") == "1 index" and plural(3, "index", "indices") == "3 indices"
+    assert abbreviate("x" * 60) == "x" * 60
+    assert abbreviate("x" * 61) == "x" * 57 + "..."
+
+
+def test_checkpoint_info_str_counts_and_values() -> None:
+    """One tensor / one file in the singular; every value beside its name, long ones cut."""
+    info = sc.CheckpointInfo(
+        uri="s3://b/c", kind="streamckpt", tensors={"w": TensorInfo((2, 3), DtypeName("F32"), 1, 24)},
+        total_bytes=24, metadata={}, values={"step": 7, "optim.param_groups": [{"lr": 0.5, "params": list(range(30))}],
+                                             "name": "run-1"},
+        files={"data/00000.safetensors": 120})
+    assert str(info).splitlines() == [
+        "s3://b/c  [streamckpt]",
+        "1 tensor, 24 B of tensor data, 1 file (120 B stored)",
+        "name  dtype    shape                  shards       bytes",
+        "w     F32      2x3                         1        24 B",
+        "3 values:",
+        "  step               = 7",
+        "  optim.param_groups = [{'lr': 0.5, 'params': [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,...",
+        "  name               = 'run-1'",
+    ]
+    two = sc.CheckpointInfo(uri="u", kind="dcp", tensors={}, total_bytes=0, metadata={}, files={"a": 1, "b": 2})
+    assert str(two).splitlines()[1] == "0 tensors, 0 B of tensor data, 2 files (3 B stored)"
+
+
+@pytest.fixture(scope="module")
+def with_values(local_s3: Any) -> str:
+    """A checkpoint with a long non-tensor value (optimizer param groups) and a short one."""
+    uri = "s3://streamckpt-test/cli-values"
+    sd = {"w": torch.zeros(4), "step": 12,
+          "optim": {"param_groups": [{"lr": 0.01, "betas": [0.9, 0.99], "params": list(range(100))}]}}
+    sc.save(sd, uri, storage_options=local_s3.storage_options, overwrite=True)
+    return uri
+
+
+def test_inspect_shows_values_and_json_keeps_them_whole(with_values: str, s3_opts: dict[str, Any]) -> None:
+    r = cli("inspect", with_values, *s3_flags(s3_opts))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1].startswith("1 tensor, 16 B of tensor data, 1 file ("), lines
+    assert lines[lines.index("2 values:") + 1:] == [  # in the state_dict's order
+        "  step               = 12",
+        "  optim.param_groups = [{'lr': 0.01, 'betas': [0.9, 0.99], 'params': [0, 1, 2, 3...",
+    ]
+    r = cli("inspect", with_values, "--json", *s3_flags(s3_opts))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["values"] == {
+        "optim.param_groups": [{"lr": 0.01, "betas": [0.9, 0.99], "params": list(range(100))}], "step": 12}
+
+
+@pytest.fixture(scope="module")
+def many_tensors(local_s3: Any) -> str:
+    """3000 tiny tensors: ``inspect`` prints ~200 KB, far more than a pipe holds (64 KiB)."""
+    uri = "s3://streamckpt-test/cli-many"
+    sc.save({f"layers.{i}.norm.weight": torch.full((2,), float(i)) for i in range(3000)}, uri,
+            storage_options=local_s3.storage_options, overwrite=True)
+    return uri
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]], ids=["text", "json"])
+def test_output_into_a_pipe_closed_early_is_quiet(many_tensors: str, s3_opts: dict[str, Any],
+                                                  extra: list[str]) -> None:
+    """``streamckpt inspect URI | head -1``: the first line, no traceback, status 141."""
+    cmd = shlex.join([_script(), "inspect", many_tensors, *extra, *s3_flags(s3_opts)])
+    r = subprocess.run(["bash", "-c", f'{cmd} | head -1; echo "status=${{PIPESTATUS[0]}}"'], capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    first = "{" if extra else f"{many_tensors}  [streamckpt]"
+    assert r.stdout.splitlines() == [first, f"status={EXIT_BROKEN_PIPE}"], (r.stdout[-500:], r.stderr)
+    assert r.stderr == ""
+
+
+def test_bad_storage_option_shows_the_commands_usage(tmp_path: Path) -> None:
+    r = cli("inspect", str(tmp_path), "--storage-option", "foo")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("usage: streamckpt inspect "), r.stderr
+    assert r.stderr.splitlines()[-1] == ("streamckpt inspect: error: argument --storage-option: "
+                                         "expects key=value, got 'foo'")
+    r = cli("merge", str(tmp_path), str(tmp_path / "out"), "--storage-option", "a=1", "--storage-option", "a.b=2")
+    assert r.returncode == 2 and r.stderr.startswith("usage: streamckpt merge "), r.stderr
+    assert r.stderr.splitlines()[-1] == "streamckpt merge: error: --storage-option 'a.b': 'a' is already a value"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["merge", "u", "o", "--out-storage-option", "x"], "argument --out-storage-option: expects key=value, got 'x'"),
+    (["load-bench", "u", "-n", "0"], "argument --processes/-n: must be at least 1: '0'"),
+    (["load-bench", "u", "--repeat", "two"], "argument --repeat: not an integer: 'two'"),
+    (["demo", "--size-mb", "-4"], "argument --size-mb: must be a positive number: '-4'"),
+    (["demo", "--endpoint-url", "http://h:1"], "unrecognized arguments: --endpoint-url http://h:1"),
+])
+def test_value_errors_name_their_command(args: list[str], message: str) -> None:
+    """Each is refused before anything runs, with that command's usage and status 2."""
+    r = cli(*args)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith(f"usage: streamckpt {args[0]} "), r.stderr
+    assert r.stderr.splitlines()[-1] == f"streamckpt {args[0]}: error: {message}"
+
+
+# plain progress lines: "<desc>: <done> of <total> (<pct>%), <rate> MB/s" every few seconds, then
+# "<desc>: <done> of <total> (<pct>%) in <s> s, <rate> MB/s" when done
+def _final(desc: str, done: int, total: int) -> re.Pattern[str]:
+    pct = round(100 * done / total)
+    return re.compile(rf"{re.escape(desc)}: {re.escape(human(done))} of {re.escape(human(total))} \({pct}%\) "
+                      rf"in \d+\.\d\d s, \d+\.\d MB/s")
+
+
+def test_verify_progress_when_stderr_is_not_a_terminal(native: tuple[str, dict[str, torch.Tensor]],
+                                                       s3_opts: dict[str, Any]) -> None:
+    uri, tensors = native
+    total = sum(t.numel() * t.element_size() for t in tensors.values())  # uncompressed: stored == tensor bytes
+    r = cli("verify", uri, *s3_flags(s3_opts))
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr and "Traceback" not in r.stderr
+    lines = r.stderr.splitlines()
+    assert _final("verify", total, total).fullmatch(lines[-1]), lines
+    assert all(f" of {human(total)} (" in line for line in lines), lines  # earlier lines, if slow, too
+    assert re.fullmatch(rf"OK {re.escape(uri)} \[streamckpt\]: 1 file, 3 shards, {re.escape(human(total))} read in "
+                        r"\d+ requests?, \d+ checksums verified; \d+\.\d\d s, \d+\.\d MB/s\n", r.stdout), r.stdout
+
+
+def test_verify_progress_on_a_terminal_is_a_bar(native: tuple[str, dict[str, torch.Tensor]],
+                                                s3_opts: dict[str, Any]) -> None:
+    """stderr on a pty (80 columns): a tqdm bar, redrawn with '\\r', showing the total."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    from tqdm import tqdm
+
+    uri, tensors = native
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    p = subprocess.Popen([_script(), "verify", uri, *s3_flags(s3_opts)], stdout=subprocess.PIPE, stderr=slave,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    os.close(slave)
+    chunks = []
+    try:
+        while select.select([master], [], [], 120)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(master)
+        out, _ = p.communicate(timeout=60)
+    err = b"".join(chunks).decode()
+    assert p.returncode == 0, err
+    assert "\r" in err and f"/{tqdm.format_sizeof(total, divisor=1024)}" in err, repr(err)
+    assert "Traceback" not in err and b"OK " in out
+
+
+def test_demo_load_progress_knows_its_totals() -> None:
+    """Each layout's read bar gets its total from the load's plan: every final line reads
+    done == total, and done is the table's "read" figure."""
+    r = cli("demo", "--size-mb", "4", "--single-process")
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr
+    finals = [line for line in r.stderr.splitlines() if " in " in line and line.endswith("MB/s")]
+    layouts = ("TP rank 1/4, rows (Shard(0))", "TP rank 2/4, columns (Shard(1))", "ZeRO rank 5/8, flat range",
+               "full replica")
+    assert [f.split(" (read): ")[0] for f in finals] == list(layouts), r.stderr
+    for name, line in zip(layouts, finals):
+        m = re.fullmatch(rf"{re.escape(name)} \(read\): (.+) of (.+) \(100%\) in \d+\.\d\d s, \d+\.\d MB/s", line)
+        assert m and m.group(1) == m.group(2), line
+        row = next(x for x in r.stdout.splitlines() if x.startswith(name))
+        assert re.findall(r"[\d.]+ (?:[KMG]i)?B", row)[1] == m.group(1), (row, line)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_byte_progress_lines_every_interval() -> None:
+    """Not a terminal: at most one line per interval while bytes arrive, and a final one."""
+    clock, out = _Clock(), io.StringIO()
+    with ByteProgress("merge", 4_000_000, stream=out, interval=5.0, clock=clock) as bar:
+        for _ in range(4):
+            clock.now += 2.0
+            bar(1_000_000)
+    assert out.getvalue().splitlines() == [
+        "merge: 2.9 MiB of 3.8 MiB (75%), 0.5 MB/s",  # at 6 s (3 MB), not at 2 or 4 s
+        "merge: 3.8 MiB of 3.8 MiB (100%) in 8.00 s, 0.5 MB/s",
+    ]
+
+
+def test_byte_progress_totals_and_failure() -> None:
+    clock, out = _Clock(), io.StringIO()
+    bar = ByteProgress("load", stream=out, clock=clock)
+    bar.add_total(600)
+    bar.add_total(400)  # a retried plan adds its own bytes
+    clock.now += 1.0
+    bar(500)
+    bar.close(failed=True)
+    bar.close()  # once only
+    assert out.getvalue() == "load: stopped at 500 B of 1000 B (50%) in 1.00 s, 0.0 MB/s\n"
+    out = io.StringIO()
+    with ByteProgress("x", stream=out, clock=clock) as bar:
+        bar(2048)
+    assert out.getvalue() == "x: 2.0 KiB in 0.00 s, 0.0 MB/s\n"  # no total known: none invented
+    out = io.StringIO()
+    with ByteProgress("q", 10, enabled=False, stream=out) as bar:
+        bar(10)
+    assert out.getvalue() == "" and bar.done == 10
+
+
+def test_byte_progress_chooses_the_bar_only_on_a_terminal() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    with ByteProgress("verify", 2048, stream=tty) as bar:
+        bar(1024)
+    assert "\r" in tty.getvalue() and "/2.00k" in tty.getvalue()
+    assert not is_terminal(io.StringIO()) and not is_terminal(object()) and is_terminal(Tty())

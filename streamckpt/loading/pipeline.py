@@ -96,6 +96,9 @@ class Executor:
         self.progress = progress
         self.rank = comm.rank
         self.schedule = local_schedule(plan, self.rank)
+        add_total = getattr(progress, "add_total", None)
+        if add_total is not None:  # a progress display that shows a total: the bytes progress will count
+            add_total(sum(r.length for rnd in self.schedule for _, r in rnd.reads))
         self.stats = Stats(rounds=plan.num_rounds)
         self.agree_every = max(1, agree_every or comm.agree_every)
         if placement is None:
