@@ -31,7 +31,8 @@ def main() -> None:
     from streamckpt.storage import Storage
 
     print(f"HEAD_BYTES {dcpitem.HEAD_BYTES}, TAIL_BYTES {dcpitem.TAIL_BYTES}, MAX_GAP {dcpitem.MAX_GAP}")
-    print(f"{'items':<28} {'item bytes':>11} {'tensor bytes':>13} {'requests':>8} {'bytes read':>11} {'read/items':>10}")
+    print(f"{'items':<28} {'item bytes':>11} {'tensor bytes':>13} {'requests':>8} {'bytes read':>11} "
+          f"{'read/items':>10}")
     for name, shape in SIZES.items():
         g = torch.Generator().manual_seed(0)
         state = {f"t{i}": torch.randn(shape, generator=g) for i in range(N)}
