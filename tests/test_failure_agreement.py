@@ -94,10 +94,10 @@ def dtype_mismatch_on_one_rank(ctx: Ctx, rank: int, world: int) -> None:
 
 
 def bad_state_dict_on_one_rank(ctx: Ctx, rank: int, world: int) -> None:
-    """A DTensor-free invalid leaf: a non-string key, only on rank 2."""
+    """A DTensor-free invalid leaf: a key neither str nor int (int keys are valid), only on rank 2."""
     sd, _ = targets(rank, world)
     if rank == 2:
-        sd[7] = torch.zeros(1)  # type: ignore[index]
+        sd[(7, 1)] = torch.zeros(1)  # type: ignore[index]
     sc.load(sd, ctx.uri("good"), storage_options=ctx.opts)
 
 
@@ -292,7 +292,7 @@ def test_dtype_mismatch_on_one_rank_raises_incompatible_everywhere(runs: Scenari
 
 def test_invalid_state_dict_on_one_rank_raises_everywhere(runs: ScenarioResults) -> None:
     errs = assert_all_raise(runs, "bad_state_dict_on_one_rank", own={2: "IncompatibleStateDictError"})
-    assert "7" in errs[2].msg
+    assert "(7, 1)" in errs[2].msg and "strings or ints" in errs[2].msg
 
 
 def test_checkpoint_not_found_on_all_ranks(runs: ScenarioResults) -> None:
