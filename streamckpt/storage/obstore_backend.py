@@ -30,6 +30,7 @@ import threading
 from datetime import timedelta
 from typing import Any, Sequence
 
+from . import endpoint
 from .backend import (Backend, BackendError, Fetched, NotFound, ObjectInfo, PartSink, Permanent, RangeNotSatisfiable,
                       Stalled, TooLarge, Transient, WorkerThreads, scatter_into)
 
@@ -187,6 +188,10 @@ class ObstoreBackend(Backend):
                 raise
             except Exception as e:  # noqa: BLE001 - classified
                 raise translate(e, bucket) from None
+            except BaseException as e:  # a Rust panic is a BaseException: never let it out
+                if endpoint.is_panic(e):
+                    raise Permanent(f"the S3 client failed: {str(e).splitlines()[0]}") from None
+                raise
 
         return await self.threads.run(call)
 
@@ -326,6 +331,8 @@ def translate(e: BaseException, bucket: str) -> BackendError:
         return RangeNotSatisfiable(text)
     if "timed out" in full:
         return Stalled(f"{type(e).__name__}: {text}")
+    if endpoint.refused(e):
+        return Transient(f"{type(e).__name__}: {text} (connection refused)")
     return Transient(f"{type(e).__name__}: {text}")
 
 
@@ -356,6 +363,10 @@ class ObstoreSink(PartSink):
                 raise
             except Exception as e:  # noqa: BLE001 - classified
                 raise translate(e, self._bucket) from None
+            except BaseException as e:  # a Rust panic is a BaseException: never let it out
+                if endpoint.is_panic(e):
+                    raise Permanent(f"the S3 client failed: {str(e).splitlines()[0]}") from None
+                raise
 
         return await self._b.threads.run(call)
 

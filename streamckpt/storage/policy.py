@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ..errors import CorruptCheckpointError, StorageError
+from . import endpoint
 from .backend import BackendError, NotFound, RangeNotSatisfiable, Stalled, Transient
 
 
@@ -86,7 +87,8 @@ class Attempts:
     def check(self, exc: BaseException) -> None:
         """Count a failed attempt; raise ``StorageError`` when no further one may start."""
         self.count += 1
-        if not retryable(exc) or self.count >= self.limit or time.monotonic() >= self.deadline:
+        limit = min(self.limit, endpoint.REFUSED_ATTEMPTS) if endpoint.refused(exc) else self.limit
+        if not retryable(exc) or self.count >= limit or time.monotonic() >= self.deadline:
             raise StorageError(
                 f"{self.what} failed after {self.count} attempt(s): {self._describe.error(exc)}"
             ) from None
@@ -142,10 +144,12 @@ class Mismatches:
 class Describer:
     """User-facing names and messages for one storage prefix: no credentials, one vocabulary."""
 
-    def __init__(self, public_uri: str, secrets: tuple[str, ...], request_timeout: float) -> None:
+    def __init__(self, public_uri: str, secrets: tuple[str, ...], request_timeout: float,
+                 endpoint: str | None = None) -> None:
         self.public_uri = public_uri
         self._secrets = secrets
         self._timeout = request_timeout
+        self.endpoint = endpoint
 
     def name(self, name: str) -> str:
         return f"{self.public_uri.rstrip('/')}/{name}"
@@ -158,12 +162,14 @@ class Describer:
     def error(self, exc: BaseException) -> str:
         if isinstance(exc, (Stalled, asyncio.TimeoutError, TimeoutError)):
             return f"no response for {self._timeout:g} s (stalled)"
-        if isinstance(exc, BackendError):
-            return self.scrub(str(exc))
-        return self.scrub(f"{type(exc).__name__}: {exc}")
+        text = str(exc) if isinstance(exc, BackendError) else f"{type(exc).__name__}: {exc}"
+        why = endpoint.hint(exc, self.endpoint)
+        return self.scrub(f"{why} ({text})" if why else text)
 
 
-def not_found_message(describe: Describer, name: str, exc: NotFound) -> str:
+def not_found_message(describe: Describer, name: str, exc: NotFound, doing: str = "reading") -> str:
     if exc.bucket is not None:
-        return f"bucket {exc.bucket!r} does not exist (reading {describe.name(name)}): check the URI"
+        fix = "check the URI" if doing == "reading" else "check the URI, or create the bucket first"
+        return f"bucket {exc.bucket!r} does not exist ({doing} {describe.name(name)}): {fix}"
     return f"{describe.name(name)} does not exist"
+

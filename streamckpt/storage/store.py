@@ -24,7 +24,7 @@ import fsspec.asyn
 from fsspec.core import url_to_fs
 
 from ..errors import CheckpointNotFoundError, StorageError
-from . import httpget, obstore_backend
+from . import endpoint, httpget, obstore_backend
 from .backend import Backend, NotFound
 from .fsspec_backend import FsspecBackend
 from .local_backend import LocalBackend
@@ -55,8 +55,9 @@ class Storage:
         self.uri, self.entry = split_entry(str(uri))
         self.policy = policy or RetryPolicy.from_env()
         self.max_concurrency = max(1, int(max_concurrency))
-        opts = dict(storage_options or {})
-        self._describe = Describer(_public(self.uri), _secrets_of(opts), self.policy.request_timeout)
+        opts = endpoint.normalize(dict(storage_options or {}))
+        self._describe = Describer(_public(self.uri), _secrets_of(opts), self.policy.request_timeout,
+                                   endpoint.endpoint_of(opts))
         self._protocol = fsspec.core.split_protocol(self.uri)[0] or "file"
         self._fs_options = opts
         self._writer: Backend | None = None
@@ -372,8 +373,14 @@ class Storage:
         """``write_bytes`` in the background, retried under the policy: ``data`` must stay
         unchanged until the future is done."""
         sink = self._write_backend.sink(self.path(name))
-        coro = self._reader.call(f"writing {self.describe(name)}", sink.put_whole, memoryview(data).cast("B"))
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+        async def put() -> None:
+            try:
+                await self._reader.call(f"writing {self.describe(name)}", sink.put_whole, memoryview(data).cast("B"))
+            except NotFound as e:  # a missing bucket: the caller's URI is wrong, not the store
+                raise CheckpointNotFoundError(not_found_message(self._describe, name, e, "writing")) from None
+
+        return asyncio.run_coroutine_threadsafe(put(), self._loop)
 
     def open_objects(self, *, buffers: int, buffer_bytes: int) -> ObjectQueue:
         """Whole objects uploaded several at once from ``buffers`` reused buffers (see ``ObjectQueue``)."""

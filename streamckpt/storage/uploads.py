@@ -15,8 +15,8 @@ import concurrent.futures as cf
 import logging
 from typing import Any, Awaitable, Callable
 
-from ..errors import CheckpointError, StorageError
-from .backend import PartSink
+from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
+from .backend import NotFound, PartSink
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,11 @@ class Upload:
             return fut.result()
         except CheckpointError:
             raise
+        except NotFound as e:
+            if e.bucket is not None:  # the caller's URI is wrong, not the store
+                raise CheckpointNotFoundError(f"bucket {e.bucket!r} does not exist (writing {self.where}): "
+                                              f"check the URI, or create the bucket first") from None
+            raise StorageError(f"writing {self.where} failed: {e}") from None
         except Exception as e:  # noqa: BLE001 - a sink failing outside the policy's kinds
             raise StorageError(f"writing {self.where} failed: {type(e).__name__}: {e}") from None
 
