@@ -223,8 +223,11 @@ def _value_result(item: Any, planner: SavePlanner) -> WriteResult:
     fqn = item.index.fqn
     raw = planner.resolve_data(item)
     data = raw.getvalue() if isinstance(raw, io.BytesIO) else bytes(raw)
-    value = value_from_record(data, where=f"DCP item {fqn!r}")
-    why = vals.unsavable(value)
+    try:
+        value = value_from_record(data, where=f"DCP item {fqn!r}")
+        why = vals.unsavable(value)
+    except CorruptCheckpointError as e:
+        why = f"not plain data ({e})"
     if why is not None:
         raise IncompatibleStateDictError(
             f"{fqn}: {why}; a streamckpt checkpoint stores non-tensor values as data "
