@@ -367,6 +367,22 @@ def read_value(cache: RangeCache, item: ItemInfo, *, where: str) -> Any:
     return safe_unpickle(_member(cache, item, pkl, where), allowed=_VALUE_GLOBALS, where=where, dtypes_ok=False)
 
 
+def value_from_record(data: bytes, *, where: str) -> Any:
+    """A non-tensor value from a whole ``torch.save`` record held in memory (builtins
+    only, as ``read_value``): what DCP hands a storage writer for a ``BYTE_IO`` item."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            if len(names) != 1:
+                raise CorruptCheckpointError(f"{where}: {len(names)} data.pkl members in a torch.save record")
+            if z.getinfo(names[0]).file_size > MAX_VALUE_ITEM_BYTES:
+                raise CorruptCheckpointError(f"{where}: value larger than {MAX_VALUE_ITEM_BYTES} bytes")
+            pkl = z.read(names[0])
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: not a torch.save record ({e})") from None
+    return safe_unpickle(pkl, allowed=_VALUE_GLOBALS, where=where, dtypes_ok=False)
+
+
 def _locating_windows(md: DcpMetadata) -> list[tuple[str, int, int]]:
     out = [w for t in md.tensors.values() for _, _, it in t.chunks for w in item_windows(it)]
     return out + value_windows(md)

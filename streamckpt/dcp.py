@@ -1,0 +1,593 @@
+"""``torch.distributed.checkpoint`` plug-ins: DCP plans, streamckpt moves the bytes.
+
+Switch an existing DCP job to object storage with one argument::
+
+    import torch.distributed.checkpoint as dcp
+    from streamckpt.dcp import StorageReader, StorageWriter
+
+    opts = {"endpoint_url": "http://127.0.0.1:9000", "key": "...", "secret": "..."}  # fsspec options
+    dcp.save(state, storage_writer=StorageWriter("s3://bucket/ckpt/step-100", storage_options=opts))
+    dcp.async_save(state, storage_writer=StorageWriter(uri, storage_options=opts))  # also works
+    dcp.load(state, storage_reader=StorageReader("s3://bucket/ckpt/step-100", storage_options=opts))
+
+``StorageWriter`` leaves a native streamckpt checkpoint (data files with a CRC32C per
+chunk, ``manifest.json`` written last by the coordinator once every rank's upload
+succeeded: a failed save commits nothing and an overwritten checkpoint stays valid until
+the new manifest replaces it). It reads back with ``StorageReader`` and also with
+``sc.load`` / ``sc.load_state`` / ``streamckpt verify`` (checksummed, resharded to any
+layout). DCP's own ``FileSystemReader`` cannot read it: the layout is streamckpt's, not
+``.metadata`` + ``.distcp``, so that no pickle is ever stored and every byte is checksummed.
+DCP keeps its job: its planner deduplicates replicas and runs the plan's collectives.
+
+``StorageReader`` reads a native, Hugging Face or DCP checkpoint at ``uri`` and fetches
+only the byte ranges of each ``ReadItem``'s sub-box (checksummed checkpoints: the chunks
+covering it, verified), under streamckpt's retries and timeouts. Non-tensor values are
+answered as ``torch.save``'d bytes, DCP's format for ``BYTE_IO`` items.
+``reader.stats`` counts what the last load fetched (``bytes_read``, ``bytes_needed``,
+``requests``). Errors are ``streamckpt.CheckpointError`` subclasses; DCP wraps them in a
+``CheckpointException`` whose ``failures`` hold the original per rank.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import io
+import logging
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import fsspec
+import torch
+import torch.distributed.checkpoint as tdcp
+import zstandard
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
+                                                  SavePlanner, WriteItemType)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from .core import dtypes, manifest as mf, tree as trees, values as vals
+from .core.regions import Box, flat_range_boxes, runs
+from .core.targets import TargetSpec
+from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleStateDictError
+from .formats import read_manifest
+from .formats.dcpitem import value_from_record
+from .saving import writeplan
+from .saving.writer import OBJECT_BYTES, ShardToWrite, write_data_files
+from .storage import RangeRead, Storage
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StorageReader", "StorageWriter", "ReadStats"]
+
+MEMORY_BUDGET = 256 << 20  # bytes fetched per batch of read items
+GAP_BYTES = 16 << 10  # an unchecked gap this small is read through rather than costing a request
+
+
+def _valid_uri(checkpoint_id: str | os.PathLike) -> bool:
+    """A path or a URL whose protocol fsspec knows."""
+    try:
+        proto = fsspec.core.split_protocol(os.fspath(checkpoint_id))[0]
+    except TypeError:
+        return False
+    return proto is None or proto in fsspec.available_protocols()
+
+
+# =============================================================================== writer
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """A rank's data file names, given out by the coordinator (one save id for all)."""
+
+    prefix: str
+
+
+class StorageWriter(tdcp.StorageWriter):
+    """DCP writes through streamckpt's uploads into a native checkpoint (see module doc).
+
+    ``compression``: None or ``"zstd"``; ``overwrite``: replace a committed checkpoint;
+    ``metadata``: a JSON dict kept in the manifest.
+    """
+
+    def __init__(self, uri: str | os.PathLike, *, storage_options: dict[str, Any] | None = None,
+                 compression: str | None = None, overwrite: bool = False,
+                 metadata: dict[str, Any] | None = None, object_bytes: int = OBJECT_BYTES) -> None:
+        super().__init__()
+        if compression not in (None, "zstd"):
+            raise CheckpointError(f"compression={compression!r} is not supported (use None or 'zstd')")
+        self.uri = os.fspath(uri)
+        self.storage_options = storage_options
+        self.compression = compression
+        self.overwrite = overwrite
+        self.metadata = dict(metadata or {})
+        self.object_bytes = object_bytes
+        self._storage: Storage | None = None
+        self.save_id = uuid.uuid4().hex[:12]
+
+    # ------------------------------------------------------------ DCP protocol
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._close()
+        if checkpoint_id:
+            self.uri = os.fspath(checkpoint_id)
+        self.save_id = uuid.uuid4().hex[:12]
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _valid_uri(checkpoint_id)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.uri, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self._open()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Refuse to replace a committed checkpoint (one HEAD), name each rank's files."""
+        storage = self._open()
+        if storage.entry is not None:
+            raise CheckpointError(f"{storage.describe(storage.entry)} names one file; a DCP save writes a "
+                                  f"directory: pass its directory URI, e.g. {storage.describe('')}")
+        if not self.overwrite and storage.modified(mf.MANIFEST_NAME) is not None:
+            raise CheckpointExistsError(f"{storage.describe(mf.MANIFEST_NAME)} exists: a committed checkpoint is "
+                                        f"there; pass StorageWriter(..., overwrite=True) to replace it")
+        save_id = uuid.uuid4().hex[:8]
+        return [dataclasses.replace(p, storage_data=_Prefix(f"data/{save_id}-{i:05d}")) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Upload this rank's items as data files (CRC32C per chunk), several in flight."""
+        storage = self._open()
+        prefix: _Prefix = plan.storage_data
+        tensors = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
+        results = [_value_result(it, planner) for it in plan.items if it.type == WriteItemType.BYTE_IO]
+        shards: list[ShardToWrite] = []
+        owners: list[int] = []
+        for n, it in enumerate(tensors):
+            for piece in _pieces(it, planner.resolve_data(it), self.object_bytes):
+                shards.append(piece)
+                owners.append(n)
+        ext = "zst" if self.compression else "safetensors"
+        records, files = write_data_files(storage, lambda i: f"{prefix.prefix}-{i:04d}.{ext}", shards,
+                                          compression=self.compression)
+        per_item: list[list[mf.Shard]] = [[] for _ in tensors]
+        for owner, (_key, shard) in zip(owners, records):
+            per_item[owner].append(shard)
+        for it, got in zip(tensors, per_item):
+            docs = [mf._shard_doc(s) for s in got]
+            results.append(WriteResult(index=it.index, size_in_bytes=sum(s.byte_length for s in got),
+                                       storage_data={"shards": docs, "files": {s.file: files[s.file] for s in got}}))
+        if not self.is_coordinator:
+            self._close()
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commit: validate the whole manifest, write ``manifest.json`` last, drop stale files."""
+        storage = self._open()
+        try:
+            manifest = _assemble(metadata, results, self.metadata, where=f"DCP save to {storage.describe('')}")
+            storage.write_bytes(mf.MANIFEST_NAME, mf.to_json(manifest))
+            log.info("streamckpt DCP save %s: %d tensors, %d files", storage.describe(""), len(manifest.tensors),
+                     len(manifest.files))
+            _remove_stale(storage, manifest)
+        finally:
+            self._close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _open(self) -> Storage:
+        if self._storage is None:
+            self._storage = Storage(self.uri, self.storage_options)
+        return self._storage
+
+    def _close(self) -> None:
+        if self._storage is not None:
+            self._storage.close()
+            self._storage = None
+
+
+def _pieces(item: Any, data: Any, object_bytes: int) -> list[ShardToWrite]:
+    """One DCP tensor item as shards of at most ``object_bytes`` (each fits one upload buffer)."""
+    if not isinstance(data, torch.Tensor):
+        raise IncompatibleStateDictError(f"{item.index.fqn}: the planner resolved a tensor item to "
+                                         f"{type(data).__name__}, expected a torch.Tensor")
+    td = item.tensor_data
+    code = dtypes.to_code(td.properties.dtype, where=item.index.fqn)
+    spec = TargetSpec(item.index.fqn, code, tuple(td.size), tuple(td.chunk.offsets), tuple(td.chunk.sizes))
+    if tuple(data.shape) != spec.shape:
+        raise IncompatibleStateDictError(f"{spec.key}: resolved tensor has shape {list(data.shape)}, "
+                                         f"its chunk {list(spec.shape)}")
+    data = data.detach().to(td.properties.dtype)
+    out = []
+    for piece in writeplan.split_item(writeplan.WriteItem(spec, spec), object_bytes):
+        out.append(ShardToWrite(piece.spec, writeplan.piece_of(piece, data)))
+    return out
+
+
+def _value_result(item: Any, planner: SavePlanner) -> WriteResult:
+    """A non-tensor item as plain data: DCP's ``torch.save`` bytes read back without running code."""
+    fqn = item.index.fqn
+    raw = planner.resolve_data(item)
+    data = raw.getvalue() if isinstance(raw, io.BytesIO) else bytes(raw)
+    try:
+        value = value_from_record(data, where=f"DCP item {fqn!r}")
+        why = vals.unsavable(value)
+    except CorruptCheckpointError as e:
+        why = f"not plain data ({e})"
+    if why is not None:
+        raise IncompatibleStateDictError(
+            f"{fqn}: {why}; a streamckpt checkpoint stores non-tensor values as data "
+            f"({vals.SAVABLE}): convert it, or keep it out of the state_dict")
+    return WriteResult(index=item.index, size_in_bytes=len(data), storage_data={"value": vals.encode(value)})
+
+
+def _assemble(metadata: Metadata, results: list[list[WriteResult]], user: dict[str, Any], *,
+              where: str) -> mf.Manifest:
+    """The manifest of a DCP save from its metadata and every rank's write results."""
+    by_fqn: dict[str, list[Any]] = {}
+    for wr in (w for rank in results for w in rank):
+        by_fqn.setdefault(wr.index.fqn, []).append(wr.storage_data)
+    parser = mf._Parser(where)
+    tensors: dict[str, mf.TensorMeta] = {}
+    values: dict[str, Any] = {}
+    files: dict[str, int] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        docs = by_fqn.get(fqn, [])
+        if isinstance(md, BytesStorageMetadata):
+            if not docs:
+                raise IncompatibleStateDictError(f"{where}: no rank wrote value {fqn!r}")
+            values[fqn] = vals.decode(docs[0]["value"], where=fqn)
+            continue
+        shape = tuple(md.size)
+        shards = [parser.shard(s, f"tensors.{fqn}", len(shape)) for d in docs for s in d["shards"]]
+        for d in docs:
+            files.update(d["files"])
+        shards.sort(key=lambda s: (s.offset, s.flat_range or (0, 0)))
+        tensors[fqn] = mf.TensorMeta(dtype=dtypes.to_code(md.properties.dtype, where=fqn), shape=shape,
+                                     shards=tuple(shards))
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    tree = trees.from_paths(paths, tensors, values)
+    manifest = mf.Manifest(tensors=tensors, files=files, values=values, tree=tree, committed_ns=time.time_ns(),
+                           metadata={**user, "written_by": "streamckpt.dcp.StorageWriter"})
+    try:
+        mf.validate(manifest, where=where)
+    except CorruptCheckpointError as e:
+        raise IncompatibleStateDictError(f"the ranks' shards do not form a valid checkpoint: {e}") from None
+    return manifest
+
+
+def _remove_stale(storage: Storage, manifest: mf.Manifest) -> None:
+    """Best effort: data files of a replaced checkpoint, now unreferenced."""
+    try:
+        for name in storage.list("data"):
+            if name not in manifest.files:
+                storage.delete(name)
+    except CheckpointError as e:  # pragma: no cover - best effort
+        log.warning("could not remove stale files under %s: %s", storage.describe("data"), e)
+
+
+# =============================================================================== reader
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """One DCP chunk: a box stored contiguously in a shard, from raw byte ``raw_base`` on."""
+
+    key: str
+    shard: mf.Shard
+    box: Box
+    raw_base: int
+    dtype: str
+
+    @property
+    def itemsize(self) -> int:
+        return dtypes.itemsize(self.dtype)
+
+
+@dataclass(slots=True)
+class ReadStats:
+    """What a reader's ``read_data`` calls fetched since the last ``reset``/``read_metadata``
+    (tensor data only; the manifest and DCP item headers are not counted)."""
+
+    bytes_read: int = 0  # from storage
+    bytes_needed: int = 0  # into the read items' targets
+    requests: int = 0
+    items: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Unit:
+    """A fetched span of one shard's raw bytes ``[raw_lo, raw_hi)`` (decoded when zstd)."""
+
+    raw_lo: int
+    raw_hi: int
+    read: RangeRead
+    frames: tuple[int, ...] = ()  # raw length of each zstd frame; empty: stored bytes are raw
+    data: Any = None
+
+
+class StorageReader(tdcp.StorageReader):
+    """DCP reads any checkpoint ``sc.load`` reads, by byte ranges (see module doc).
+
+    ``memory_budget`` bounds the bytes fetched per batch of items; ``max_concurrency``
+    the range requests in flight."""
+
+    def __init__(self, uri: str | os.PathLike, *, storage_options: dict[str, Any] | None = None,
+                 memory_budget: int = MEMORY_BUDGET, max_concurrency: int = 32) -> None:
+        super().__init__()
+        if memory_budget <= 0 or max_concurrency <= 0:
+            raise CheckpointError("memory_budget and max_concurrency must be positive")
+        self.uri = os.fspath(uri)
+        self.storage_options = storage_options
+        self.memory_budget = memory_budget
+        self.max_concurrency = max_concurrency
+        self.stats = ReadStats()
+        self._storage: Storage | None = None
+        self._pieces: dict[str, list[_Piece]] = {}
+        self._values: dict[str, Any] = {}
+        self._unloadable: dict[str, str] = {}
+        self._failed: CheckpointError | None = None
+
+    # ------------------------------------------------------------ DCP protocol
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._close()
+        if checkpoint_id:
+            self.uri = os.fspath(checkpoint_id)
+        self.stats = ReadStats()
+        self._pieces, self._values, self._unloadable, self._failed = {}, {}, {}, None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _valid_uri(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP ``Metadata`` built from the checkpoint's ``Manifest``.
+
+        A ``CheckpointError`` here is kept and raised by ``set_up_storage_reader``: DCP
+        turns a failing ``read_metadata`` into a bare ``AssertionError`` with only the
+        message, while an error in the next step reaches the caller as itself (inside
+        DCP's ``CheckpointException``)."""
+        self.stats = ReadStats()
+        self._failed = None
+        try:
+            manifest = read_manifest(self._open())
+        except CheckpointError as e:
+            self._close()
+            self._failed = e
+            return Metadata(state_dict_metadata={})
+        return self._metadata_of(manifest)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._failed is not None:
+            raise self._failed
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Values from the manifest; tensors by the ranges of their sub-boxes, in batches
+        of at most ``memory_budget`` fetched bytes."""
+        t0 = time.perf_counter()
+        try:
+            tensors = []
+            for req in plan.items:
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, self._value_bytes(req.storage_index.fqn))
+                else:
+                    tensors.append(req)
+            tensors.sort(key=lambda r: self._piece(r).shard.byte_offset)
+            for batch in self._batches(tensors):
+                self._read_batch(batch, planner)
+        finally:
+            self._close()
+        self.stats.seconds += time.perf_counter() - t0
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # --------------------------------------------------------------- metadata
+
+    def _metadata_of(self, manifest: mf.Manifest) -> Metadata:
+        sdm: dict[str, Any] = {}
+        self._pieces = {}
+        for key, t in manifest.tensors.items():
+            pieces = [p for s in t.shards for p in _pieces_of(key, s, t.dtype)]
+            self._pieces[key] = pieces
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(p.box.offset), sizes=torch.Size(p.box.shape))
+                      for p in pieces]
+            sdm[key] = TensorStorageMetadata(properties=TensorProperties(dtype=dtypes.to_torch(t.dtype)),
+                                             size=torch.Size(t.shape), chunks=chunks)
+        self._values = _dcp_values(manifest.values)
+        self._unloadable = dict(manifest.metadata.get("unloadable_reasons") or {})
+        for key in [*self._values, *self._unloadable]:
+            sdm.setdefault(key, BytesStorageMetadata())
+        return Metadata(state_dict_metadata=sdm, storage_data={},
+                        storage_meta=StorageMeta(checkpoint_id=self.uri))
+
+    def _value_bytes(self, fqn: str) -> io.BytesIO:
+        if fqn not in self._values:
+            raise IncompatibleStateDictError(
+                f"{self._open().describe('')}: value {fqn!r} cannot be restored as data "
+                f"({self._unloadable.get(fqn, 'not in the checkpoint')}); leave it out of the state_dict, or "
+                f"read it with DCP's FileSystemReader if you trust the checkpoint")
+        buf = io.BytesIO()
+        torch.save(self._values[fqn], buf)
+        buf.seek(0)
+        return buf
+
+    def _piece(self, req: ReadItem) -> _Piece:
+        idx = req.storage_index
+        pieces = self._pieces.get(idx.fqn)
+        if not pieces:
+            raise IncompatibleStateDictError(f"{self._open().describe('')}: no tensor {idx.fqn!r}")
+        offset = tuple(idx.offset) if idx.offset is not None else None
+        if idx.index is not None and idx.index < len(pieces) and (offset is None or pieces[idx.index].box.offset == offset):
+            return pieces[idx.index]
+        for p in pieces:
+            if p.box.offset == offset:
+                return p
+        raise IncompatibleStateDictError(f"{idx.fqn}: no stored chunk at offset {list(offset or ())}")
+
+    # ----------------------------------------------------------------- data
+
+    def _batches(self, reqs: Sequence[ReadItem]) -> list[list[ReadItem]]:
+        out: list[list[ReadItem]] = []
+        total = self.memory_budget
+        for req in reqs:
+            n = 2 * math.prod(req.lengths) * self._piece(req).itemsize  # staged + fetched
+            if not out or total + n > self.memory_budget:
+                out.append([])
+                total = 0
+            out[-1].append(req)
+            total += n
+        return out
+
+    def _read_batch(self, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+        """Fetch the units covering every item's runs, then copy each item into its target."""
+        storage = self._open()
+        wanted: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        shards: dict[tuple[str, int], mf.Shard] = {}
+        itemsizes: dict[tuple[str, int], int] = {}
+        item_runs = []
+        for req in reqs:
+            p = self._piece(req)
+            sub = Box(tuple(o + s for o, s in zip(p.box.offset, req.storage_offsets)), tuple(req.lengths))
+            byte_runs = [(p.raw_base + s * p.itemsize, n * p.itemsize) for s, n in runs(p.box, sub)]
+            ident = (p.shard.file, p.shard.byte_offset)
+            shards[ident] = p.shard
+            itemsizes[ident] = p.itemsize
+            wanted.setdefault(ident, []).extend((a, a + n) for a, n in byte_runs)
+            item_runs.append((req, p, ident, byte_runs))
+        units = {ident: _units(shards[ident], itemsizes[ident], spans) for ident, spans in wanted.items()}
+        flat = [u for us in units.values() for u in us]
+        bufs = [bytearray(u.read.length) for u in flat]
+        self.stats.requests += storage.read_into([u.read for u in flat], [memoryview(b) for b in bufs]).result()
+        self.stats.bytes_read += sum(len(b) for b in bufs)
+        for u, b in zip(flat, bufs):
+            u.data = _decode(u, b, storage)
+        for req, p, ident, byte_runs in item_runs:
+            self._deliver(req, p, units[ident], byte_runs, planner)
+
+    def _deliver(self, req: ReadItem, p: _Piece, units: list[_Unit], byte_runs: list[tuple[int, int]],
+                 planner: LoadPlanner) -> None:
+        nbytes = sum(n for _, n in byte_runs)
+        staged = bytearray(nbytes)
+        pos = 0
+        starts = [u.raw_lo for u in units]
+        for a, n in byte_runs:
+            u = units[bisect.bisect_right(starts, a) - 1]
+            staged[pos:pos + n] = u.data[a - u.raw_lo:a - u.raw_lo + n]
+            pos += n
+        dtype = dtypes.to_torch(p.dtype)
+        target = planner.resolve_tensor(req).detach()
+        if nbytes:
+            src = torch.frombuffer(staged, dtype=torch.uint8).view(dtype).reshape(tuple(req.lengths))
+            target.copy_(src)
+        planner.commit_tensor(req, target)
+        self.stats.bytes_needed += nbytes
+        self.stats.items += 1
+
+    # ------------------------------------------------------------------ helpers
+
+    def _open(self) -> Storage:
+        if self._storage is None:
+            self._storage = Storage(self.uri, self.storage_options, max_concurrency=self.max_concurrency)
+        return self._storage
+
+    def _close(self) -> None:
+        if self._storage is not None:
+            self._storage.close()
+            self._storage = None
+
+
+def _pieces_of(key: str, shard: mf.Shard, dtype: str) -> list[_Piece]:
+    """A shard as DCP chunks: its box, or the contiguous boxes of its flat range."""
+    if shard.flat_range is None:
+        return [_Piece(key, shard, shard.box, 0, dtype)]
+    lo, hi = shard.flat_range
+    size = dtypes.itemsize(dtype)
+    return [_Piece(key, shard, box, (start - lo) * size, dtype) for start, box in flat_range_boxes(shard.box, lo, hi)]
+
+
+def _merge(spans: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """Sorted spans with overlaps (and gaps up to ``gap``) merged."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1] + gap:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _units(shard: mf.Shard, itemsize: int, spans: list[tuple[int, int]]) -> list[_Unit]:
+    """The reads that cover the raw byte ``spans`` of one shard: exact ranges when the shard
+    has no checksums, else the whole chunks (zstd frames) covering them, with their CRC32C."""
+    spans = [(a, b) for a, b in spans if b > a]
+    if shard.chunk_size == 0:
+        return [_Unit(a, b, RangeRead(shard.file, shard.byte_offset + a, shard.byte_offset + b))
+                for a, b in _merge(spans, GAP_BYTES)]
+    cs, crcs = shard.chunk_size, shard.crc32c or ()
+    raw_total = shard.numel * itemsize
+    chunks = _merge([(a // cs, -(-b // cs)) for a, b in spans], 0)
+    starts = shard.frame_offsets()
+    out = []
+    for c0, c1 in chunks:
+        lo = starts[c0]
+        hi = starts[c1 - 1] + (shard.frame_lengths[c1 - 1] if shard.frame_lengths else
+                               min(cs, raw_total - (c1 - 1) * cs))
+        checks = tuple((starts[c] - lo, (shard.frame_lengths[c] if shard.frame_lengths else
+                                         min(cs, raw_total - c * cs)), crcs[c]) for c in range(c0, c1))
+        frames = tuple(min(cs, raw_total - c * cs) for c in range(c0, c1)) if shard.codec == "zstd" else ()
+        out.append(_Unit(c0 * cs, min(c1 * cs, raw_total), RangeRead(shard.file, lo, hi, checks), frames))
+    return out
+
+
+def _decode(u: _Unit, buf: bytearray, storage: Storage) -> Any:
+    """A fetched unit's raw bytes: as read, or its zstd frames decoded (each to its exact size)."""
+    if not u.frames:
+        return memoryview(buf)
+    dctx = zstandard.ZstdDecompressor()
+    out = bytearray()
+    for (off, length, _crc), raw_len in zip(u.read.checks, u.frames):
+        where = f"{storage.describe(u.read.name)} bytes [{u.read.start + off}, {u.read.start + off + length})"
+        try:
+            data = dctx.decompress(bytes(buf[off:off + length]), max_output_size=raw_len)
+        except zstandard.ZstdError as e:
+            raise CorruptCheckpointError(f"{where}: zstd frame does not decode ({e})") from None
+        if len(data) != raw_len:
+            raise CorruptCheckpointError(f"{where}: zstd frame decodes to {len(data)} bytes, expected {raw_len}")
+        out += data
+    return memoryview(out)
+
+
+def _dcp_values(values: dict[str, Any]) -> dict[str, Any]:
+    """Values under their own keys and under the keys DCP's planner flattens them into
+    (a native checkpoint keeps ``optim.param_groups`` whole; DCP asks for
+    ``optim.param_groups.0.lr``)."""
+    out = dict(values)
+    for key, value in values.items():
+        flat, _ = flatten_state_dict({key: value})
+        for k, v in flat.items():
+            out.setdefault(k, v)
+    return out

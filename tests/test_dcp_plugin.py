@@ -1,0 +1,241 @@
+"""``streamckpt.dcp``: ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` through our
+StorageWriter / StorageReader, on moto over HTTP and real gloo ranks.
+
+* 2 FSDP2 ranks save model + optimizer + schedule (one with ``dcp.save``, the same
+  state again with ``dcp.async_save``); 3 ranks read it back with ``dcp.load`` through
+  our reader and with ``sc.load``, exact; a save where one rank fails commits nothing.
+* 4 ranks ``dcp.load`` a DTensor ``Shard(0)`` from our writer's checkpoint and from one
+  DCP's own ``FileSystemWriter`` left: each rank reads exactly its quarter of the bytes.
+* One process: a Hugging Face directory; errors (missing checkpoint, a flipped data
+  byte) arrive as streamckpt classes inside DCP's ``CheckpointException``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import streamckpt as sc
+from streamckpt.dcp import StorageReader, StorageWriter
+from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+from distributed import check_equal, dtensor, original, run_ranks, run_scenarios
+from fsdp_job import differences, example, full
+
+ROWS, COLS = 256, 1024  # 1 MiB of fp32: quarters are whole 4 KiB checksum chunks
+
+
+# ------------------------------------------------------------------ FSDP2 2 -> 3 ranks
+
+
+def fsdp_save(rank: int, world: int, uri: str, opts: dict[str, Any], ref: str) -> dict[str, Any]:
+    """Train the example's FSDP2 job, save it sync and async through our writer; then a
+    save whose rank 1 holds a value that is not plain data must fail everywhere."""
+    import datetime
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    job = example().Job.create(init_device_mesh("cpu", (world,)))
+    for _ in range(3):
+        job.train_step()
+    state = job.state_dict()
+    dcp.save(state, storage_writer=StorageWriter(f"{uri}/sync", storage_options=opts))
+    pending = dcp.async_save(state, storage_writer=StorageWriter(f"{uri}/async", storage_options=opts))
+    pending.result()
+    want = full(state)
+    if rank == 0:
+        torch.save(want, ref)
+    bad = dict(state, extra=datetime.date(2020, 1, 1) if rank == 1 else None)
+    try:
+        dcp.save(bad, storage_writer=StorageWriter(f"{uri}/bad", storage_options=opts))
+        failed: list[str] = []
+    except CheckpointException as e:
+        failed = sorted({type(exc).__name__ for exc in _originals(e)})
+    return {"failed": failed}
+
+
+def fsdp_load(rank: int, world: int, uri: str, opts: dict[str, Any], ref: str) -> dict[str, Any]:
+    """A fresh FSDP2 job on 3 ranks: ``dcp.load`` through our reader, and ``sc.load``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    want = torch.load(ref)
+    out: dict[str, Any] = {}
+    for which in ("sync", "async"):
+        job = example().Job.create(init_device_mesh("cpu", (world,)))
+        state = job.state_dict()
+        reader = StorageReader(f"{uri}/{which}", storage_options=opts)
+        dcp.load(state, storage_reader=reader)
+        out[which] = differences(full(state), want, which)
+        out[f"{which}_read"] = reader.stats.bytes_read
+    job = example().Job.create(init_device_mesh("cpu", (world,)))
+    state = job.state_dict()
+    res = sc.load(state, f"{uri}/sync", storage_options=opts)
+    out["sc"] = differences(full(state), want, "sc.load")
+    out["sc_kind"] = res.kind
+    return out
+
+
+def test_fsdp2_save_two_ranks_load_three(tmp_path: Path, s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    ref = str(tmp_path / "ref.pt")
+    kw = {"uri": s3_uri, "opts": s3_opts, "ref": ref}
+    saved = [r.unwrap() for r in run_ranks(2, fsdp_save, kwargs=kw, timeout=150)]
+    assert all(s["failed"] == ["IncompatibleStateDictError"] for s in saved[1:]), saved
+    assert "IncompatibleStateDictError" in saved[0]["failed"], saved
+    fs = fsspec.filesystem("s3", **s3_opts)
+    assert not fs.exists(f"{s3_uri}/bad/manifest.json")  # nothing committed
+    for which in ("sync", "async"):
+        assert fs.exists(f"{s3_uri}/{which}/manifest.json")
+        assert not fs.exists(f"{s3_uri}/{which}/.metadata")  # a native checkpoint, no pickle stored
+    loaded = [r.unwrap() for r in run_ranks(3, fsdp_load, kwargs=kw, timeout=150)]
+    for r in loaded:
+        assert (r["sync"], r["async"], r["sc"]) == ([], [], []), r
+        assert r["sc_kind"] == "streamckpt"
+        assert r["sync_read"] > 0
+    # the whole state, single process, pickle-free, checksummed
+    state = sc.load_state(f"{s3_uri}/sync", storage_options=s3_opts)
+    assert differences(state, torch.load(ref)) == []
+
+
+# ----------------------------------------------------------- Shard(0): 1/W bytes per rank
+
+
+def shard0_save(rank: int, world: int, uri: str, opts: dict[str, Any]) -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    w, _ = dtensor(original("w", (ROWS, COLS), torch.float32), mesh, [Shard(0)])
+    b, _ = dtensor(original("b", (ROWS,), torch.float32), mesh, [Shard(0)])
+    dcp.save({"w": w, "b": b, "note": "two ranks"}, storage_writer=StorageWriter(uri, storage_options=opts))
+    return rank
+
+
+def shard0_load(rank: int, world: int, ours: str, theirs: str, opts: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def case(uri: str) -> Any:
+        def run(rank: int, world: int) -> dict[str, Any]:
+            w, want_w = dtensor(original("w", (ROWS, COLS), torch.float32), mesh, [Shard(0)], fill=False)
+            b, want_b = dtensor(original("b", (ROWS,), torch.float32), mesh, [Shard(0)], fill=False)
+            sd = {"w": w, "b": b}
+            reader = StorageReader(uri, storage_options=opts)
+            dcp.load(sd, storage_reader=reader)
+            check_equal("w", sd["w"].to_local(), want_w)
+            check_equal("b", sd["b"].to_local(), want_b)
+            return {"read": reader.stats.bytes_read, "needed": reader.stats.bytes_needed,
+                    "requests": reader.stats.requests}
+        return run
+
+    return run_scenarios(rank, world, [("ours", case(ours)), ("theirs", case(theirs))])
+
+
+def test_shard0_load_reads_a_quarter_per_rank(tmp_path: Path, s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    ours, theirs = f"{s3_uri}/ours", f"{s3_uri}/theirs"
+    assert [r.unwrap() for r in run_ranks(2, shard0_save, kwargs={"uri": ours, "opts": s3_opts})] == [0, 1]
+    local = tmp_path / "dcp"  # DCP's own layout (.metadata + .distcp), uploaded as is
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": original("w", (ROWS, COLS), torch.float32), "b": original("b", (ROWS,), torch.float32)},
+                 storage_writer=dcp.FileSystemWriter(str(local)))
+    fs = fsspec.filesystem("s3", **s3_opts)
+    for p in sorted(local.iterdir()):
+        fs.put_file(str(p), f"{theirs}/{p.name}")
+    from distributed import ScenarioResults
+
+    res = ScenarioResults(run_ranks(4, shard0_load, kwargs={"ours": ours, "theirs": theirs, "opts": s3_opts},
+                                    timeout=150))
+    quarter = (ROWS * COLS + ROWS) * 4 // 4
+    # ours: w's quarter is 64 whole 4 KiB checksum chunks; b's 512-byte shard is one chunk, read
+    # (and verified) whole for the rank's 256 bytes of it. DCP's layout: exact sub-ranges.
+    extra = {"ours": ROWS // 2 * 4 - ROWS // 4 * 4, "theirs": 0}
+    for name in ("ours", "theirs"):
+        for v in res.values(name):
+            assert v["needed"] == quarter, (name, v)
+            assert v["read"] == quarter + extra[name], (name, v)
+            assert v["requests"] == 2, (name, v)
+
+
+# ------------------------------------------------------------- one process: HF, errors
+
+
+def _quiet_load(sd: dict[str, Any], reader: StorageReader) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp.load(sd, storage_reader=reader)
+
+
+def _quiet_save(sd: dict[str, Any], writer: StorageWriter) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=writer)
+
+
+def _originals(e: CheckpointException) -> list[BaseException]:
+    """The exceptions DCP wrapped, one per failed rank (``failures[rank] = (exc, stack)``)."""
+    return [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+
+
+def test_hugging_face_directory(s3_uri: str, s3_opts: dict[str, Any], tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {"embed.weight": original("e", (64, 32), torch.bfloat16), "norm.weight": original("n", (32,), torch.float32),
+               "steps": original("s", (5,), torch.int64)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    fsspec.filesystem("s3", **s3_opts).put_file(str(tmp_path / "model.safetensors"), f"{s3_uri}/model.safetensors")
+    sd = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    reader = StorageReader(s3_uri, storage_options=s3_opts)
+    _quiet_load(sd, reader)
+    for k, v in tensors.items():
+        check_equal(k, sd[k], v)
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    assert reader.stats.bytes_needed == reader.stats.bytes_read == total
+
+
+def test_dcp_load_of_writer_checkpoint_with_values_and_zstd(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """One process: a plain state (values, tuples, ints) through the zstd writer, back exactly."""
+    w = original("w", (100, 70), torch.float32)
+    saved = {"m": {"w": w, "i": original("i", (9,), torch.int32)}, "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}],
+             "step": 12}
+    _quiet_save(saved, StorageWriter(s3_uri, storage_options=s3_opts, compression="zstd"))
+    got = {"m": {"w": torch.zeros_like(w), "i": torch.zeros(9, dtype=torch.int32)},
+           "groups": [{"lr": 0.0, "betas": (0.0, 0.0)}], "step": 0}
+    _quiet_load(got, StorageReader(s3_uri, storage_options=s3_opts))
+    check_equal("m.w", got["m"]["w"], w)
+    check_equal("m.i", got["m"]["i"], saved["m"]["i"])
+    assert got["groups"] == [{"lr": 0.1, "betas": (0.9, 0.99)}] and got["step"] == 12
+    assert sc.load_state(s3_uri, storage_options=s3_opts)["groups"] == [{"lr": 0.1, "betas": (0.9, 0.99)}]
+    with pytest.raises(CheckpointException) as ei:  # committed: a second save must ask to overwrite
+        _quiet_save(saved, StorageWriter(s3_uri, storage_options=s3_opts))
+    assert "CheckpointExistsError" in {type(e).__name__ for e in _originals(ei.value)}
+
+
+def test_missing_checkpoint_is_not_found(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    with pytest.raises(CheckpointException) as ei:
+        _quiet_load({"w": torch.zeros(3)}, StorageReader(f"{s3_uri}/nothing-here", storage_options=s3_opts))
+    errs = _originals(ei.value)
+    assert errs and all(isinstance(e, CheckpointNotFoundError) for e in errs), errs
+    assert "nothing-here" in str(errs[0])
+
+
+def test_flipped_data_byte_is_corrupt(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    w = original("w", (128, 128), torch.float32)
+    _quiet_save({"w": w}, StorageWriter(s3_uri, storage_options=s3_opts))
+    fs = fsspec.filesystem("s3", **s3_opts)
+    name = next(p for p in fs.find(f"{s3_uri}/data"))
+    blob = bytearray(fs.cat_file(name))
+    blob[-1000] ^= 0x01  # inside the tensor's bytes (the safetensors header is at the front)
+    fs.pipe_file(name, bytes(blob))
+    with pytest.raises(CheckpointException) as ei:
+        _quiet_load({"w": torch.zeros_like(w)}, StorageReader(s3_uri, storage_options=s3_opts))
+    errs = _originals(ei.value)
+    assert errs and all(isinstance(e, CorruptCheckpointError) for e in errs), errs
