@@ -164,7 +164,7 @@ class Describer:
             return f"no response for {self._timeout:g} s (stalled)"
         text = str(exc) if isinstance(exc, BackendError) else f"{type(exc).__name__}: {exc}"
         why = endpoint.hint(exc, self.endpoint)
-        return self.scrub(f"{why} ({text})" if why else text)
+        return self.scrub(f"{text}: {why}" if why else text)
 
 
 def not_found_message(describe: Describer, name: str, exc: NotFound, doing: str = "reading") -> str:
