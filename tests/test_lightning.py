@@ -239,3 +239,32 @@ def test_map_location_that_cannot_be_honoured_is_refused(s3_uri: str, s3_opts: d
         io.load_checkpoint(f"{s3_uri}/x.ckpt", map_location=lambda storage, loc: storage)
     with pytest.raises(sc.CheckpointError, match="several devices"):
         io.load_checkpoint(f"{s3_uri}/x.ckpt", map_location={"cuda:0": "cpu", "cuda:1": "meta"})
+
+
+def _rank_zero_saves_worker(rank: int, world_size: int, uri: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """As Lightning's DDP strategy does: only global rank 0 saves and removes; every rank loads."""
+    import torch.distributed as dist
+
+    for async_save in (False, True):
+        io = StreamCheckpointIO(opts, async_save=async_save)
+        if rank == 0:
+            io.save_checkpoint({"state_dict": {"w": torch.arange(6.0)}, "step": 1}, f"{uri}/old-{async_save}.ckpt")
+            io.save_checkpoint({"state_dict": {"w": torch.arange(6.0) * 2}, "step": 2}, f"{uri}/new-{async_save}.ckpt")
+            io.remove_checkpoint(f"{uri}/old-{async_save}.ckpt")
+            io.teardown()
+        dist.barrier()
+    back = StreamCheckpointIO(opts).load_checkpoint(f"{uri}/new-True.ckpt")
+    return {"w": back["state_dict"]["w"].tolist(), "step": back["step"]}
+
+
+def test_rank_zero_alone_saves_under_torch_distributed(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """With a 2-rank group up, a save on rank 0 alone must not wait for rank 1 (no collective)."""
+    from distributed import run_ranks
+
+    ranks = run_ranks(2, _rank_zero_saves_worker, kwargs={"uri": s3_uri, "opts": s3_opts}, timeout=120, pg_timeout=30)
+    for r in ranks:
+        assert r.error is None, r.error
+        assert r.value == {"w": [0.0, 2.0, 4.0, 6.0, 8.0, 10.0], "step": 2}
+    for flag in ("False", "True"):
+        assert objects(f"{s3_uri}/old-{flag}.ckpt", s3_opts) == []
+        assert "manifest.json" in objects(f"{s3_uri}/new-{flag}.ckpt", s3_opts)
