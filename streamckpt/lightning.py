@@ -226,4 +226,5 @@ def _device_of(map_location: Any) -> str | torch.device:
     if callable(map_location):
         raise CheckpointError("map_location as a function is not supported by StreamCheckpointIO (the checkpoint "
                               "keeps no per-tensor device to remap): pass a device such as 'cpu' or 'cuda:0'")
-    raise CheckpointError(f"map_location must be None, a device or a dict of devices, not {type(map_location).__name__}")
+    raise CheckpointError(f"map_location must be None, a device or a dict of devices, "
+                          f"not {type(map_location).__name__}")

@@ -127,7 +127,8 @@ def resume_matches_uninterrupted(kept: str, opts: dict[str, Any], io: Any) -> No
     assert t_resumed.global_step == t_straight.global_step == 4 * STEPS_PER_EPOCH
     assert_same_tensors(resumed.state_dict(), straight.state_dict())
     assert_same_tensors(optimizer_tensors(t_resumed.optimizers[0]), optimizer_tensors(t_straight.optimizers[0]))
-    assert t_resumed.lr_scheduler_configs[0].scheduler.state_dict() == t_straight.lr_scheduler_configs[0].scheduler.state_dict()
+    sched = [t.lr_scheduler_configs[0].scheduler.state_dict() for t in (t_resumed, t_straight)]
+    assert sched[0] == sched[1]
     last = f"{dirpath}/epoch=3-step={4 * STEPS_PER_EPOCH}.ckpt"
     assert t_resumed.checkpoint_callback.best_model_path == last
     assert sc.latest(dirpath, storage_options=opts) == last
@@ -187,7 +188,8 @@ def lightning_like_checkpoint() -> dict[str, Any]:
         "lr_schedulers": [{"best": math.inf, "last_epoch": 3, "_last_lr": [0.01]}],
         "loops": {"fit_loop": {"state_dict": {}, "epoch_loop.batch_progress": {"total": {"ready": 40}}}},
         "callbacks": {"ModelCheckpoint{'monitor': 'score', 'mode': 'max', 'every_n_train_steps': 0}":
-                      {"best_model_score": torch.tensor(2.5), "best_k_models": {"s3://b/r/epoch=3.ckpt": torch.tensor(2.5)}}},
+                      {"best_model_score": torch.tensor(2.5),
+                       "best_k_models": {"s3://b/r/epoch=3.ckpt": torch.tensor(2.5)}}},
         "hparams_name": "kwargs",
         "hyper_parameters": AttributeDict(hidden=8, lr=0.05, layers=(4, 8, 1)),
     }
