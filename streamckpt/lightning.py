@@ -1,0 +1,230 @@
+"""``StreamCheckpointIO``: Lightning's checkpoints to and from object storage, without pickle.
+
+One argument switches a ``Trainer`` from ``torch.save`` files to streamckpt checkpoints::
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from streamckpt.lightning import StreamCheckpointIO
+
+    opts = {"endpoint_url": "http://127.0.0.1:9000"}          # s3fs options, as for sc.save
+    trainer = Trainer(plugins=[StreamCheckpointIO(storage_options=opts)],
+                      callbacks=[ModelCheckpoint(dirpath="s3://bucket/run/ckpts", monitor="val_loss")])
+    trainer.fit(model)                                          # saves s3://bucket/run/ckpts/epoch=..ckpt
+    trainer.fit(model, ckpt_path="s3://bucket/run/ckpts/epoch=3-step=400.ckpt")   # resumes
+
+``StreamCheckpointIO(storage_options, async_save=True)`` returns from each save once the
+state is staged in host memory (``sc.async_save``) and uploads while training goes on; the
+next save, a load, a removal of that checkpoint and ``teardown`` (the end of ``fit``) wait
+for it and raise its error. Lightning's own ``AsyncCheckpointIO(StreamCheckpointIO(...))``
+works too (a thread runs the blocking save on a copy of the tensors).
+
+What a checkpoint is
+  Each Lightning checkpoint "file" (``.../epoch=1-step=10.ckpt``) is a streamckpt checkpoint
+  *prefix*: ``manifest.json`` (the commit, written last) and ``data/*.safetensors``.
+  ``sc.load_state``, ``sc.inspect`` and ``sc.latest(dirpath)`` read it like any other;
+  ``LightningModule.load_from_checkpoint`` does not (it calls ``torch.load``): load with
+  ``StreamCheckpointIO(opts).load_checkpoint(path)["state_dict"]``, or give the ``Trainer``
+  the plugin and ``ckpt_path`` (``fit``, ``validate``, ``test``, ``predict``).
+  A save to an existing path replaces it, as Lightning expects (``last.ckpt``).
+  ``remove_checkpoint`` deletes the manifest first, so a removal cut short leaves an
+  uncommitted prefix, never a checkpoint that loads half.
+
+What it saves (and refuses)
+  Lightning's checkpoint dict is saved as it is, tree and all: optimizer states keyed by
+  int, tuples (``betas``), ``inf`` (``ReduceLROnPlateau.best``), the loops' and callbacks'
+  state, ``hyper_parameters``. ``load_checkpoint`` gives the same tree back; dict and list
+  subclasses (``AttributeDict``, ``OrderedDict``) come back as plain ``dict`` / ``list``,
+  which is all Lightning's restore needs. A value that is not a tensor or plain data (a
+  ``torch.dtype``, an ``nn.Module`` or any object in ``hyper_parameters`` or a callback's
+  state) is refused *before anything is written* with ``sc.IncompatibleStateDictError``
+  naming its dotted key (e.g. ``hyper_parameters.act``): streamckpt never pickles, so it
+  cannot restore an arbitrary object exactly, and it does not guess a lossy conversion.
+  Leave such arguments out (``self.save_hyperparameters(ignore=["act"])``) or store a
+  plain stand-in (a name, a list).
+
+Loading
+  ``map_location``: ``None`` (CPU, where Lightning's restore moves state to the module's
+  device), a device or its name, or a dict whose targets are all one device; a callable,
+  or a dict mapping to several devices, is refused (``sc.CheckpointError``): the format
+  keeps no per-tensor device to remap. ``weights_only`` is accepted and has no effect:
+  nothing is ever unpickled. A path without a committed checkpoint raises
+  ``sc.CheckpointNotFoundError``.
+
+Storage options and ``ModelCheckpoint``
+  ``ModelCheckpoint`` itself checks names on ``dirpath`` (``exists``, a listing at setup)
+  through an fsspec filesystem it makes *without* storage options, so for a non-default
+  endpoint or credentials give fsspec the same options too: ``fsspec.config.conf["s3"] =
+  opts`` (or the ``FSSPEC_S3_*`` / ``AWS_*`` environment variables). ``save_checkpoint``'s
+  own ``storage_options`` (``Trainer.save_checkpoint(..., storage_options=)``) are merged
+  over the plugin's for that save.
+
+Distributed
+  Lightning calls ``save_checkpoint`` / ``remove_checkpoint`` on global rank 0 only, with
+  the whole (DDP-replicated) checkpoint; the save then runs on a one-rank group of that
+  process, never as a collective of the training group (which would wait for ranks that
+  never call). Strategies that shard the checkpoint themselves (FSDP, DeepSpeed) do not go
+  through a ``CheckpointIO``'s full-dict path; use ``streamckpt.dcp`` there.
+
+Needs the ``lightning`` package (``pip install 'streamckpt[lightning]'``); importing
+``streamckpt`` alone never imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from typing import Any, Mapping
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+
+from . import api
+from .core.manifest import MANIFEST_NAME
+from .errors import CheckpointError, IncompatibleStateDictError
+from .saving.asyncsave import SaveHandle, async_save as _async_save
+from .storage import Storage
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StreamCheckpointIO"]
+
+_HINT = ("; Lightning checkpoints hold only tensors and plain data with streamckpt (no pickle): "
+         "leave such hyper-parameters out (self.save_hyperparameters(ignore=[...])) or store a plain "
+         "stand-in for them")
+
+
+class StreamCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` whose checkpoints are streamckpt checkpoints (see the module doc).
+
+    ``storage_options`` go to fsspec as for ``sc.save``; ``compression`` is ``None`` or
+    ``"zstd"``; ``async_save`` uploads in the background (``sc.async_save``), with at most
+    ``staging_budget`` bytes of host staging memory (None: the whole checkpoint)."""
+
+    def __init__(self, storage_options: dict[str, Any] | None = None, *, compression: str | None = None,
+                 async_save: bool = False, staging_budget: int | None = None) -> None:
+        super().__init__()
+        self.storage_options = dict(storage_options or {})
+        self.compression = compression
+        self.async_save = async_save
+        self.staging_budget = staging_budget
+        self._pending: tuple[str, SaveHandle] | None = None
+        self._solo: Any = None
+
+    # ------------------------------------------------------------------ saving
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Save Lightning's checkpoint dict as a checkpoint at the prefix ``path`` (replacing one there)."""
+        uri = _uri(path)
+        opts = self._options(storage_options)
+        self.wait()  # surfaces the previous save's error before starting another
+        kwargs: dict[str, Any] = dict(storage_options=opts, process_group=self._group(), compression=self.compression,
+                                      overwrite=True)
+        try:
+            if self.async_save:
+                handle = _async_save(checkpoint, uri, staging_budget=self.staging_budget, **kwargs)
+                self._pending = (uri, handle)
+                log.info("saving the checkpoint to %s in the background", uri)
+                return
+            result = api.save(checkpoint, uri, **kwargs)
+        except IncompatibleStateDictError as e:
+            if "cannot be saved" not in str(e):
+                raise
+            raise IncompatibleStateDictError(f"{e}{_HINT}") from None
+        log.info("saved the checkpoint to %s (%d bytes in %.2f s)", uri, result.bytes_written, result.seconds)
+
+    def wait(self) -> None:
+        """Wait for the background save in flight, if any; raises its error."""
+        if self._pending is None:
+            return
+        uri, handle = self._pending
+        self._pending = None
+        result = handle.result()
+        log.info("saved the checkpoint to %s (%d bytes in %.2f s)", uri, result.bytes_written, result.seconds)
+
+    def teardown(self) -> None:
+        """Lightning's end of a run: the last background save must be committed (or its error raised)."""
+        self.wait()
+
+    def _options(self, extra: Any) -> dict[str, Any]:
+        if extra is None:
+            return dict(self.storage_options)
+        if not isinstance(extra, Mapping):
+            raise CheckpointError(f"storage_options must be a dict of fsspec options, not {type(extra).__name__}")
+        return {**self.storage_options, **extra}
+
+    def _group(self) -> Any:
+        """A one-rank group of this process when torch.distributed runs with several ranks:
+        Lightning saves on rank 0 alone, so the save must not be a collective of the world."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        if self._solo is None:
+            self._solo = dist.new_group(ranks=[dist.get_rank()], backend="gloo", use_local_synchronization=True)
+        return self._solo
+
+    # ----------------------------------------------------------------- loading
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint dict as it was saved (``weights_only`` is moot: nothing is unpickled)."""
+        uri = _uri(path)
+        device = _device_of(map_location)
+        self.wait()
+        state = api.load_state(uri, storage_options=self.storage_options, device=device)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{uri} holds no Lightning checkpoint dict (got {type(state).__name__})")
+        log.info("loaded the checkpoint from %s", uri)
+        return state
+
+    # ---------------------------------------------------------------- removing
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the checkpoint at ``path``: the manifest (its commit) first, then its other objects."""
+        uri = _uri(path)
+        self._wait_for(uri)
+        storage = Storage(uri, self.storage_options)
+        try:
+            names = [n for n in storage.list("", recursive=True) if _inside(n)]
+            storage.delete(MANIFEST_NAME)
+            for name in names:
+                if name != MANIFEST_NAME:
+                    storage.delete(name)
+        finally:
+            storage.close()
+        log.info("removed the checkpoint at %s (%d objects)", uri, len(names))
+
+    def _wait_for(self, uri: str) -> None:
+        """Reading or removing the checkpoint being saved must wait for its commit (removing
+        another one, as ``ModelCheckpoint`` does right after a save, need not)."""
+        if self._pending is not None and self._pending[0] == uri:
+            self.wait()
+
+
+def _uri(path: Any) -> str:
+    """Lightning passes a str or a Path; a prefix never ends with '/' here."""
+    return str(path).rstrip("/")
+
+
+def _inside(name: str) -> bool:
+    """Only names under the checkpoint's own prefix (never a sibling such as ``x.ckpt-v1/...``)."""
+    return bool(name) and not name.startswith("..") and not posixpath.isabs(name)
+
+
+def _device_of(map_location: Any) -> str | torch.device:
+    """The one device ``load_state`` puts every tensor on, from Lightning's/torch's ``map_location``."""
+    if map_location is None:
+        return "cpu"
+    if isinstance(map_location, (str, torch.device)):
+        return map_location
+    if isinstance(map_location, Mapping):
+        targets = {str(torch.device(v)) for v in map_location.values()}
+        if len(targets) == 1:
+            return targets.pop()
+        raise CheckpointError(f"map_location {map_location!r} maps to several devices; StreamCheckpointIO loads "
+                              f"every tensor onto one device: pass that device (e.g. 'cpu')")
+    if callable(map_location):
+        raise CheckpointError("map_location as a function is not supported by StreamCheckpointIO (the checkpoint "
+                              "keeps no per-tensor device to remap): pass a device such as 'cpu' or 'cuda:0'")
+    raise CheckpointError(f"map_location must be None, a device or a dict of devices, "
+                          f"not {type(map_location).__name__}")
