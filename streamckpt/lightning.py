@@ -52,11 +52,14 @@ Loading
 
 Storage options and ``ModelCheckpoint``
   ``ModelCheckpoint`` itself checks names on ``dirpath`` (``exists``, a listing at setup)
-  through an fsspec filesystem it makes *without* storage options, so for a non-default
-  endpoint or credentials give fsspec the same options too: ``fsspec.config.conf["s3"] =
-  opts`` (or the ``FSSPEC_S3_*`` / ``AWS_*`` environment variables). ``save_checkpoint``'s
-  own ``storage_options`` (``Trainer.save_checkpoint(..., storage_options=)``) are merged
-  over the plugin's for that save.
+  through an fsspec filesystem it makes *without* storage options, and Lightning gives a
+  ``CheckpointIO`` no hook before that. So the plugin hands its options to fsspec as the
+  defaults for ``fsspec_protocol`` (``"s3"``; ``"gs"`` for a GCS ``dirpath``; ``None`` leaves
+  fsspec's configuration alone): each option the user has not already set in
+  ``fsspec.config.conf[protocol]`` (or ``FSSPEC_S3_*``) is added there, and logged. Without
+  that, ``ModelCheckpoint`` would talk to AWS itself (or fail for want of credentials) while
+  the checkpoints go to your endpoint. ``save_checkpoint``'s own ``storage_options``
+  (``Trainer.save_checkpoint(..., storage_options=)``) are merged over the plugin's for that save.
 
 Distributed
   Lightning calls ``save_checkpoint`` / ``remove_checkpoint`` on global rank 0 only, with
@@ -96,14 +99,19 @@ _HINT = ("; Lightning checkpoints hold only tensors and plain data with streamck
 class StreamCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` whose checkpoints are streamckpt checkpoints (see the module doc).
 
-    ``storage_options`` go to fsspec as for ``sc.save``; ``compression`` is ``None`` or
-    ``"zstd"``; ``async_save`` uploads in the background (``sc.async_save``), with at most
-    ``staging_budget`` bytes of host staging memory (None: the whole checkpoint)."""
+    ``storage_options`` go to fsspec as for ``sc.save``, and become fsspec's defaults for
+    ``fsspec_protocol`` (so that ``ModelCheckpoint``'s own filesystem reaches the same store;
+    ``None``: not); ``compression`` is ``None`` or ``"zstd"``; ``async_save`` uploads in the
+    background (``sc.async_save``), with at most ``staging_budget`` bytes of host staging
+    memory (None: the whole checkpoint)."""
 
     def __init__(self, storage_options: dict[str, Any] | None = None, *, compression: str | None = None,
-                 async_save: bool = False, staging_budget: int | None = None) -> None:
+                 async_save: bool = False, staging_budget: int | None = None,
+                 fsspec_protocol: str | None = "s3") -> None:
         super().__init__()
         self.storage_options = dict(storage_options or {})
+        if fsspec_protocol is not None:
+            _fsspec_defaults(fsspec_protocol, self.storage_options)
         self.compression = compression
         self.async_save = async_save
         self.staging_budget = staging_budget
@@ -199,6 +207,22 @@ class StreamCheckpointIO(CheckpointIO):
         another one, as ``ModelCheckpoint`` does right after a save, need not)."""
         if self._pending is not None and self._pending[0] == uri:
             self.wait()
+
+
+def _fsspec_defaults(protocol: str, options: Mapping[str, Any]) -> None:
+    """Add ``options`` to fsspec's defaults for ``protocol`` where the user set none, so that
+    filesystems Lightning makes without options (``ModelCheckpoint``'s) use the same store."""
+    import fsspec.config
+
+    if not options:
+        return
+    conf = fsspec.config.conf.setdefault(protocol, {})
+    added = sorted(k for k in options if k not in conf)
+    for key in added:
+        conf[key] = options[key]
+    if added:
+        log.info("fsspec's default options for %s:// now include %s (from StreamCheckpointIO's storage_options), "
+                 "so ModelCheckpoint reaches the same store", protocol, ", ".join(added))
 
 
 def _uri(path: Any) -> str:

@@ -5,11 +5,13 @@ moto S3 server over HTTP.
 gone, the kept one is committed), ``fit(ckpt_path=...)`` resumes to exactly the weights and
 optimizer state of an uninterrupted run, sync and async, and Lightning's checkpoint tree
 (int keys, tuples, inf, an ``AttributeDict``) comes back as saved. ``ModelCheckpoint``'s own
-fsspec filesystem gets the server's options through ``fsspec.config.conf`` (it takes none).
+fsspec filesystem (made without options) reaches the server because the plugin hands fsspec its
+options as defaults; a user's own fsspec configuration wins.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Iterator
 
@@ -76,11 +78,15 @@ def fit(max_epochs: int, io: Any = None, dirpath: str | None = None, ckpt_path: 
     return model, t
 
 
-@pytest.fixture
-def fsspec_s3(monkeypatch: pytest.MonkeyPatch, s3_opts: dict[str, Any]) -> Iterator[None]:
-    """The server's options for filesystems made without any (ModelCheckpoint's own ``_fs``)."""
-    monkeypatch.setitem(fsspec.config.conf, "s3", dict(s3_opts))
+@pytest.fixture(autouse=True)
+def fsspec_conf_restored() -> Iterator[None]:
+    """The plugin adds its options to fsspec's defaults (for ModelCheckpoint's own ``_fs``):
+    each test starts and leaves fsspec's configuration as it found it."""
+    saved = copy.deepcopy(fsspec.config.conf)
+    fsspec.config.conf.pop("s3", None)
     yield
+    fsspec.config.conf.clear()
+    fsspec.config.conf.update(saved)
 
 
 def objects(uri: str, opts: dict[str, Any]) -> list[str]:
@@ -135,7 +141,7 @@ def resume_matches_uninterrupted(kept: str, opts: dict[str, Any], io: Any) -> No
     assert objects(kept, opts) == []  # the checkpoint resumed from was outranked and removed
 
 
-def test_top1_on_s3_and_resume_equals_uninterrupted(fsspec_s3: None, s3_uri: str, s3_opts: dict[str, Any]) -> None:
+def test_top1_on_s3_and_resume_equals_uninterrupted(s3_uri: str, s3_opts: dict[str, Any]) -> None:
     dirpath = f"{s3_uri}/ckpts"
     model, t = fit(2, StreamCheckpointIO(storage_options=s3_opts), dirpath)
     kept = check_top1(dirpath, s3_opts, t, model)
@@ -143,7 +149,7 @@ def test_top1_on_s3_and_resume_equals_uninterrupted(fsspec_s3: None, s3_uri: str
 
 
 @pytest.mark.parametrize("form", ["async_save", "AsyncCheckpointIO"])
-def test_async_forms(form: str, fsspec_s3: None, s3_uri: str, s3_opts: dict[str, Any]) -> None:
+def test_async_forms(form: str, s3_uri: str, s3_opts: dict[str, Any]) -> None:
     io: Any = (StreamCheckpointIO(s3_opts, async_save=True, compression="zstd") if form == "async_save"
                else AsyncCheckpointIO(StreamCheckpointIO(s3_opts)))
     dirpath = f"{s3_uri}/ckpts"
@@ -169,12 +175,25 @@ def test_async_save_returns_staged_and_wait_commits(s3_uri: str, s3_opts: dict[s
     assert torch.equal(b["state_dict"]["w"], torch.full((1000,), -1.0)) and b["global_step"] == 2
 
 
-def test_missing_checkpoint_raises_not_found(fsspec_s3: None, s3_uri: str, s3_opts: dict[str, Any]) -> None:
+def test_missing_checkpoint_raises_not_found(s3_uri: str, s3_opts: dict[str, Any]) -> None:
     missing = f"{s3_uri}/ckpts/epoch=9-step=99.ckpt"
     with pytest.raises(sc.CheckpointNotFoundError):
         StreamCheckpointIO(s3_opts).load_checkpoint(missing)
     with pytest.raises(sc.CheckpointNotFoundError):
         trainer(1, StreamCheckpointIO(s3_opts)).fit(Tiny(), train_dataloaders=loader(), ckpt_path=missing)
+
+
+def test_plugin_gives_fsspec_its_options_where_the_user_set_none(s3_opts: dict[str, Any]) -> None:
+    """What ModelCheckpoint needs (above, end to end); here: the user's own settings win, and
+    ``fsspec_protocol=None`` leaves fsspec's configuration alone."""
+    fsspec.config.conf["s3"] = {"endpoint_url": "http://127.0.0.1:1"}
+    StreamCheckpointIO({**s3_opts, "use_listings_cache": False})
+    assert fsspec.config.conf["s3"] == {**s3_opts, "use_listings_cache": False, "endpoint_url": "http://127.0.0.1:1"}
+    fsspec.config.conf.clear()
+    StreamCheckpointIO(s3_opts, fsspec_protocol=None)
+    assert fsspec.config.conf == {}
+    StreamCheckpointIO(s3_opts, fsspec_protocol="gs")
+    assert fsspec.config.conf == {"gs": s3_opts}
 
 
 def lightning_like_checkpoint() -> dict[str, Any]:
