@@ -9,7 +9,7 @@ import torch
 
 from .comm import SoloComm, make_comm
 from .core import dtypes, tree as trees
-from .errors import CheckpointError, MissingKeysError
+from .errors import CheckpointError, MissingKeysError, close_to
 from .formats import read_manifest
 from .formats.native import latest_committed
 from .loading.loader import LoadRequest, run_load
@@ -27,6 +27,12 @@ def _transforms(obj: Any, storage_options: dict[str, Any] | None) -> Any:
     from .transforms import as_transforms
 
     return as_transforms(obj, storage_options)
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise CheckpointError(f"{name} must be a positive number, got {value!r}")
 
 
 def save(
@@ -62,8 +68,7 @@ def load(
     progress: Callable[[int], None] | None = None,
 ) -> LoadResult:
     """Fill ``state_dict``'s tensors in place from the checkpoint at ``uri``."""
-    if memory_budget <= 0 or max_concurrency <= 0:
-        raise CheckpointError("memory_budget and max_concurrency must be positive")
+    _positive(memory_budget=memory_budget, max_concurrency=max_concurrency)
     comm = make_comm(process_group)
     storage = Storage(uri, storage_options, max_concurrency=max_concurrency)
     # response bodies a native client holds before the copy count against the budget too
@@ -91,6 +96,7 @@ def load_full(
     device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
     """Every tensor (or ``keys``) of a checkpoint, whole, in this process."""
+    _positive(memory_budget=memory_budget)
     storage = Storage(uri, storage_options)
     try:
         manifest = read_manifest(storage)
@@ -104,7 +110,8 @@ def load_full(
         absent = [k for k in wanted if k not in shapes]
         if absent:
             raise MissingKeysError(
-                f"{len(absent)} key(s) not in {storage.describe('')}: {', '.join(absent[:10])}", missing_keys=absent
+                f"{len(absent)} key(s) not in {storage.describe('')}: {', '.join(absent[:10])}"
+                f"{close_to(absent, shapes)}", missing_keys=absent
             )
         return _read_whole(storage, manifest, {k: shapes[k] for k in wanted}, device, memory_budget, tf)
     finally:
@@ -127,6 +134,7 @@ def load_state(
     that recorded no structure (Hugging Face files, an older native checkpoint) comes back
     as one flat dict of its dotted keys; a DCP checkpoint is rebuilt from its planner's
     paths as DCP rebuilds it (dict keys as strings, list indices as lists)."""
+    _positive(memory_budget=memory_budget)
     storage = Storage(uri, storage_options)
     try:
         manifest = read_manifest(storage)
@@ -144,7 +152,8 @@ def _read_whole(storage: Storage, manifest: Any, shapes: Mapping[str, tuple[Sequ
     """Tensors of the given (view) shapes, whole, in this process."""
     out = {k: torch.empty(tuple(shape), dtype=dtypes.to_torch(dt), device=device) for k, (shape, dt) in shapes.items()}
     options = PlanOptions(memory_budget=storage.reserve_inflight(memory_budget))
-    run_load(SoloComm(), storage, LoadRequest(out, strict=True, options=options, transforms=transforms, manifest=manifest))
+    request = LoadRequest(out, strict=True, options=options, transforms=transforms, manifest=manifest)
+    run_load(SoloComm(), storage, request)
     return out
 
 

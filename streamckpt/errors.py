@@ -6,6 +6,9 @@ helps, what to do about it.
 
 from __future__ import annotations
 
+import difflib
+from typing import Iterable
+
 
 class CheckpointError(Exception):
     """Base class of every error streamckpt raises on purpose."""
@@ -64,3 +67,36 @@ __all__ = [
     "CheckpointExistsError",
     "PeerError",
 ]
+
+
+def close_to(absent: list[str], known: Iterable[str], *, limit: int = 3) -> str:
+    """``" (did you mean 'x'?)"`` for the first absent name with near spellings among ``known``
+    (a typo'd key or option is the commonest way to miss one), else ``""``."""
+    names = list(known)
+    for name in absent[:limit]:
+        near = difflib.get_close_matches(name, names, n=3, cutoff=0.75)
+        if near:
+            return f" (did you mean {' or '.join(repr(n) for n in near)} for {name!r}?)"
+    return ""
+
+
+def prefix_hint(absent: list[str], known: Iterable[str], *, sample: int = 20) -> str:
+    """A hint when the absent keys differ from the known names by one leading prefix, as a
+    DDP (``module.``) or ``torch.compile`` (``_orig_mod.``) wrapper adds or drops it."""
+    names = set(known)
+    if not absent or not names:
+        return ""
+    first, rest = absent[0], absent[1:sample]
+    for name in sorted(names):
+        if name.endswith("." + first):
+            p = name[: -len(first)]
+            if all(p + k in names for k in rest):
+                return (f" (the checkpoint's names carry the prefix {p!r}: load "
+                        f"{{{p!r} + k: v for k, v in state_dict.items()}}, the same tensors, filled in place)")
+    head, _, tail = first.partition(".")
+    if tail in names:
+        p = head + "."
+        if all(k.startswith(p) and k[len(p):] in names for k in rest):
+            return (f" (your keys carry the prefix {p!r}, which the checkpoint's names lack: load "
+                    f"{{k.removeprefix({p!r}): v for k, v in state_dict.items()}}, the same tensors, filled in place)")
+    return ""

@@ -194,7 +194,8 @@ def check_value(key: str, value: Any) -> None:
 def collect(state_dict: Mapping[Any, Any], *, for_save: bool = False) -> tuple[list[LocalTarget], list[ValueSlot]]:
     """Split a state_dict into tensor targets and non-tensor value slots."""
     if not isinstance(state_dict, Mapping):
-        raise IncompatibleStateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        hint = " (pass its .state_dict())" if callable(getattr(state_dict, "state_dict", None)) else ""
+        raise IncompatibleStateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}{hint}")
     targets: list[LocalTarget] = []
     values: list[ValueSlot] = []
     seen: set[str] = set()

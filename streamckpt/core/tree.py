@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from ..errors import CorruptCheckpointError, MissingKeysError
+from ..errors import CorruptCheckpointError, MissingKeysError, close_to
 from .targets import is_key, is_split, is_tensor_leaf
 from .values import MAX_DEPTH
 
@@ -236,8 +236,20 @@ def select(doc: Any, prefixes: Iterable[str] | None, *, where: str) -> Any:
     out = _select(doc, "", wanted, found)
     absent = [p for p in wanted if p not in found]
     if absent:
-        raise MissingKeysError(f"{len(absent)} key(s) not in {where}: {', '.join(absent[:10])}", missing_keys=absent)
+        raise MissingKeysError(f"{len(absent)} key(s) not in {where}: {', '.join(absent[:10])}"
+                               f"{close_to(absent, _dotted(doc, ''))}", missing_keys=absent)
     return out if out is not None else {}
+
+
+def _dotted(doc: Any, at: str) -> Iterator[str]:
+    """Every dotted prefix in ``doc`` (the names ``select`` would find), for a did-you-mean."""
+    items = doc[ITEMS] if isinstance(doc, dict) and ITEMS in doc else (doc.items() if isinstance(doc, dict) else ())
+    for k, v in items:
+        if k in (TENSOR, VALUE, TUPLE):
+            continue
+        name = f"{at}{k}"
+        yield name
+        yield from _dotted(v, f"{name}.")
 
 
 def _select(node: Any, path: str, wanted: list[str], found: set[str]) -> Any:

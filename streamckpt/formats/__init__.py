@@ -41,5 +41,5 @@ def read_foreign_manifest(storage: Storage, *, speculative: bool = False) -> Man
         return m
     raise CheckpointNotFoundError(
         f"no checkpoint at {storage.describe('')}: expected manifest.json (streamckpt), "
-        f"*.safetensors (Hugging Face) or .metadata (PyTorch DCP)"
+        f"*.safetensors (Hugging Face) or .metadata (PyTorch DCP){storage.absent_hint()}"
     )

@@ -19,7 +19,7 @@ from ..core.targets import LocalTarget, TargetSpec, ValueSlot, collect
 from ..core.values import ValuePlan, plan_values
 from ..cuda.device import Placement, cuda_devices, place
 from ..cuda.runtime import CudaApi, TorchCuda
-from ..errors import CheckpointError, MissingKeysError
+from ..errors import CheckpointError, MissingKeysError, close_to, prefix_hint
 from ..formats import speculation as spec
 from ..formats import read_foreign_manifest, read_manifest
 from ..formats.native import read_native_bytes
@@ -183,7 +183,8 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
             raise MissingKeysError(
                 f"{len(mine_missing)} key(s) of the state_dict are not in the checkpoint {storage.describe('')}: "
                 f"{', '.join(mine_missing[:10])}{' ...' if len(mine_missing) > 10 else ''}"
-                f"{_why_unloadable(manifest, mine_missing)} (use strict=False to load the rest)"
+                f"{_why_unloadable(manifest, mine_missing)}{_near(mine_missing, manifest.tensors)}"
+                f" (use strict=False to load the rest)"
                 if mine_missing else "another rank's state_dict has keys missing from the checkpoint",
                 missing_keys=mine_missing,
             )
@@ -249,3 +250,8 @@ def _warn_unloadable(manifest: mf.Manifest, missing: list[str]) -> None:
     why = _why_unloadable(manifest, sorted(set(missing)))
     if why:
         log.warning("streamckpt load (strict=False): keys left as they were%s", why)
+
+
+def _near(missing: list[str], names: Any) -> str:
+    """Why the keys may be missing: a wrapper's prefix, or a near spelling."""
+    return prefix_hint(missing, names) or close_to(missing, names)

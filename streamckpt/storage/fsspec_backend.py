@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import http.client
+import inspect
+import re
 from datetime import datetime
 from typing import Any, Awaitable, TypeVar
 
+from ..errors import close_to
 from .backend import (Backend, BackendError, Fetched, NotFound, ObjectInfo, PartSink, Permanent, RangeNotSatisfiable,
                       Stalled, TooLarge, Transient, WorkerThreads)
 
@@ -80,6 +83,10 @@ def classify(exc: BaseException, path: str) -> BackendError:
     if isinstance(exc, BackendError):
         return exc
     text = f"{type(exc).__name__}: {exc}"
+    option = _unknown_option(exc)
+    if option is not None:
+        return Permanent(f"{text}: storage_options has {option!r}, which the client does not take; check its "
+                         f"name{close_to([option], _option_names())}")
     bucket = missing_bucket(text, path)
     if bucket is not None:
         return NotFound(text, bucket=bucket)
@@ -107,6 +114,24 @@ def classify(exc: BaseException, path: str) -> BackendError:
     if isinstance(exc, OSError) and exc.errno is None:
         return Transient(text)
     return Permanent(text)
+
+
+def _unknown_option(exc: BaseException) -> str | None:
+    """The option name in a client constructor's "unexpected keyword argument" (s3fs hands
+    options it does not know on to botocore's session, which refuses them at first use)."""
+    if not isinstance(exc, TypeError):
+        return None
+    m = re.search(r"unexpected keyword argument '([^']+)'", str(exc))
+    return m.group(1) if m else None
+
+
+def _option_names() -> list[str]:
+    """s3fs's own option names (for a did-you-mean); none when s3fs is absent."""
+    try:
+        import s3fs
+    except ImportError:  # pragma: no cover
+        return []
+    return [p for p in inspect.signature(s3fs.S3FileSystem.__init__).parameters if p not in ("self", "kwargs")]
 
 
 _BUCKET_STORES = frozenset({"gs", "gcs", "az", "abfs", "abfss", "adl", "oss"})

@@ -14,16 +14,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import logging
+import os
 import posixpath
 import random
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import fsspec
 import fsspec.asyn
 from fsspec.core import url_to_fs
 
-from ..errors import CheckpointNotFoundError, StorageError
+from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
 from . import endpoint, httpget, obstore_backend
 from .backend import Backend, NotFound
 from .fsspec_backend import FsspecBackend
@@ -55,6 +56,9 @@ class Storage:
         self.uri, self.entry = split_entry(str(uri))
         self.policy = policy or RetryPolicy.from_env()
         self.max_concurrency = max(1, int(max_concurrency))
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise CheckpointError(f"storage_options must be a dict of fsspec options (such as {{'endpoint_url': "
+                               f"'http://127.0.0.1:9000'}}), not {type(storage_options).__name__}")
         opts = endpoint.normalize(dict(storage_options or {}))
         self._describe = Describer(_public(self.uri), _secrets_of(opts), self.policy.request_timeout,
                                    endpoint.endpoint_of(opts))
@@ -214,6 +218,16 @@ class Storage:
 
     def path(self, name: str) -> str:
         return self._reader.path(name)
+
+    def absent_hint(self) -> str:
+        """Why nothing is here when the URI is a plain path that does not exist: most often
+        a bucket written without its scheme (``bucket/prefix`` for ``s3://bucket/prefix``)."""
+        if "://" in self.uri or self._protocol not in _LOCAL_PROTOCOLS or os.path.exists(self.root):
+            return ""
+        hint = f" (a local path, and there is no {self.root!r} here"
+        if not self.uri.startswith(("/", ".", "~")) and ("endpoint_url" in self._fs_options or "/" in self.uri):
+            hint += f"; for a bucket, write its scheme: s3://{self.uri}"
+        return hint + ")"
 
     def describe(self, name: str) -> str:
         """A user-facing address for an object (no credentials)."""

@@ -1,0 +1,92 @@
+"""The mistakes new users make, against the session's moto S3 server: each gets a
+``CheckpointError`` subclass whose message says what is wrong and what to write instead."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import streamckpt as sc
+
+
+@pytest.fixture
+def saved(s3_uri: str, s3_opts: dict[str, Any]) -> str:
+    sc.save({"weight": torch.arange(12.0).reshape(3, 4), "bias": torch.ones(3)}, s3_uri, storage_options=s3_opts)
+    return s3_uri
+
+
+def test_a_module_instead_of_its_state_dict(saved: str, s3_opts: dict[str, Any]) -> None:
+    with pytest.raises(sc.IncompatibleStateDictError, match=r"got Linear \(pass its \.state_dict\(\)\)"):
+        sc.load(torch.nn.Linear(4, 3), saved, storage_options=s3_opts)
+
+
+def test_storage_options_that_are_not_a_dict(saved: str) -> None:
+    with pytest.raises(sc.CheckpointError, match="storage_options must be a dict of fsspec options.*not str"):
+        sc.load_state(saved, storage_options="http://127.0.0.1:9000")  # type: ignore[arg-type]
+
+
+def test_a_misspelt_storage_option_is_named_with_the_right_one(saved: str, s3_opts: dict[str, Any]) -> None:
+    with pytest.raises(sc.StorageError) as e:
+        sc.load_state(saved, storage_options={**s3_opts, "endpoint": s3_opts["endpoint_url"]})
+    assert "after 1 attempt(s)" in str(e.value)  # a typo is not retried
+    assert "storage_options has 'endpoint', which the client does not take" in str(e.value)
+    assert "did you mean 'endpoint_url'" in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs", [{"memory_budget": 0}, {"memory_budget": -1.0}, {"max_concurrency": 0},
+                                    {"memory_budget": "1GiB"}])
+def test_budgets_are_checked_by_name(saved: str, s3_opts: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    (name, value), = kwargs.items()
+    with pytest.raises(sc.CheckpointError, match=f"^{name} must be a positive number, got {value!r}$"):
+        sc.load({"bias": torch.zeros(3)}, saved, storage_options=s3_opts, **kwargs)
+    if name == "memory_budget":
+        with pytest.raises(sc.CheckpointError, match=f"^{name} must be a positive number"):
+            sc.load_full(saved, storage_options=s3_opts, memory_budget=value)
+        with pytest.raises(sc.CheckpointError, match=f"^{name} must be a positive number"):
+            sc.load_state(saved, storage_options=s3_opts, memory_budget=value)
+
+
+def test_a_typo_in_keys_gets_a_did_you_mean(saved: str, s3_opts: dict[str, Any]) -> None:
+    with pytest.raises(sc.MissingKeysError, match=r"wieght \(did you mean 'weight' for 'wieght'\?\)") as e:
+        sc.load_full(saved, storage_options=s3_opts, keys=["wieght"])
+    assert e.value.missing_keys == ["wieght"]
+    with pytest.raises(sc.MissingKeysError, match=r"did you mean 'bias' for 'bais'"):
+        sc.load_state(saved, storage_options=s3_opts, keys=["bais"])
+    with pytest.raises(sc.MissingKeysError, match=r"wieght \(did you mean 'weight' for 'wieght'\?\)"):
+        sc.load({"wieght": torch.zeros(3, 4)}, saved, storage_options=s3_opts)
+
+
+def test_a_wrapper_prefix_is_recognised_both_ways(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """DDP saves ``module.``-prefixed names; loading them into the bare model (and the reverse)
+    names the prefix and the dict to pass, which fills the same tensors in place."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    wrapped = {f"module.{k}": v for k, v in model.state_dict().items()}
+    sc.save(wrapped, f"{s3_uri}/ddp", storage_options=s3_opts)
+    sc.save(model.state_dict(), f"{s3_uri}/bare", storage_options=s3_opts)
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    sd = fresh.state_dict()
+    with pytest.raises(sc.MissingKeysError, match=r"carry the prefix 'module\.': load \{'module\.' \+ k: v for"):
+        sc.load(sd, f"{s3_uri}/ddp", storage_options=s3_opts)
+    with pytest.raises(sc.MissingKeysError, match=r"your keys carry the prefix 'module\.'.*removeprefix"):
+        sc.load(wrapped, f"{s3_uri}/bare", storage_options=s3_opts)
+    sc.load({"module." + k: v for k, v in sd.items()}, f"{s3_uri}/ddp", storage_options=s3_opts)  # the hint works
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+
+
+def test_a_bucket_without_its_scheme(s3_opts: dict[str, Any], tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(sc.CheckpointNotFoundError) as e:
+        sc.load({"w": torch.zeros(1)}, "streamckpt-test/run/step-1", storage_options=s3_opts)
+    where = os.path.join(tmp_path, "streamckpt-test/run/step-1")
+    assert str(e.value).endswith(f"(a local path, and there is no '{where}' here; "
+                                 f"for a bucket, write its scheme: s3://streamckpt-test/run/step-1)")
+    with pytest.raises(sc.CheckpointNotFoundError) as e:
+        sc.load_state(str(tmp_path / "nothing"))
+    assert str(e.value).endswith(f"(a local path, and there is no '{tmp_path / 'nothing'}' here)")
+    with pytest.raises(sc.CheckpointNotFoundError) as e:
+        sc.load_state(str(tmp_path))  # a directory that exists: no hint
+    assert str(e.value).endswith("or .metadata (PyTorch DCP)")
