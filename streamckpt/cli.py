@@ -1,4 +1,4 @@
-"""``streamckpt`` command line: inspect, verify, merge, demo.
+"""``streamckpt`` command line: inspect, latest, verify, merge, load-bench, demo.
 
 Storage is reached as in the library: any fsspec URL, ``--endpoint-url`` and
 repeated ``--storage-option key=value`` (dotted keys nest, values are parsed as
@@ -28,6 +28,7 @@ from .results import plural
 
 log = logging.getLogger("streamckpt.cli")
 
+EXIT_NONE_FOUND = 1  # `latest` found no committed checkpoint (as `grep` finds no line)
 EXIT_CHECKPOINT_ERROR = 2
 EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE: what `set -o pipefail` sees from `cat big | head`
 
@@ -119,6 +120,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(info.to_dict(), indent=2, default=str))
     else:
         print(info)
+    return 0
+
+
+def cmd_latest(args: argparse.Namespace) -> int:
+    """The newest committed checkpoint under ROOT on stdout (``ckpt=$(streamckpt latest ...)``);
+    none: a line on stderr and status 1, so that a script can tell."""
+    from .api import latest
+
+    found = latest(args.root, storage_options=args.storage_options)
+    if found is None:
+        print(f"no committed checkpoint under {args.root}", file=sys.stderr)
+        return EXIT_NONE_FOUND
+    print(found)
     return 0
 
 
@@ -343,11 +357,12 @@ URI_HELP = ("the checkpoint: s3://bucket/prefix, gs://..., az://..., file:///dir
 EPILOG = """examples:
   streamckpt demo              # an embedded S3 server: save, then load 4 other layouts
   streamckpt inspect s3://bucket/run/step-1000 --endpoint-url http://127.0.0.1:9000
+  streamckpt latest s3://bucket/run  # the newest committed checkpoint under a prefix
   streamckpt verify s3://bucket/run/step-1000
   streamckpt merge s3://bucket/run/step-1000 s3://bucket/hf --max-shard-bytes 2GiB --skip .exp_avg
 
 'streamckpt COMMAND --help' lists the options of a command. Exit status: 0 done,
-1 demo mismatch, 2 checkpoint error or bad arguments, 130 interrupted, 141 output
+1 demo mismatch or no checkpoint for latest, 2 checkpoint error or bad arguments, 130 interrupted, 141 output
 pipe closed early."""
 
 
@@ -388,6 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
                  "tensor's dtype, shape, shards and bytes, its files, non-tensor values and user metadata.", both)
     s.add_argument("uri", metavar="URI", help=URI_HELP)
     s.add_argument("--json", action="store_true", help="machine-readable output (values in full)")
+
+    s = _command(sub, "latest", cmd_latest, "print the newest committed checkpoint under a prefix",
+                 "Print the URI of the newest committed streamckpt checkpoint directly under ROOT (by the commit "
+                 "time its manifest records; a prefix without manifest.json is uncommitted and never chosen), "
+                 "or exit with status 1 when there is none.", both)
+    s.add_argument("root", metavar="ROOT", help="the prefix holding the checkpoints (e.g. s3://bucket/run)")
 
     s = _command(sub, "verify", cmd_verify, "read every byte and check every checksum",
                  "Read every stored byte of every tensor, check every checksum and that every zstd frame "

@@ -93,6 +93,16 @@ def test_inspect_json(native: tuple[str, dict[str, torch.Tensor]], s3_opts: dict
     assert doc["values"] == {"step": 3}
 
 
+def test_latest_prints_the_newest_and_says_when_there_is_none(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    for step in (9, 10):
+        sc.save({"w": torch.full((4,), float(step))}, f"{s3_uri}/step-{step}", storage_options=s3_opts)
+    r = cli("latest", s3_uri, *s3_flags(s3_opts))
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"{s3_uri}/step-10\n", "")
+    r = cli("latest", f"{s3_uri}/step-10", *s3_flags(s3_opts))  # a checkpoint holds no checkpoints
+    assert (r.returncode, r.stdout) == (1, "")
+    assert r.stderr == f"no committed checkpoint under {s3_uri}/step-10\n"
+
+
 @pytest.mark.slow
 def test_inspect_text(native: tuple[str, dict[str, torch.Tensor]], s3_opts: dict[str, Any]) -> None:
     r = cli("inspect", native[0], *s3_flags(s3_opts))
