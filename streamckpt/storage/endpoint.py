@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -68,6 +69,11 @@ def endpoint_of(options: dict[str, Any]) -> str | None:
     return str(found) if found else None
 
 
+def public(url: str) -> str:
+    """An endpoint as messages may show it: no user:password@ part, no query string (a SAS)."""
+    return re.sub(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)?[^/@]*@", r"\1", str(url).split("?", 1)[0])
+
+
 def _text(exc: BaseException) -> str:
     parts, e, seen = [], exc, 0
     while e is not None and seen < 8:  # the exception and what it wraps
@@ -81,13 +87,17 @@ def refused(exc: BaseException) -> bool:
     return isinstance(exc, ConnectionRefusedError) or any(s in _text(exc) for s in _REFUSED)
 
 
-def hint(exc: BaseException, endpoint: str | None) -> str:
-    """What to check, for the failures a user causes; "" for the others."""
+def hint(exc: BaseException, endpoint: str | None, store: str = "s3") -> str:
+    """What to check, for the failures a user causes; "" for the others. ``store`` picks
+    the words: ``"azure"`` names Azure's options (its backend explains denials itself)."""
     text = _text(exc)
     if refused(exc):
         where = f"at {endpoint}" if endpoint else "at the store's endpoint"
-        return (f"nothing accepted a connection {where}: check endpoint_url (is a server listening "
-                f"there, on that port?)")
+        option = ("the endpoint (endpoint_url, account_host or the BlobEndpoint of connection_string)"
+                  if store == "azure" else "endpoint_url")
+        return f"nothing accepted a connection {where}: check {option} (is a server listening there, on that port?)"
+    if store == "azure":
+        return ""
     if any(s in text for s in _NO_CREDENTIALS):
         return ("no credentials found: pass storage_options={'key': ..., 'secret': ...}, set "
                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or anon=True for a public bucket")
