@@ -246,7 +246,7 @@ def translate(e: BaseException, container: str) -> BackendError:
         return Permanent(text)
     if "416" in full or "invalidrange" in low:
         return RangeNotSatisfiable(text)
-    if "timed out" in low or "timeout" in low and "operationtimedout" not in low:
+    if "timed out" in low:
         return Stalled(f"{type(e).__name__}: {text}")
     if endpoint.refused(e):
         return Transient(f"{type(e).__name__}: {text} (connection refused)")
