@@ -159,6 +159,15 @@ def blob_endpoint(options: dict[str, Any], parts: dict[str, str], account: str) 
     return f"{scheme}://{account}.blob.{suffix}"
 
 
+def endpoint_of(options: dict[str, Any], account_from_uri: str | None = None) -> str | None:
+    """The public blob endpoint the options reach (for messages and the refused-connection probe)."""
+    parts = parse_connection_string(_option(options, "connection_string") or "")
+    account = parts.get("AccountName") or _option(options, "account_name") or account_from_uri
+    if not account and not options.get("endpoint_url") and not parts.get("BlobEndpoint"):
+        return None
+    return endpoint.public(blob_endpoint(options, parts, str(account)))
+
+
 def adlfs_options(options: dict[str, Any]) -> dict[str, Any]:
     """The options for adlfs: an ``endpoint_url`` (which adlfs does not know) becomes the
     ``BlobEndpoint`` of a connection string with the account's credentials, so both

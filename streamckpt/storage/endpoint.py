@@ -9,15 +9,19 @@ names what to check.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import re
-from typing import Any
+import socket
+from typing import Any, Awaitable, TypeVar
 from urllib.parse import urlsplit
 
 from ..errors import StorageError
+from .backend import Transient
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 REFUSED_ATTEMPTS = 2  # a refused connection is an absent server, not a slow one: one retry at most
 _REFUSED = ("connection refused", "could not connect to the endpoint", "errno 111", "actively refused",
@@ -109,3 +113,101 @@ def hint(exc: BaseException, endpoint: str | None, store: str = "s3") -> str:
 def is_panic(exc: BaseException) -> bool:
     """A native client's panic (pyo3's ``PanicException`` derives from BaseException)."""
     return type(exc).__name__ == "PanicException"
+
+
+# ------------------------------------------------------------------ the refused-connection probe
+
+
+class EndpointProbe:
+    """A plain TCP connect to the endpoint beside a client's calls until the endpoint has
+    answered once, so that a refused connection fails in milliseconds.
+
+    Why: gcsfs retries a refused connect inside each call for 30 s and more, and cannot be
+    told that "refused" is not a slow store. The probe runs concurrently (it costs the first
+    call nothing) and only for an explicit endpoint; once it connects, calls run bare.
+    """
+
+    def __init__(self, endpoint: str | None, timeout: float) -> None:
+        self.endpoint = endpoint
+        self._timeout = timeout
+        self._address = _address(endpoint)
+        self._answered = self._address is None
+        self._pending: asyncio.Future[bool | None] | None = None
+
+    async def guard(self, call: Awaitable[T]) -> T:
+        """Await ``call``; raise ``Transient`` (a refused connection) instead if the probe is refused first."""
+        if self._answered:
+            return await call
+        task = asyncio.ensure_future(call)
+        probe = self._probe()
+        try:
+            done, _ = await asyncio.wait({task, probe}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            await _cancel(task)
+            raise
+        if task not in done and probe.result() is False:
+            await _cancel(task)
+            raise Transient("ConnectionRefusedError: connection refused")
+        return await task
+
+    def _probe(self) -> "asyncio.Future[bool | None]":
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._connect())
+        return self._pending
+
+    async def _connect(self) -> bool | None:
+        """True: connected; False: every address refused; None: could not tell (the client will)."""
+        if self._address is None:
+            return None
+        host, port = self._address
+        try:
+            found = await asyncio.wait_for(_connect_any(host, port), self._timeout)
+        except Exception:  # noqa: BLE001 - the probe only helps: without an answer the client tells
+            found = None
+        if found:
+            self._answered = True
+        else:
+            self._pending = None  # ask again on the next call: the server may have come up
+        return found
+
+
+def _address(endpoint: str | None) -> tuple[str, int] | None:
+    if not endpoint:
+        return None
+    try:
+        url = urlsplit(endpoint)
+        port = url.port or (443 if url.scheme == "https" else 80)
+    except ValueError:
+        return None
+    return (url.hostname, port) if url.hostname else None
+
+
+async def _connect_any(host: str, port: int) -> bool | None:
+    """Connect to each address of ``host``; False only when all of them refuse."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    refusals = 0
+    for family, kind, proto, _, addr in infos:
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, addr)
+            return True
+        except ConnectionRefusedError:
+            refusals += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return False if infos and refusals == len(infos) else None
+
+
+async def _cancel(task: "asyncio.Future[Any]") -> None:
+    """Cancel a client call and wait for it to end, its outcome retrieved."""
+    task.cancel()
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()

@@ -15,6 +15,7 @@ from typing import Any, Awaitable, TypeVar
 
 from .backend import (Backend, BackendError, Fetched, NotFound, ObjectInfo, PartSink, Permanent, RangeNotSatisfiable,
                       Stalled, TooLarge, Transient, WorkerThreads)
+from .endpoint import EndpointProbe
 
 T = TypeVar("T")
 
@@ -162,16 +163,19 @@ class FsspecBackend(Backend):
 
     name = "fsspec"
 
-    def __init__(self, fs: Any, request_timeout: float, max_concurrency: int) -> None:
+    def __init__(self, fs: Any, request_timeout: float, max_concurrency: int, endpoint: str | None = None) -> None:
         self.fs = fs
         self.request_timeout = request_timeout
         self.is_async = bool(getattr(fs, "async_impl", False))
         self.threads = WorkerThreads(min(max_concurrency, 16), "streamckpt-io")
+        # An explicit endpoint is probed beside the client's calls until it answers: a refused
+        # connection then fails at once, not after the client's own retries (gcsfs: 30 s and more).
+        self.probe = EndpointProbe(endpoint, request_timeout)
 
     async def _do(self, path: str, name: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """``fs.<name>`` (the coroutine ``fs._<name>`` on an async filesystem), errors classified."""
         if self.is_async:
-            return await classified(path, getattr(self.fs, f"_{name}")(*args, **kwargs), timeout)
+            return await classified(path, self.probe.guard(getattr(self.fs, f"_{name}")(*args, **kwargs)), timeout)
         return await classified(path, self.threads.run(lambda: getattr(self.fs, name)(*args, **kwargs)))
 
     async def fetch(self, path: str, start: int, buf: memoryview, *, want_meta: bool = False) -> Fetched:

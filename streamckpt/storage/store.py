@@ -91,7 +91,8 @@ class Storage:
             self.root = fsspec.implementations.local.LocalFileSystem._strip_protocol(self.uri).rstrip("/")
             self._writer = LocalBackend(self.max_concurrency)
             return self._writer
-        self._writer = FsspecBackend(self._open_fs(), self.policy.request_timeout, self.max_concurrency)
+        self._writer = FsspecBackend(self._open_fs(), self.policy.request_timeout, self.max_concurrency,
+                                     self._describe.endpoint)
         return self._writer
 
     def _open_fs(self) -> Any:
@@ -126,7 +127,8 @@ class Storage:
         fs = self._open_fs()
         azure_backend.quiet_sdk_retries(fs)
         self.root = azure_backend.split_root(self.root)[0]
-        self._writer = FsspecBackend(fs, self.policy.request_timeout, self.max_concurrency)
+        self._describe.endpoint = azure_backend.endpoint_of(opts, account)
+        self._writer = FsspecBackend(fs, self.policy.request_timeout, self.max_concurrency, self._describe.endpoint)
         return self._writer
 
     def _pick_obstore(self, opts: dict[str, Any]) -> ObstoreBackend | None:

@@ -7,8 +7,6 @@ They need the ``test`` extra (``moto[server]``, ``gcsfs``, ``fake-gcs-server-pyt
 
 from __future__ import annotations
 
-from .azureserver import LocalAzure
-from .azureserver import options_for as azure_options_for
 from .gcsserver import LocalGCS
 from .gcsserver import options_for as gcs_options_for
 from .s3server import LocalS3, options_for
@@ -16,9 +14,13 @@ from .s3server import LocalS3, options_for
 __all__ = ["LocalS3", "LocalGCS", "LocalAzure", "options_for", "gcs_options_for", "azure_options_for", "FaultProxy"]
 
 
-def __getattr__(name: str):  # lazy: the proxy module is only loaded when used
+def __getattr__(name: str):  # lazy: the proxy and Azurite modules are only loaded when used
     if name == "FaultProxy":
         from .faultproxy import FaultProxy
 
         return FaultProxy
+    if name in ("LocalAzure", "azure_options_for"):
+        from . import azureserver
+
+        return azureserver.LocalAzure if name == "LocalAzure" else azureserver.options_for
     raise AttributeError(name)

@@ -302,7 +302,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--container", action="append", default=[])
+    ap.add_argument("--install", action="store_true",
+                    help="only install Azurite (npm, into the cache folder) if missing, and print where it is")
     args = ap.parse_args()
+    if args.install:
+        try:
+            print(find_binary(), flush=True)
+        except AzuriteUnavailable as e:
+            print(f"Azurite not installed ({e}): the az:// tests will skip", flush=True)
+        return
     with LocalAzure(port=args.port) as az:
         for c in args.container:
             az.make_container(c)
