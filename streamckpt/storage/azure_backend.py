@@ -66,9 +66,7 @@ _ENV = {  # adlfs's environment variables, read when the option is not given
     "tenant_id": "AZURE_STORAGE_TENANT_ID",
 }
 _TRANSIENT_CODES = frozenset({"ServerBusy", "OperationTimedOut", "InternalError", "ServiceUnavailable"})
-DENIED_HINT = ("access denied: check the credentials (account_name with account_key or sas_token, the "
-               "AccountKey= or SharedAccessSignature= of connection_string, or the AZURE_STORAGE_* variables) "
-               "and the container's permissions for this URI")
+DENIED_HINT = endpoint.AZURE_DENIED_HINT
 
 
 def requested_backend() -> str:

@@ -28,6 +28,11 @@ _REFUSED = ("connection refused", "could not connect to the endpoint", "errno 11
             "connect call failed", "cannot connect to host",
             "connectionrefused")
 _NO_CREDENTIALS = ("unable to locate credentials", "nocredentialserror", "no credentials")
+AZURE_DENIED_HINT = ("access denied: check the credentials (account_name with account_key or sas_token, the "
+                     "AccountKey= or SharedAccessSignature= of connection_string, or the AZURE_STORAGE_* variables) "
+                     "and the container's permissions for this URI")
+_AZURE_DENIED = ("failed to authenticate", "authorizationfailure", "authenticationfailed", "authorizationpermissionmismatch",
+                 "403", "forbidden")
 _DENIED = ("accessdenied", "access denied", "403 forbidden", "status: 403", "permissiondenied",
            "invalidaccesskeyid", "signaturedoesnotmatch", "forbidden")
 
@@ -101,7 +106,8 @@ def hint(exc: BaseException, endpoint: str | None, store: str = "s3") -> str:
                   if store == "azure" else "endpoint_url")
         return f"nothing accepted a connection {where}: check {option} (is a server listening there, on that port?)"
     if store == "azure":
-        return ""
+        denied = any(s in text for s in _AZURE_DENIED) and AZURE_DENIED_HINT.lower() not in text
+        return AZURE_DENIED_HINT if denied else ""
     if any(s in text for s in _NO_CREDENTIALS):
         return ("no credentials found: pass storage_options={'key': ..., 'secret': ...}, set "
                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or anon=True for a public bucket")

@@ -27,6 +27,7 @@ _TRANSIENT_WORDS = (
 _FATAL_WORDS = ("credential", "accessdenied", "access denied", "forbidden", "paramvalidation", "invalidaccesskey",
                 "signaturedoesnotmatch")
 _MISSING_BUCKET_WORDS = ("nosuchbucket", "the specified bucket does not exist", "bucket does not exist")
+_MISSING_CONTAINER_WORDS = ("containernotfound", "the specified container does not exist")  # Azure's SDK
 
 
 def http_status(exc: BaseException) -> int | None:
@@ -40,7 +41,7 @@ def http_status(exc: BaseException) -> int | None:
             status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if isinstance(status, int):
                 return status
-        code = getattr(e, "code", None) or getattr(e, "status", None)
+        code = getattr(e, "code", None) or getattr(e, "status", None) or getattr(e, "status_code", None)
         if isinstance(code, int) and 100 <= code < 600:
             return code
         e = e.__cause__ or e.__context__
@@ -55,6 +56,12 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
 
         found += [HTTPClientError, ResponseStreamingError]
     except ImportError:  # pragma: no cover - s3fs not installed
+        pass
+    try:
+        from azure.core.exceptions import ServiceRequestError, ServiceResponseError
+
+        found += [ServiceRequestError, ServiceResponseError]  # adlfs: no connection, or no (whole) response
+    except ImportError:  # pragma: no cover - adlfs not installed
         pass
     try:
         import aiohttp
@@ -84,6 +91,9 @@ def classify(exc: BaseException, path: str) -> BackendError:
     bucket = missing_bucket(text, path)
     if bucket is not None:
         return NotFound(text, bucket=bucket)
+    if any(w in text.lower() for w in _MISSING_CONTAINER_WORDS):
+        container = path.split("/", 1)[0]
+        return NotFound(f"container {container!r} does not exist", bucket=container, kind="container")
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return Stalled(text)
     if isinstance(exc, (FileNotFoundError, NotADirectoryError)):
@@ -215,7 +225,8 @@ class FsspecBackend(Backend):
         if not found and set(_protocols(self.fs)) & _BUCKET_STORES:
             bucket = path.split("/", 1)[0]  # gcsfs and adlfs list a missing bucket as empty: ask it
             if not await self._do(bucket, "exists", bucket):
-                raise NotFound(f"bucket {bucket!r} does not exist", bucket=bucket)
+                kind = "container" if set(_protocols(self.fs)) & {"az", "abfs", "abfss"} else "bucket"
+                raise NotFound(f"{kind} {bucket!r} does not exist", bucket=bucket, kind=kind)
         return found
 
     async def get_whole(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import CorruptCheckpointError, StorageError
 from . import endpoint
+from .azure_backend import trimmed
 from .backend import BackendError, NotFound, RangeNotSatisfiable, Stalled, Transient
 
 
@@ -169,6 +170,8 @@ class Describer:
         if isinstance(exc, (Stalled, asyncio.TimeoutError, TimeoutError)):
             return f"no response for {self._timeout:g} s (stalled)"
         text = str(exc) if isinstance(exc, BackendError) else f"{type(exc).__name__}: {exc}"
+        if self.store == "azure":
+            text = trimmed(text)  # the Azure SDK's errors (adlfs) carry the service's whole XML body
         why = endpoint.hint(exc, self.endpoint, self.store)
         return self.scrub(f"{text}: {why}" if why else text)
 
