@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import os
 import statistics
 import tempfile
 import time
@@ -83,7 +84,9 @@ def measure(label: str, uri: str, opts: dict[str, Any], sd: dict[str, torch.Tens
     ckpt = f"{uri}/ckpt"
     row: dict[str, Any] = {"store": label}
     row["raw_put"] = _median_rate(nbytes, lambda: raw_put(uri, opts, blob, nbytes), repeats)
-    row["save"] = _median_rate(nbytes, lambda: sc.save(sd, ckpt, storage_options=opts, overwrite=True), repeats)
+    runs = iter(range(repeats))  # a fresh prefix per save (localbucket has no multi-object delete)
+    row["save"] = _median_rate(nbytes, lambda: sc.save(sd, f"{uri}/save-{next(runs)}", storage_options=opts), repeats)
+    sc.save(sd, ckpt, storage_options=opts)
     stored = raw_get(ckpt, opts)
     row["raw_get"] = _median_rate(stored, lambda: raw_get(ckpt, opts), repeats)
     out = {k: torch.empty_like(v) for k, v in sd.items()}
@@ -108,6 +111,12 @@ def main() -> None:
         with BenchServer(Path(tmp)) as s3:
             rows.append(measure(f"s3:// ({s3.kind})", f"s3://{BUCKET}/az-bench", s3.storage_options, sd,
                                 args.repeats))
+            os.environ["STREAMCKPT_S3_BACKEND"] = "obstore"  # the same client as az:// reads with
+            try:
+                rows.append(measure(f"s3:// ({s3.kind})", f"s3://{BUCKET}/az-bench-obstore", s3.storage_options,
+                                    sd, args.repeats))
+            finally:
+                del os.environ["STREAMCKPT_S3_BACKEND"]
         with LocalAzure() as az:
             az.make_container(BUCKET)
             rows.append(measure("az:// (Azurite)", f"az://{BUCKET}/az-bench", az.storage_options, sd, args.repeats))

@@ -80,14 +80,19 @@ def test_round_trip_reads_natively_with_exact_bytes(az_uri: str, az_opts: dict[s
     assert st.size("data/00000-0000.safetensors") == info.files["data/00000-0000.safetensors"]
 
 
-def test_account_name_and_key_with_endpoint_url_reach_the_emulator(azure: LocalAzure, az_uri: str) -> None:
+def test_account_name_and_key_with_endpoint_url_reach_the_emulator(backend: str, azure: LocalAzure,
+                                                                   az_uri: str) -> None:
     """adlfs could not (it forces https://{account}.blob.core.windows.net); both backends can now."""
     opts = {"account_name": ACCOUNT, "account_key": ACCOUNT_KEY, "endpoint_url": azure.blob_endpoint}
     t = torch.arange(24, dtype=torch.float32)
     sc.save({"t": t}, az_uri, storage_options=opts)
     assert torch.equal(sc.load_full(az_uri, storage_options=opts)["t"], t)
+    via_host = {"account_name": ACCOUNT, "account_key": ACCOUNT_KEY, "account_host": azure.blob_endpoint}
+    assert torch.equal(sc.load_full(az_uri, storage_options=via_host)["t"], t)
     via_cs = {"connection_string": azure.connection_string}
     assert torch.equal(sc.load_full(az_uri, storage_options=via_cs)["t"], t)
+    native = backend == "obstore"
+    assert isinstance(Storage(az_uri, opts)._reader.backend, AzureBackend) == native
 
 
 def test_environment_connection_string_is_used(azure: LocalAzure, az_uri: str,

@@ -167,11 +167,16 @@ def endpoint_of(options: dict[str, Any], account_from_uri: str | None = None) ->
 
 
 def adlfs_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The options for adlfs: an ``endpoint_url`` (which adlfs does not know) becomes the
+    """The options for adlfs: an ``endpoint_url`` (which adlfs does not know; or an ``account_host``
+    with a scheme, which it would break) becomes the
     ``BlobEndpoint`` of a connection string with the account's credentials, so both
     backends reach the same server."""
     out = {k: v for k, v in options.items() if k != "endpoint_url"}
     ep = options.get("endpoint_url")
+    host = str(options.get("account_host") or "")
+    if not ep and "://" in host:  # adlfs would put https:// in front of it
+        ep = host
+        out.pop("account_host")
     if not ep or "connection_string" in options:
         return out
     parts = [f"AccountName={out.pop('account_name', None) or os.environ.get(_ENV['account_name'], '')}",
