@@ -125,7 +125,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['store']} | {r['read_backend']} | {r['raw_put']:.0f} | {r['save']:.0f} | "
-              f"{r['save'] / r['raw_put']:.2f} | {r['raw_get']:.0f} | {r['load']:.0f} | {r['load'] / r['raw_get']:.2f} |")
+              f"{r['save'] / r['raw_put']:.2f} | {r['raw_get']:.0f} | {r['load']:.0f} | "
+              f"{r['load'] / r['raw_get']:.2f} |")
 
 
 if __name__ == "__main__":
