@@ -4,9 +4,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.streamckpt-installed
 
-.PHONY: venv demo test test-slow test-gpu test-all clean-venv
+.PHONY: venv azurite demo test test-slow test-gpu test-all clean-venv
 
 venv: $(STAMP)
+
+# Azurite (the Azure Blob emulator of the az:// tests) from the npm registry into
+# ~/.cache/streamckpt, once per machine (about a minute); without node/npm it says so
+# and the az:// tests skip.
+azurite: venv
+	$(BIN)/python -m streamckpt.testing.azureserver --install
 
 # Re-installs when pyproject.toml changes. torch is installed first and pinned:
 # the CPU wheel lies on this machine's disk, an unpinned torch pulls a CUDA build.
@@ -22,11 +28,11 @@ demo: venv
 
 # The default suite (pyproject's addopts deselect `slow`). pytest's exit status is make's:
 # a run that collects no test exits 5 and fails, as a suite that tests nothing must.
-test: venv
+test: venv azurite
 	$(BIN)/python -m pytest -q
 
 # Only the slow tests (long fault injections, the harness's own hang checks).
-test-slow: venv
+test-slow: venv azurite
 	$(BIN)/python -m pytest -q -m slow
 
 # Only the GPU tests (skipped without CUDA; -rs prints why).
@@ -34,7 +40,7 @@ test-gpu: venv
 	$(BIN)/python -m pytest -q -m gpu -rs
 
 # Everything: the default suite, the slow tests and (with CUDA) the GPU tests.
-test-all: venv
+test-all: venv azurite
 	$(BIN)/python -m pytest -q -m "slow or not slow"
 
 clean-venv:

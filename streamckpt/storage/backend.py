@@ -31,11 +31,13 @@ class BackendError(Exception):
 
 
 class NotFound(BackendError):
-    """The object (or, with ``bucket`` set, its whole bucket/container) does not exist."""
+    """The object (or, with ``bucket`` set, its whole bucket/container) does not exist;
+    ``kind`` is what the store calls a bucket (Azure: ``container``), for messages."""
 
-    def __init__(self, message: str, *, bucket: str | None = None) -> None:
+    def __init__(self, message: str, *, bucket: str | None = None, kind: str = "bucket") -> None:
         super().__init__(message)
         self.bucket = bucket
+        self.kind = kind
 
 
 class Transient(BackendError):

@@ -9,20 +9,30 @@ names what to check.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
-from typing import Any
+import re
+import socket
+from typing import Any, Awaitable, TypeVar
 from urllib.parse import urlsplit
 
 from ..errors import StorageError
+from .backend import Transient
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 REFUSED_ATTEMPTS = 2  # a refused connection is an absent server, not a slow one: one retry at most
 _REFUSED = ("connection refused", "could not connect to the endpoint", "errno 111", "actively refused",
             "connect call failed", "cannot connect to host",
             "connectionrefused")
 _NO_CREDENTIALS = ("unable to locate credentials", "nocredentialserror", "no credentials")
+AZURE_DENIED_HINT = ("access denied: check the credentials (account_name with account_key or sas_token, the "
+                     "AccountKey= or SharedAccessSignature= of connection_string, or the AZURE_STORAGE_* variables) "
+                     "and the container's permissions for this URI")
+_AZURE_DENIED = ("failed to authenticate", "authorizationfailure", "authenticationfailed", "authorizationpermissionmismatch",
+                 "403", "forbidden")
 _DENIED = ("accessdenied", "access denied", "403 forbidden", "status: 403", "permissiondenied",
            "invalidaccesskeyid", "signaturedoesnotmatch", "forbidden")
 
@@ -68,6 +78,11 @@ def endpoint_of(options: dict[str, Any]) -> str | None:
     return str(found) if found else None
 
 
+def public(url: str) -> str:
+    """An endpoint as messages may show it: no user:password@ part, no query string (a SAS)."""
+    return re.sub(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)?[^/@]*@", r"\1", str(url).split("?", 1)[0])
+
+
 def _text(exc: BaseException) -> str:
     parts, e, seen = [], exc, 0
     while e is not None and seen < 8:  # the exception and what it wraps
@@ -81,13 +96,18 @@ def refused(exc: BaseException) -> bool:
     return isinstance(exc, ConnectionRefusedError) or any(s in _text(exc) for s in _REFUSED)
 
 
-def hint(exc: BaseException, endpoint: str | None) -> str:
-    """What to check, for the failures a user causes; "" for the others."""
+def hint(exc: BaseException, endpoint: str | None, store: str = "s3") -> str:
+    """What to check, for the failures a user causes; "" for the others. ``store`` picks
+    the words: ``"azure"`` names Azure's options (its backend explains denials itself)."""
     text = _text(exc)
     if refused(exc):
         where = f"at {endpoint}" if endpoint else "at the store's endpoint"
-        return (f"nothing accepted a connection {where}: check endpoint_url (is a server listening "
-                f"there, on that port?)")
+        option = ("the endpoint (endpoint_url, account_host or the BlobEndpoint of connection_string)"
+                  if store == "azure" else "endpoint_url")
+        return f"nothing accepted a connection {where}: check {option} (is a server listening there, on that port?)"
+    if store == "azure":
+        denied = any(s in text for s in _AZURE_DENIED) and AZURE_DENIED_HINT.lower() not in text
+        return AZURE_DENIED_HINT if denied else ""
     if any(s in text for s in _NO_CREDENTIALS):
         return ("no credentials found: pass storage_options={'key': ..., 'secret': ...}, set "
                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or anon=True for a public bucket")
@@ -99,3 +119,101 @@ def hint(exc: BaseException, endpoint: str | None) -> str:
 def is_panic(exc: BaseException) -> bool:
     """A native client's panic (pyo3's ``PanicException`` derives from BaseException)."""
     return type(exc).__name__ == "PanicException"
+
+
+# ------------------------------------------------------------------ the refused-connection probe
+
+
+class EndpointProbe:
+    """A plain TCP connect to the endpoint beside a client's calls until the endpoint has
+    answered once, so that a refused connection fails in milliseconds.
+
+    Why: gcsfs retries a refused connect inside each call for 30 s and more, and cannot be
+    told that "refused" is not a slow store. The probe runs concurrently (it costs the first
+    call nothing) and only for an explicit endpoint; once it connects, calls run bare.
+    """
+
+    def __init__(self, endpoint: str | None, timeout: float) -> None:
+        self.endpoint = endpoint
+        self._timeout = timeout
+        self._address = _address(endpoint)
+        self._answered = self._address is None
+        self._pending: asyncio.Future[bool | None] | None = None
+
+    async def guard(self, call: Awaitable[T]) -> T:
+        """Await ``call``; raise ``Transient`` (a refused connection) instead if the probe is refused first."""
+        if self._answered:
+            return await call
+        task = asyncio.ensure_future(call)
+        probe = self._probe()
+        try:
+            done, _ = await asyncio.wait({task, probe}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            await _cancel(task)
+            raise
+        if task not in done and probe.result() is False:
+            await _cancel(task)
+            raise Transient("ConnectionRefusedError: connection refused")
+        return await task
+
+    def _probe(self) -> "asyncio.Future[bool | None]":
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._connect())
+        return self._pending
+
+    async def _connect(self) -> bool | None:
+        """True: connected; False: every address refused; None: could not tell (the client will)."""
+        if self._address is None:
+            return None
+        host, port = self._address
+        try:
+            found = await asyncio.wait_for(_connect_any(host, port), self._timeout)
+        except Exception:  # noqa: BLE001 - the probe only helps: without an answer the client tells
+            found = None
+        if found:
+            self._answered = True
+        else:
+            self._pending = None  # ask again on the next call: the server may have come up
+        return found
+
+
+def _address(endpoint: str | None) -> tuple[str, int] | None:
+    if not endpoint:
+        return None
+    try:
+        url = urlsplit(endpoint)
+        port = url.port or (443 if url.scheme == "https" else 80)
+    except ValueError:
+        return None
+    return (url.hostname, port) if url.hostname else None
+
+
+async def _connect_any(host: str, port: int) -> bool | None:
+    """Connect to each address of ``host``; False only when all of them refuse."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    refusals = 0
+    for family, kind, proto, _, addr in infos:
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, addr)
+            return True
+        except ConnectionRefusedError:
+            refusals += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return False if infos and refusals == len(infos) else None
+
+
+async def _cancel(task: "asyncio.Future[Any]") -> None:
+    """Cancel a client call and wait for it to end, its outcome retrieved."""
+    task.cancel()
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()

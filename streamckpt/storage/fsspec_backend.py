@@ -18,6 +18,7 @@ from typing import Any, Awaitable, TypeVar
 from ..errors import close_to
 from .backend import (Backend, BackendError, Fetched, NotFound, ObjectInfo, PartSink, Permanent, RangeNotSatisfiable,
                       Stalled, TooLarge, Transient, WorkerThreads)
+from .endpoint import EndpointProbe
 
 T = TypeVar("T")
 
@@ -29,6 +30,7 @@ _TRANSIENT_WORDS = (
 _FATAL_WORDS = ("credential", "accessdenied", "access denied", "forbidden", "paramvalidation", "invalidaccesskey",
                 "signaturedoesnotmatch")
 _MISSING_BUCKET_WORDS = ("nosuchbucket", "the specified bucket does not exist", "bucket does not exist")
+_MISSING_CONTAINER_WORDS = ("containernotfound", "the specified container does not exist")  # Azure's SDK
 
 
 def http_status(exc: BaseException) -> int | None:
@@ -42,7 +44,7 @@ def http_status(exc: BaseException) -> int | None:
             status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if isinstance(status, int):
                 return status
-        code = getattr(e, "code", None) or getattr(e, "status", None)
+        code = getattr(e, "code", None) or getattr(e, "status", None) or getattr(e, "status_code", None)
         if isinstance(code, int) and 100 <= code < 600:
             return code
         e = e.__cause__ or e.__context__
@@ -57,6 +59,12 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
 
         found += [HTTPClientError, ResponseStreamingError]
     except ImportError:  # pragma: no cover - s3fs not installed
+        pass
+    try:
+        from azure.core.exceptions import ServiceRequestError, ServiceResponseError
+
+        found += [ServiceRequestError, ServiceResponseError]  # adlfs: no connection, or no (whole) response
+    except ImportError:  # pragma: no cover - adlfs not installed
         pass
     try:
         import aiohttp
@@ -90,6 +98,9 @@ def classify(exc: BaseException, path: str) -> BackendError:
     bucket = missing_bucket(text, path)
     if bucket is not None:
         return NotFound(text, bucket=bucket)
+    if any(w in text.lower() for w in _MISSING_CONTAINER_WORDS):
+        container = path.split("/", 1)[0]
+        return NotFound(f"container {container!r} does not exist", bucket=container, kind="container")
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return Stalled(text)
     if isinstance(exc, (FileNotFoundError, NotADirectoryError)):
@@ -187,16 +198,19 @@ class FsspecBackend(Backend):
 
     name = "fsspec"
 
-    def __init__(self, fs: Any, request_timeout: float, max_concurrency: int) -> None:
+    def __init__(self, fs: Any, request_timeout: float, max_concurrency: int, endpoint: str | None = None) -> None:
         self.fs = fs
         self.request_timeout = request_timeout
         self.is_async = bool(getattr(fs, "async_impl", False))
         self.threads = WorkerThreads(min(max_concurrency, 16), "streamckpt-io")
+        # An explicit endpoint is probed beside the client's calls until it answers: a refused
+        # connection then fails at once, not after the client's own retries (gcsfs: 30 s and more).
+        self.probe = EndpointProbe(endpoint, request_timeout)
 
     async def _do(self, path: str, name: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """``fs.<name>`` (the coroutine ``fs._<name>`` on an async filesystem), errors classified."""
         if self.is_async:
-            return await classified(path, getattr(self.fs, f"_{name}")(*args, **kwargs), timeout)
+            return await classified(path, self.probe.guard(getattr(self.fs, f"_{name}")(*args, **kwargs)), timeout)
         return await classified(path, self.threads.run(lambda: getattr(self.fs, name)(*args, **kwargs)))
 
     async def fetch(self, path: str, start: int, buf: memoryview, *, want_meta: bool = False) -> Fetched:
@@ -236,7 +250,8 @@ class FsspecBackend(Backend):
         if not found and set(_protocols(self.fs)) & _BUCKET_STORES:
             bucket = path.split("/", 1)[0]  # gcsfs and adlfs list a missing bucket as empty: ask it
             if not await self._do(bucket, "exists", bucket):
-                raise NotFound(f"bucket {bucket!r} does not exist", bucket=bucket)
+                kind = "container" if set(_protocols(self.fs)) & {"az", "abfs", "abfss"} else "bucket"
+                raise NotFound(f"{kind} {bucket!r} does not exist", bucket=bucket, kind=kind)
         return found
 
     async def get_whole(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:

@@ -132,6 +132,7 @@ class ObstoreBackend(Backend):
     name = "obstore"
     holds_bodies = True
     piece_size = PIECE
+    client_label = "the S3 client"  # for the message of a panic
 
     def __init__(self, config: dict[str, Any], request_timeout: float, client_attempts: int,
                  max_concurrency: int, write_attempts: int = 24, write_timeout: float = 45.0) -> None:
@@ -152,11 +153,10 @@ class ObstoreBackend(Backend):
                 s = self._stores[(bucket, writes)] = self._make_store(bucket, writes)
             return s
 
-    def _make_store(self, bucket: str, writes: bool = False) -> Any:
-        from obstore.store import S3Store
-
+    def client_options(self) -> dict[str, Any]:
+        """obstore client options: the policy's stall timeout, a trickle backstop, a pool per host."""
         timeout = timedelta(seconds=self.request_timeout)
-        client = {
+        return {
             "allow_http": str(self.config.get("endpoint", "")).startswith("http://"),
             "connect_timeout": timeout,
             # A stalled response (head or between body chunks) fails after this, as with s3fs's read_timeout.
@@ -165,18 +165,30 @@ class ObstoreBackend(Backend):
             "timeout": timedelta(seconds=max(60.0, 4 * self.request_timeout)),
             "pool_max_idle_per_host": str(max(10, self.max_concurrency)),
         }
-        retry = {
+
+    def retry_config(self, writes: bool) -> dict[str, Any]:
+        """obstore's own retries: ``client_attempts`` per read; the policy's whole budget for a writer's parts."""
+        return {
             "max_retries": max(0, (self.write_attempts if writes else self.client_attempts) - 1),
-            "retry_timeout": timedelta(seconds=self.write_timeout) if writes else timeout,
+            "retry_timeout": timedelta(seconds=self.write_timeout if writes else self.request_timeout),
             "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=1),
                         "base": 2},
         }
+
+    def _make_store(self, bucket: str, writes: bool = False) -> Any:
+        from obstore.store import S3Store
+
+        client = self.client_options()
         config = dict(self.config)
         if writes and not client["allow_http"]:
             # Over TLS the transport already protects the body (and the manifest's CRC32C checks it at
             # load): skip SigV4's SHA-256 of every upload, as the AWS SDKs do over HTTPS.
             config["unsigned_payload"] = True
-        return S3Store(bucket, config=config, client_options=client, retry_config=retry)
+        return S3Store(bucket, config=config, client_options=client, retry_config=self.retry_config(writes))
+
+    def translate(self, e: BaseException, bucket: str) -> BackendError:
+        """This client's exceptions as the policy's kinds."""
+        return translate(e, bucket)
 
     async def _run(self, path: str, fn: Any, *args: Any) -> Any:
         bucket, _, key = path.partition("/")
@@ -187,10 +199,10 @@ class ObstoreBackend(Backend):
             except BackendError:
                 raise
             except Exception as e:  # noqa: BLE001 - classified
-                raise translate(e, bucket) from None
+                raise self.translate(e, bucket) from None
             except BaseException as e:  # a Rust panic is a BaseException: never let it out
                 if endpoint.is_panic(e):
-                    raise Permanent(f"the S3 client failed: {str(e).splitlines()[0]}") from None
+                    raise Permanent(f"{self.client_label} failed: {str(e).splitlines()[0]}") from None
                 raise
 
         return await self.threads.run(call)
@@ -362,10 +374,10 @@ class ObstoreSink(PartSink):
             except BackendError:
                 raise
             except Exception as e:  # noqa: BLE001 - classified
-                raise translate(e, self._bucket) from None
+                raise self._b.translate(e, self._bucket) from None
             except BaseException as e:  # a Rust panic is a BaseException: never let it out
                 if endpoint.is_panic(e):
-                    raise Permanent(f"the S3 client failed: {str(e).splitlines()[0]}") from None
+                    raise Permanent(f"{self._b.client_label} failed: {str(e).splitlines()[0]}") from None
                 raise
 
         return await self._b.threads.run(call)
@@ -373,16 +385,17 @@ class ObstoreSink(PartSink):
     async def put_whole(self, data: memoryview) -> None:
         import obstore
 
-        store = self._b.store(self._bucket, writes=True)
-        # No copy: ``put`` returns only once the request is done with the caller's buffer.
-        await self._call(lambda: obstore.put(store, self._key, data, use_multipart=False))
+        # No copy: ``put`` returns only once the request is done with the caller's buffer. The store
+        # is looked up in the worker thread too: making one may connect (``AzureBackend``'s probe).
+        await self._call(lambda: obstore.put(self._b.store(self._bucket, writes=True), self._key, data,
+                                             use_multipart=False))
 
     async def start(self) -> None:
         import obstore
 
-        store = self._b.store(self._bucket, writes=True)
         self._writer = await self._call(lambda: obstore.open_writer(
-            store, self._key, buffer_size=self.PART, max_concurrency=self.WRITE_CONCURRENCY))
+            self._b.store(self._bucket, writes=True), self._key, buffer_size=self.PART,
+            max_concurrency=self.WRITE_CONCURRENCY))
 
     async def put_part(self, number: int, offset: int, data: memoryview) -> Any:
         w = self._writer

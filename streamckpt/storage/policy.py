@@ -14,10 +14,12 @@ import os
 import random
 import time
 from collections import Counter
+import re
 from dataclasses import dataclass
 
 from ..errors import CorruptCheckpointError, StorageError
 from . import endpoint
+from .azure_backend import trimmed
 from .backend import BackendError, NotFound, RangeNotSatisfiable, Stalled, Transient
 
 
@@ -141,15 +143,19 @@ class Mismatches:
                 "bytes corrupted in transit, not at rest)")
 
 
+_SIGNATURE = re.compile(r"((?:[?&;]|\b)(?:sig|AccountKey|SharedAccessSignature)=)[^&;\s\"'<>]+", re.I)
+
+
 class Describer:
     """User-facing names and messages for one storage prefix: no credentials, one vocabulary."""
 
     def __init__(self, public_uri: str, secrets: tuple[str, ...], request_timeout: float,
-                 endpoint: str | None = None) -> None:
+                 endpoint: str | None = None, store: str = "s3") -> None:
         self.public_uri = public_uri
         self._secrets = secrets
         self._timeout = request_timeout
         self.endpoint = endpoint
+        self.store = store  # whose words the hints use: "s3" (also gs://, ...) or "azure"
 
     def name(self, name: str) -> str:
         return f"{self.public_uri.rstrip('/')}/{name}"
@@ -157,19 +163,22 @@ class Describer:
     def scrub(self, text: str) -> str:
         for s in self._secrets:
             text = text.replace(s, "***")
-        return text
+        # A signed URL's signature and a connection string's key, wherever they come from.
+        return _SIGNATURE.sub(r"\1***", text)
 
     def error(self, exc: BaseException) -> str:
         if isinstance(exc, (Stalled, asyncio.TimeoutError, TimeoutError)):
             return f"no response for {self._timeout:g} s (stalled)"
         text = str(exc) if isinstance(exc, BackendError) else f"{type(exc).__name__}: {exc}"
-        why = endpoint.hint(exc, self.endpoint)
+        if self.store == "azure":
+            text = trimmed(text)  # the Azure SDK's errors (adlfs) carry the service's whole XML body
+        why = endpoint.hint(exc, self.endpoint, self.store)
         return self.scrub(f"{text}: {why}" if why else text)
 
 
 def not_found_message(describe: Describer, name: str, exc: NotFound, doing: str = "reading") -> str:
     if exc.bucket is not None:
-        fix = "check the URI" if doing == "reading" else "check the URI, or create the bucket first"
-        return f"bucket {exc.bucket!r} does not exist ({doing} {describe.name(name)}): {fix}"
+        fix = "check the URI" if doing == "reading" else f"check the URI, or create the {exc.kind} first"
+        return f"{exc.kind} {exc.bucket!r} does not exist ({doing} {describe.name(name)}): {fix}"
     return f"{describe.name(name)} does not exist"
 

@@ -25,7 +25,7 @@ import fsspec.asyn
 from fsspec.core import url_to_fs
 
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
-from . import endpoint, httpget, obstore_backend
+from . import azure_backend, endpoint, httpget, obstore_backend
 from .backend import Backend, NotFound
 from .fsspec_backend import FsspecBackend
 from .local_backend import LocalBackend
@@ -45,7 +45,7 @@ PART_SIZE = 8 << 20  # upload part size (larger when an object's size hint needs
 PARTS_IN_FLIGHT = 4  # upload part buffers per object, the one being filled included (4 x 8 MiB = 32 MiB)
 MAX_PARTS = 9_000
 ENTRY_SUFFIXES = (".safetensors", ".safetensors.index.json")  # objects a URI may name for a checkpoint
-_SECRET_OPTION = re.compile(r"(secret|token|password|passwd|key|credential|sas|signature)", re.I)
+_SECRET_OPTION = re.compile(r"(secret|token|password|passwd|key|credential|sas|signature|connection_string)", re.I)
 
 
 class Storage:
@@ -60,9 +60,11 @@ class Storage:
             raise CheckpointError(f"storage_options must be a dict of fsspec options (such as {{'endpoint_url': "
                                f"'http://127.0.0.1:9000'}}), not {type(storage_options).__name__}")
         opts = endpoint.normalize(dict(storage_options or {}))
-        self._describe = Describer(_public(self.uri), _secrets_of(opts), self.policy.request_timeout,
-                                   endpoint.endpoint_of(opts))
         self._protocol = fsspec.core.split_protocol(self.uri)[0] or "file"
+        azure = self._protocol in azure_backend.PROTOCOLS
+        secrets = _secrets_of(opts, azure_backend.secrets_of(opts) if azure else [])
+        self._describe = Describer(_public(self.uri), secrets, self.policy.request_timeout,
+                                   endpoint.endpoint_of(opts), store="azure" if azure else "s3")
         self._fs_options = opts
         self._writer: Backend | None = None
         self._s3fs_backend: S3fsBackend | None = None
@@ -87,11 +89,14 @@ class Storage:
                 return ob  # s3fs and its botocore client (~0.2 s to start) are not needed
             self._writer = S3fsBackend(self._open_fs(), self.policy.request_timeout, self.max_concurrency)
             return self._writer
+        if self._protocol in azure_backend.PROTOCOLS:
+            return self._open_azure(opts)
         if self._protocol in _LOCAL_PROTOCOLS and "::" not in self.uri:
             self.root = fsspec.implementations.local.LocalFileSystem._strip_protocol(self.uri).rstrip("/")
             self._writer = LocalBackend(self.max_concurrency)
             return self._writer
-        self._writer = FsspecBackend(self._open_fs(), self.policy.request_timeout, self.max_concurrency)
+        self._writer = FsspecBackend(self._open_fs(), self.policy.request_timeout, self.max_concurrency,
+                                     self._describe.endpoint)
         return self._writer
 
     def _open_fs(self) -> Any:
@@ -101,6 +106,34 @@ class Storage:
             raise StorageError(f"cannot open {self._describe.public_uri}: {self._describe.scrub(str(e))}") from None
         self.root = str(root).rstrip("/")
         return fs
+
+    def _open_azure(self, opts: dict[str, Any]) -> Backend:
+        """obstore's AzureStore when the options map onto it, else adlfs with the SDK's retries off."""
+        try:
+            wanted = azure_backend.requested_backend()
+        except ValueError as e:
+            raise StorageError(str(e)) from None
+        self.root, account = azure_backend.split_root(self.uri.split("://", 1)[1].strip("/"))
+        config = None
+        if wanted != "adlfs" and "?" not in self.uri and "::" not in self.uri:
+            try:
+                config = azure_backend.azure_config(opts, account)
+            except obstore_backend.NotConfigurable as e:
+                (log.warning if wanted == "obstore" else log.debug)(
+                    "%s goes through adlfs: obstore cannot reproduce %s", self._describe.public_uri, e)
+        if config is not None:
+            self._describe.endpoint = endpoint.public(config["endpoint"])
+            return azure_backend.AzureBackend(
+                config, self.policy.request_timeout, self.policy.client_attempts, self.max_concurrency,
+                write_attempts=self.policy.max_attempts * self.policy.client_attempts,
+                write_timeout=self.policy.total_timeout)
+        self._fs_options = azure_backend.adlfs_options(opts)
+        fs = self._open_fs()
+        azure_backend.quiet_sdk_retries(fs)
+        self.root = azure_backend.split_root(self.root)[0]
+        self._describe.endpoint = azure_backend.endpoint_of(opts, account)
+        self._writer = FsspecBackend(fs, self.policy.request_timeout, self.max_concurrency, self._describe.endpoint)
+        return self._writer
 
     def _pick_obstore(self, opts: dict[str, Any]) -> ObstoreBackend | None:
         """The obstore client (or its ``http.client`` range reader) for these options, or None to read through s3fs."""
@@ -165,7 +198,11 @@ class Storage:
         """An fsspec filesystem for this store (s3fs, gcsfs, local, ...), created on first use."""
         if self._protocol in _S3_PROTOCOLS:
             return self._s3fs().fs
-        return getattr(self._write_backend, "fs", None) or fsspec.filesystem("file")
+        found = getattr(self._write_backend, "fs", None)
+        if found is None and self._protocol in azure_backend.PROTOCOLS:
+            fs, _ = url_to_fs(self.uri, **azure_backend.adlfs_options(self._fs_options))  # adlfs beside obstore
+            return fs
+        return found or fsspec.filesystem("file")
 
     @property
     def read_backend(self) -> str:
@@ -373,8 +410,8 @@ class Storage:
         if size_hint:
             block_size = max(block_size, -(-size_hint // MAX_PARTS))
         sink = self._write_backend.sink(self.path(name))
-        if hasattr(sink, "on_abort"):
-            sink.on_abort = self._abort_uploads
+        if hasattr(sink, "on_abort") and self._protocol in _S3_PROTOCOLS:
+            sink.on_abort = self._abort_uploads  # Azure drops uncommitted blocks by itself
         return Upload(sink, name, self.describe(name), loop=self._loop,
                       call=self._reader.call, once=self._reader.once, part_size=block_size,
                       parts_in_flight=parts_in_flight)
@@ -433,9 +470,9 @@ def _public(uri: str) -> str:
     return re.sub(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@", r"\1", uri)
 
 
-def _secrets_of(options: dict[str, Any]) -> tuple[str, ...]:
-    """String values of options that look like credentials (to scrub from messages)."""
-    found: list[str] = []
+def _secrets_of(options: dict[str, Any], extra: Sequence[str] = ()) -> tuple[str, ...]:
+    """String values of options that look like credentials (to scrub from messages), and ``extra``."""
+    found: list[str] = list(extra)
 
     def walk(d: dict[str, Any]) -> None:
         for k, v in d.items():

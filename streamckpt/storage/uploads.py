@@ -141,8 +141,8 @@ class Upload:
             raise
         except NotFound as e:
             if e.bucket is not None:  # the caller's URI is wrong, not the store
-                raise CheckpointNotFoundError(f"bucket {e.bucket!r} does not exist (writing {self.where}): "
-                                              f"check the URI, or create the bucket first") from None
+                raise CheckpointNotFoundError(f"{e.kind} {e.bucket!r} does not exist (writing {self.where}): "
+                                              f"check the URI, or create the {e.kind} first") from None
             raise StorageError(f"writing {self.where} failed: {e}") from None
         except Exception as e:  # noqa: BLE001 - a sink failing outside the policy's kinds
             raise StorageError(f"writing {self.where} failed: {type(e).__name__}: {e}") from None

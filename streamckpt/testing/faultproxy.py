@@ -27,6 +27,12 @@ the body faults (``short``, ``flip``) touch only media bodies (a metadata reply
 is GCS's HEAD), ``slowdown`` answers GCS's 503 JSON error, resumable-upload
 ``Location`` headers are pointed back at the proxy, and ``storage_options`` are
 gcsfs options.
+
+``api="azure"`` puts it in front of Azurite (``LocalAzure``; give it the server's origin,
+``LocalAzure.endpoint_url``): object requests are ``/<account>/<container>/<blob>``
+(container calls such as listings are not), ``slowdown`` answers Azure's 503
+``ServerBusy``, and ``storage_options`` are a connection string for the development
+account through the proxy.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
-from . import gcsserver
+from . import azureserver, gcsserver
 from .s3server import options_for
 
 log = logging.getLogger(__name__)
@@ -62,7 +68,14 @@ _GCS_503_BODY = (
     b'{"error": {"code": 503, "message": "Backend Error", "errors": '
     b'[{"message": "Backend Error", "domain": "global", "reason": "backendError"}]}}'
 )
-APIS = ("s3", "gcs")
+# What Azure Blob Storage answers when it sheds load.
+_AZURE_503_BODY = (
+    b'<?xml version="1.0" encoding="utf-8"?><Error><Code>ServerBusy</Code>'
+    b"<Message>The server is busy.</Message></Error>"
+)
+APIS = ("s3", "gcs", "azure")
+_SAS_PARAMS = frozenset({"sv", "ss", "srt", "sp", "se", "st", "spr", "sig", "sr", "si", "skoid", "sktid", "skt", "ske",
+                         "sks", "skv", "sdd", "rscc", "rscd", "rsce", "rscl", "rsct"})
 
 
 class FaultProxy:
@@ -71,7 +84,7 @@ class FaultProxy:
     ``faults``: kinds to inject, as an iterable (equal weights) or a mapping
     kind -> weight. ``rate``: the fraction of eligible requests that get a fault
     (may be changed while running). ``counts``: faults actually injected, by kind.
-    ``api``: the upstream's protocol, ``"s3"`` or ``"gcs"`` (see the module docstring).
+    ``api``: the upstream's protocol, ``"s3"``, ``"gcs"`` or ``"azure"`` (see the module docstring).
     """
 
     def __init__(
@@ -165,9 +178,11 @@ class FaultProxy:
     @property
     def storage_options(self) -> dict[str, Any]:
         """Client options through this proxy: s3fs with the local test server's dummy
-        credentials, or gcsfs (anonymous) with ``api="gcs"``."""
+        credentials, gcsfs (anonymous) with ``api="gcs"``, Azurite's development account with ``api="azure"``."""
         if self.api == "gcs":
             return gcsserver.options_for(self.endpoint_url)
+        if self.api == "azure":
+            return azureserver.options_for(f"{self.endpoint_url}/{azureserver.ACCOUNT}")
         return options_for(self.endpoint_url)
 
     @property
@@ -221,6 +236,8 @@ class FaultProxy:
             if segments[:1] == ["upload"]:
                 return len(segments) >= 2 and segments[-1] == "o" and segments[-3] == "b"
             return any(segments[i] == "b" and segments[i + 2] == "o" for i in range(len(segments) - 3))
+        if self.api == "azure":
+            return len(segments) >= 3  # /account/container/blob
         return len(segments) >= 2  # /bucket/key
 
     def _has_body(self, method: str, path: str, status: int) -> bool:
@@ -234,6 +251,9 @@ class FaultProxy:
     def _slowdown_reply(self) -> tuple[str, list[tuple[str, str]], bytes]:
         if self.api == "gcs":
             return "Service Unavailable", [("Content-Type", "application/json")], _GCS_503_BODY
+        if self.api == "azure":
+            return "Server Busy", [("Content-Type", "application/xml"), ("x-ms-error-code", "ServerBusy")], \
+                _AZURE_503_BODY
         return "Slow Down", [("Content-Type", "application/xml")], _SLOWDOWN_BODY
 
     def _rewrite_reply_headers(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -246,8 +266,17 @@ class FaultProxy:
             for k, v in headers
         ]
 
+    def _same_request(self, path: str) -> str:
+        """What makes requests "the same" for ``max_repeats``: the path, less the parameters of an
+        Azure SAS (a signed URL signs each request anew, so its query changes every time)."""
+        if self.api != "azure" or "?" not in path:
+            return path
+        base, _, query = path.partition("?")
+        kept = [p for p in query.split("&") if p.split("=", 1)[0] not in _SAS_PARAMS]
+        return f"{base}?{'&'.join(kept)}" if kept else base
+
     def _decide(self, method: str, path: str, rng_range: str) -> tuple[str | None, tuple[str, str, str], random.Random]:
-        key = (method, path, rng_range)
+        key = (method, self._same_request(path), rng_range)
         with self._lock:
             self._requests += 1
             if not self._eligible(method, path) or self._streak.get(key, 0) >= self.max_repeats:
