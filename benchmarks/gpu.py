@@ -190,11 +190,11 @@ def load_and_save(total: int, dev: torch.device, ceiling: float, root: Path, out
         shutil.rmtree(dest, ignore_errors=True)
 
 
-def stall(nbytes: int, device: str, root: Path, out: Summary, report: list[str]) -> None:
+def stall(nbytes: int, device: str, root: Path, out: Summary, report: list[str], deadline: float) -> None:
     from . import stall as st
 
     need_space(root, 4 * nbytes)
-    reports = st.measure(nbytes, device, "file", st.SAVERS, st.LOOPS, root / "stall")
+    reports = st.measure(nbytes, device, "file", st.SAVERS, st.LOOPS, root / "stall", deadline=deadline)
     report += st.render(reports, ["--size", f"{nbytes >> 20}MiB", "--device", device, "--target", "file"])
     for r in reports:
         for w in r.windows:
@@ -236,17 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     print(head[0], flush=True)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-", dir=args.work))
+    t0 = time.perf_counter()
     stall_lines: list[str] = []
     ceiling = [0.0]
     parts: list[tuple[str, Callable[[], None]]] = [
         ("h2d", lambda: ceiling.__setitem__(0, h2d(total, dev, out))),
         ("d2h", lambda: d2h(total, dev, out)),
         ("load-save", lambda: load_and_save(total, dev, ceiling[0] or float("nan"), root, out)),
-        ("stall", lambda: stall(int(args.stall_gib * GiB), dev.type, root, out, stall_lines)),
+        ("stall", lambda: stall(int(args.stall_gib * GiB), dev.type, root, out, stall_lines,
+                                deadline=t0 + args.budget_s + 15)),
     ]
     if args.smoke:
         parts = parts[2:]
-    t0 = time.perf_counter()
     try:
         for name, fn in parts:
             if time.perf_counter() - t0 > args.budget_s:
