@@ -100,6 +100,8 @@ def h2d(total: int, dev: torch.device, out: Summary) -> float:
     del dst
     round_bytes = PlanOptions().max_round_bytes
     stage = DeviceStage(TorchCuda(), dev, [round_bytes, round_bytes])
+    for a in stage.arenas:
+        a.random_(0, 255)  # what the device-path-only rounds upload (checked in the target's last round)
     target = torch.empty(total, dtype=torch.uint8, device=dev)
     rounds = total // round_bytes
     for fill in (False, True):

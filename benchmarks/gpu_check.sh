@@ -31,7 +31,7 @@ WORK="${WORK:-/tmp/sc-gpucheck}"
 OUTDIR="${OUT:-$REPO/gpu-check-out}"
 NEED_GIB="${NEED_GIB:-24}"  # what part 2 writes at most (checkpoints and saves), with room to spare
 DEADLINE_S="${DEADLINE_S:-470}"  # the whole script, under 8 minutes: the benchmark gets what is left
-TESTS_S="${TESTS_S:-200}"  # the GPU tests at most (they take about a minute)
+TESTS_S="${TESTS_S:-200}"  # the GPU tests at most (7 tests, one of them 2 gloo ranks)
 mkdir -p "$OUTDIR"
 LOG="$OUTDIR/gpu_check.log"
 SUMMARY="$OUTDIR/gpu_summary.txt"
@@ -84,7 +84,8 @@ part_env() {
   nproc; free -g 2>&1 | head -2; df -h /tmp 2>&1
   local line
   if line=$("$PY" -c 'import torch; assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
-print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")'); then
+n, name = torch.cuda.device_count(), torch.cuda.get_device_name(0)
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), {n} x {name}")'); then
     check PASS cuda "$line"
   else
     check FAIL cuda "torch sees no CUDA device: the GPU parts cannot run"
@@ -105,6 +106,8 @@ part_space() {
 }
 
 part_tests() {
+  # The other test marked gpu, test_multirank.py::test_cuda_targets_multirank, needs the moto S3 fixture
+  # (moto is not on the image); test_gpu.py's two-gloo-rank case covers it on local files.
   echo "## 1. GPU tests: pytest -m gpu tests/test_gpu.py (local files; no S3 server)"
   local rc
   timeout -k 15 "$TESTS_S" "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider --timeout 150 \

@@ -224,7 +224,7 @@ def saver_fn(spec: dict[str, Any], sd: dict[str, Any]) -> Callable[[str], Any]:
         import streamckpt as sc
 
         opts = spec.get("storage_options")
-        return lambda name: sc.async_save(sd, f"{base}/{name}", storage_options=opts, overwrite=True)
+        return lambda name: sc.async_save(sd, f"{base}/{name}", storage_options=opts)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -331,11 +331,14 @@ def measure(nbytes: int, device: str, target: str, savers: list[str], loops: lis
         if server is not None:
             env.update(server.env())
         reports = []
-        for saver in [s for _ in range(reps) for s in savers]:  # repetitions alternate the savers
+        for rep, saver in [(r, s) for r in range(reps) for s in savers]:  # repetitions alternate the savers
             if not installed(saver, target):
                 reports.append(Report(saver, device, target, 0, error="s3torchconnector is not installed"))
                 continue
-            base = f"s3://{BUCKET}/stall-{saver}" if target == "s3" else str(work / f"stall-{saver}")
+            # a fresh prefix per process: no save overwrites another (localbucket answers the bulk
+            # delete of `overwrite=True` with an error, which is not what this measures)
+            name = f"stall-{saver}-r{rep}"
+            base = f"s3://{BUCKET}/{name}" if target == "s3" else str(work / name)
             spec = {"saver": saver, "device": device, "target": target, "nbytes": nbytes, "loops": loops,
                     "base": base, "storage_options": server.storage_options if server else None}
             left = 600.0 if deadline is None else deadline - time.perf_counter()

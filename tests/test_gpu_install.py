@@ -33,7 +33,7 @@ IMAGE_HAS = [
     "setuptools", "pip", "fsspec", "safetensors", "pyyaml", "tqdm", "psutil", "packaging",
     "pytest", "pluggy", "iniconfig", "pygments", "pytest-timeout", "hypothesis", "attrs", "sortedcontainers",
     "aiohttp", "aiosignal", "aiohappyeyeballs", "frozenlist", "multidict", "yarl", "propcache", "idna",
-    "attrs", "wrapt", "urllib3", "python-dateutil", "six",
+    "wrapt", "urllib3", "python-dateutil", "six",
 ]
 OFFLINE = re.compile(r"NewConnectionError|ConnectTimeout|Temporary failure in name resolution|Network is unreachable|"
                      r"ProxyError|Max retries exceeded|Name or service not known|ReadTimeout")
@@ -114,8 +114,8 @@ def test_install_step_on_a_bare_python_gives_streamckpt_and_the_gpu_tests(tmp_pa
     assert collect.returncode == 0, collect.stdout + collect.stderr
     assert re.search(r"^tests/test_gpu\.py::test_single_gpu_load_after_pending_init_kernels\[zstd\]$",
                      collect.stdout, re.M), collect.stdout
-    where = subprocess.run([str(py), "-c", "import streamckpt, zstandard; print(streamckpt.__file__, zstandard.__file__)"],
-                           cwd=tmp_path, capture_output=True, text=True, env=env_run, timeout=60)
+    show = "import streamckpt, zstandard; print(streamckpt.__file__, zstandard.__file__)"
+    where = subprocess.run([str(py), "-c", show], cwd=tmp_path, capture_output=True, text=True, env=env_run, timeout=60)
     assert where.returncode == 0, where.stderr
     got_sc, got_zstd = where.stdout.split()
     assert got_sc == str(REPO / "streamckpt" / "__init__.py")
