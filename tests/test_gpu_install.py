@@ -19,6 +19,8 @@ import re
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.request
 from importlib import metadata
 from pathlib import Path
 
@@ -83,9 +85,26 @@ def fetch_wheels(dest: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable, "PIP_RETRIES": "0", "PIP_TIMEOUT": "10"}
     proc = subprocess.run(["bash", str(REPO / "benchmarks/gpu_wheels.sh"), "--python-version", pyver,
                            "--dest", str(dest)], capture_output=True, text=True, env=env, timeout=300)
-    if proc.returncode != 0 and OFFLINE.search(proc.stdout + proc.stderr):
-        pytest.skip(f"no network for pip download: {OFFLINE.search(proc.stdout + proc.stderr).group(0)}")
+    if proc.returncode != 0:
+        said = OFFLINE.search(proc.stdout + proc.stderr)
+        unreachable = said.group(0) if said else index_unreachable()
+        if unreachable:
+            pytest.skip(f"no network for pip download: {unreachable}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def index_unreachable() -> str:
+    """Why pip's package index cannot be reached from here, or "" when it can."""
+    index = os.environ.get("PIP_INDEX_URL") or subprocess.run(
+        [sys.executable, "-m", "pip", "config", "get", "global.index-url"], capture_output=True, text=True,
+        timeout=60).stdout.strip() or "https://pypi.org/simple"
+    try:
+        urllib.request.urlopen(index.rstrip("/") + "/pip/", timeout=10).close()
+    except urllib.error.HTTPError:
+        return ""  # it answered
+    except OSError as e:
+        return f"{index}: {e}"
+    return ""
 
 
 @pytest.mark.slow  # ~35-50 s here: a pip download, a pip install, two torch imports
