@@ -107,7 +107,7 @@ def index_unreachable() -> str:
     return ""
 
 
-@pytest.mark.slow  # ~35-50 s here: a pip download, a pip install, two torch imports
+@pytest.mark.slow  # 25-65 s here (2 shared cores): a pip download, a pip install, torch imports
 def test_install_step_on_a_bare_python_gives_streamckpt_and_the_gpu_tests(tmp_path: Path) -> None:
     wheels = Path(tempfile.gettempdir()) / f"streamckpt-gpu-wheels-cp{sys.version_info.major}{sys.version_info.minor}"
     fetch_wheels(wheels)
