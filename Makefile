@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.streamckpt-installed
 
-.PHONY: venv azurite demo test test-slow test-gpu test-all clean-venv
+.PHONY: venv azurite demo test test-slow test-gpu test-all gpu-wheels clean-venv
 
 venv: $(STAMP)
 
@@ -42,6 +42,11 @@ test-gpu: venv
 # Everything: the default suite, the slow tests and (with CUDA) the GPU tests.
 test-all: venv azurite
 	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+# Wheels of what the lent GPU machine's image lacks (cp312), into the git-ignored .whl/, fetched here:
+# that machine reaches no registry. benchmarks/gpu_check.sh installs them there (issue 26).
+gpu-wheels:
+	bash benchmarks/gpu_wheels.sh --python-version 3.12 --dest .whl
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,148 +1,277 @@
-"""GPU checks for a lent CUDA machine: ``python -m benchmarks.gpu [--size 1GiB] [--out gpu.txt]``.
+"""The GPU benchmark for a lent CUDA machine (issue 26, item 2); ``benchmarks/gpu_check.sh`` runs it.
 
-1. Host→device throughput: a plain ``copy_`` from one big pinned buffer (the
-   ceiling) against a pipeline of two pinned staging buffers filled by the CPU
-   while the previous one is copied on a side stream (what streamckpt's pipeline
-   does per round), for several chunk sizes.
-2. Scenario (a) on one GPU: the benchmark's HF model served by the local S3
-   server, loaded by ``sc.load`` into CUDA tensors, checked against the
-   fingerprints; the naive loader (download, safetensors, ``.to("cuda")``) beside it.
+    python -m benchmarks.gpu [--gib 4] [--stall-gib 1] [--work /tmp/sc-gpucheck] [--summary FILE] [--out gpu.txt]
 
-Self-contained: it prepares its own data with ``benchmarks.data`` and starts its
-own server, so one call of a few minutes does everything. Prints a plain-text
-report (also written to ``--out``) for ``benchmarks.run --gpu-results``.
+1. h2d: one pinned host buffer copied to the GPU (the ceiling), then streamckpt's ``DeviceStage``
+   over rounds of ``max_round_bytes`` (two pinned arenas, upload on the side stream, write into
+   the target, release): the load's device path with storage taken out, ÷ the ceiling (goal
+   >= 0.8); and the same with the host filling each arena first (bytes landing from storage).
+2. d2h: one GPU buffer copied to one pinned host buffer (the ceiling), then the save's staging
+   (``DeviceToHost.spans``: two pinned blocks, event-gated, the host touching each span as a
+   checksum would), ÷ the ceiling.
+3. load: ``sc.load`` from local files (page cache, CRC32C checked) into CUDA targets and into CPU
+   targets, GB/s and ÷ the H2D ceiling; ``sc.save`` of CUDA and of CPU tensors to local files.
+4. stall: ``sc.async_save`` of CUDA tensors beside a GPU training loop, blocked time, time to
+   durable and training time lost, beside ``dcp.async_save`` (thread and process modes) with
+   DCP's ``FileSystemWriter`` (``benchmarks.stall --device cuda --target file``).
+
+Local files under ``--work`` (after a free-space check), no S3 server. Each part is timed twice
+and the better time kept; every result is checked against what was written. Each check appends
+one ``PASS|FAIL name: figure`` line to ``--summary``: FAIL is a broken part (an exception, with
+its traceback printed in full, or wrong bytes); a missed speed goal says MISSED in the figure.
+Parts run in turn while time is left under ``--budget-s``; the rest are FAIL "out of time".
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shutil
 import sys
+import tempfile
 import time
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from . import data
-from .server import BUCKET, BenchServer
+import torch
 
-REPO = Path(__file__).resolve().parent.parent
+GiB = 1 << 30
 
 
-def h2d(total: int, chunks: list[int]) -> list[str]:
-    import torch
+@dataclass
+class Summary:
+    """The per-check verdicts, appended to the summary file as they come."""
 
-    dev = torch.device("cuda")
-    lines = []
-    src = torch.empty(total, dtype=torch.uint8).pin_memory()
+    path: str
+    lines: list[str] = field(default_factory=list)
+    failed: int = 0
+
+    def check(self, ok: bool, name: str, figure: str) -> None:
+        line = f"{'PASS' if ok else 'FAIL'} {name}: {figure}"
+        self.failed += not ok
+        self.lines.append(line)
+        print(">>> " + line, flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+
+
+def need_space(where: Path, nbytes: int) -> None:
+    """Refuse to write ``nbytes`` where less than that plus 2 GiB is free."""
+    free = shutil.disk_usage(where).free
+    if free < nbytes + 2 * GiB:
+        raise OSError(f"{free / GiB:.1f} GiB free in {where}, {nbytes / GiB:.1f} GiB (+2) needed")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[[], None], reps: int = 2) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _goal(ratio: float, goal: float) -> str:
+    return f"goal >= {goal}: {'met' if ratio >= goal else 'MISSED'}"
+
+
+def h2d(total: int, dev: torch.device, out: Summary) -> float:
+    from streamckpt.cuda.device import DeviceStage
+    from streamckpt.cuda.runtime import TorchCuda
+    from streamckpt.plan.planner import PlanOptions
+
+    src = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     src.random_(0, 255)
     dst = torch.empty(total, dtype=torch.uint8, device=dev)
-    for _ in range(2):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        plain = time.perf_counter() - t0
-    lines.append(f"plain pinned copy_ of {total >> 20} MiB: {total / plain / 1e9:.2f} GB/s")
-    pageable = torch.empty(total, dtype=torch.uint8)
-    pageable.copy_(src)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    dst.copy_(pageable)
-    torch.cuda.synchronize()
-    lines.append(f"pageable copy_ of {total >> 20} MiB: {total / (time.perf_counter() - t0) / 1e9:.2f} GB/s")
-    stream = torch.cuda.Stream()
-    for chunk in chunks:
-        bufs = [torch.empty(chunk, dtype=torch.uint8).pin_memory() for _ in range(2)]
-        done = [torch.cuda.Event(), torch.cuda.Event()]
-        for e in done:
-            e.record(stream)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for k, off in enumerate(range(0, total, chunk)):
-            n = min(chunk, total - off)
-            b = bufs[k % 2]
-            done[k % 2].synchronize()  # the copy that last used this buffer has finished
-            b[:n].copy_(src[off:off + n])  # CPU fill (stands for bytes landing from storage)
-            with torch.cuda.stream(stream):
-                dst[off:off + n].copy_(b[:n], non_blocking=True)
-                done[k % 2].record(stream)
-        stream.synchronize()
-        dt = time.perf_counter() - t0
-        lines.append(f"double-buffered pinned pipeline, {chunk >> 20} MiB chunks (CPU fill + H2D): "
-                     f"{total / dt / 1e9:.2f} GB/s")
-    ok = torch.equal(dst[:1 << 20].cpu(), src[:1 << 20])
-    lines.append(f"pipeline result matches source: {ok}")
-    return lines
+    dt = _timed(lambda: dst.copy_(src, non_blocking=True))
+    ceiling = total / dt / 1e9
+    ok = torch.equal(dst[-(1 << 20):].cpu(), src[-(1 << 20):])
+    out.check(ok, "h2d-ceiling", f"pinned memcpy H2D, {total >> 20} MiB in one copy: {ceiling:.2f} GB/s")
+    del dst
+    round_bytes = PlanOptions().max_round_bytes
+    stage = DeviceStage(TorchCuda(), dev, [round_bytes, round_bytes])
+    for a in stage.arenas:
+        a.random_(0, 255)  # what the device-path-only rounds upload (checked in the target's last round)
+    target = torch.empty(total, dtype=torch.uint8, device=dev)
+    rounds = total // round_bytes
+    for fill in (False, True):
+        def run() -> None:
+            stage.begin()
+            for k in range(rounds):
+                slot = k % 2
+                stage.acquire(slot)
+                if fill:
+                    stage.arenas[slot].copy_(src[k * round_bytes: (k + 1) * round_bytes])  # bytes landing
+                stage.write(target[k * round_bytes: (k + 1) * round_bytes], stage.upload(stage.arenas[slot]))
+                stage.release(slot)
+            stage.finish()
+
+        gbs = rounds * round_bytes / _timed(run) / 1e9
+        if fill:
+            ok = torch.equal(target[: rounds * round_bytes], src[: rounds * round_bytes].to(dev))
+        else:
+            ok = torch.equal(target[(rounds - 1) * round_bytes: rounds * round_bytes].cpu(),
+                             stage.arenas[(rounds - 1) % 2])
+        name = "h2d-pipeline-fill" if fill else "h2d-pipeline"
+        what = "with a host memcpy filling each arena" if fill else "device path only"
+        goal = "(no goal: the host memcpy is the bound)" if fill else _goal(gbs / ceiling, 0.8)
+        out.check(ok, name, f"DeviceStage, {rounds} rounds of {round_bytes >> 20} MiB, {what}: {gbs:.2f} GB/s "
+                            f"= {gbs / ceiling:.2f} x pinned memcpy, {goal}")
+    return ceiling
 
 
-def load_a(size: str, data_dir: Path) -> list[str]:
-    import torch
+def d2h(total: int, dev: torch.device, out: Summary) -> None:
+    from streamckpt.cuda.device import SAVE_BLOCK_BYTES, DeviceToHost
+    from streamckpt.cuda.runtime import TorchCuda
 
+    src = torch.randint(0, 255, (total,), dtype=torch.uint8, device=dev)
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    dt = _timed(lambda: host.copy_(src, non_blocking=True))
+    ceiling = total / dt / 1e9
+    out.check(torch.equal(host[-(1 << 20):], src[-(1 << 20):].cpu()), "d2h-ceiling",
+              f"pinned memcpy D2H, {total >> 20} MiB in one copy: {ceiling:.2f} GB/s")
+    d2h = DeviceToHost(TorchCuda(), dev)
+    sums: list[int] = []
+
+    def run() -> None:
+        sums.clear()
+        for span in d2h.spans(src, SAVE_BLOCK_BYTES):
+            sums.append(int(span[::4096].sum()))  # the host reads each span (a checksum touches every page)
+
+    gbs = total / _timed(run) / 1e9
+    d2h.close()
+    want = [int(src[i: i + SAVE_BLOCK_BYTES][::4096].sum()) for i in range(0, total, SAVE_BLOCK_BYTES)]
+    out.check(sums == want, "d2h-staging", f"DeviceToHost.spans, {SAVE_BLOCK_BYTES >> 20} MiB blocks: {gbs:.2f} GB/s "
+                                           f"= {gbs / ceiling:.2f} x pinned D2H memcpy")
+
+
+def _model(total: int, dev: torch.device) -> dict[str, torch.Tensor]:
+    """64 MiB fp32 tensors, random (made on the GPU: fast), kept on the CPU as the reference."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    return {f"layers.{i}.w": torch.randn(4096, 4096, generator=g, device=dev).cpu()
+            for i in range(max(1, total // (64 << 20)))}
+
+
+def load_and_save(total: int, dev: torch.device, ceiling: float, root: Path, out: Summary) -> None:
+    """(On ``--smoke``, ``dev`` is the CPU: both rows load into CPU targets.)"""
     import streamckpt as sc
 
-    model = data.model_for_size(data.parse_size(size))
-    root = data_dir / model.key()
-    bucket = root / BUCKET
-    bucket.mkdir(parents=True, exist_ok=True)
-    fps = data.generate_local(bucket, model)["full"]
-    lines = [f"model {model} ({model.nbytes / 2**30:.2f} GiB)"]
-    with BenchServer(root) as srv:
-        srv.warm(data.dataset_files(bucket, "hf"))
-        opts = srv.storage_options
-        for rep in range(2):
-            sd = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device="cuda") for t in model.tensors()}
-            torch.cuda.synchronize()
-            srv.reset()
-            t0 = time.perf_counter()
-            res = sc.load(sd, f"s3://{BUCKET}/hf", storage_options=opts)
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            wrong = sum(1 for k, v in sd.items() if data.crc(v.cpu()) != fps[k])
-            lines.append(f"sc.load into CUDA, rep {rep + 1}: {dt:.2f} s, {model.nbytes / dt / 1e9:.2f} GB/s, "
-                         f"bytes_read={res.bytes_read}, requests={res.requests}, server={srv.stats()}, wrong={wrong}")
-            del sd
-        import s3fs
-        import safetensors.torch
+    model = _model(total, dev)
+    nbytes = sum(t.numel() * t.element_size() for t in model.values())
+    need_space(root, 3 * nbytes)
+    uri = str(root / "ckpt")
+    t0 = time.perf_counter()
+    sc.save(model, uri, overwrite=True)
+    print(f"checkpoint: {len(model)} tensors, {nbytes / GiB:.2f} GiB, saved from CPU in "
+          f"{time.perf_counter() - t0:.2f} s", flush=True)
+    for where in (dev, torch.device("cpu")):
+        sd = {k: torch.empty_like(v, device=where) for k, v in model.items()}
+        dt = _timed(lambda: sc.load(sd, uri))
+        wrong = sum(not torch.equal(sd[k].cpu(), v) for k, v in model.items())
+        gbs = nbytes / dt / 1e9
+        out.check(wrong == 0, f"load-{where.type}", f"sc.load from local files into {where.type} targets, "
+                  f"{nbytes / GiB:.2f} GiB: {dt:.2f} s, {gbs:.2f} GB/s = {gbs / ceiling:.2f} x pinned H2D memcpy, "
+                  f"wrong tensors: {wrong}")
+        dest = str(root / f"save-{where.type}")
+        dt = _timed(lambda: sc.save(sd, dest, overwrite=True))
+        back = sc.load_full(dest)
+        wrong = sum(not torch.equal(back[k], v) for k, v in model.items())
+        out.check(wrong == 0, f"save-{where.type}", f"sc.save of {where.type} tensors to local files: {dt:.2f} s, "
+                  f"{nbytes / dt / 1e9:.2f} GB/s, wrong tensors: {wrong}")
+        del sd, back
+        shutil.rmtree(dest, ignore_errors=True)
 
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
-        out = {}
-        for f in data.hf_file_names():
-            for k, v in safetensors.torch.load(fs.cat_file(f"{BUCKET}/hf/{f}")).items():
-                out[k] = v.to("cuda")
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        lines.append(f"naive (download, safetensors, .to(cuda)): {dt:.2f} s, {model.nbytes / dt / 1e9:.2f} GB/s")
-    return lines
+
+def stall(nbytes: int, device: str, root: Path, out: Summary, report: list[str], deadline: float) -> None:
+    from . import stall as st
+
+    need_space(root, 4 * nbytes)
+    reports = st.measure(nbytes, device, "file", st.SAVERS, st.LOOPS, root / "stall", deadline=deadline)
+    report += st.render(reports, ["--size", f"{nbytes >> 20}MiB", "--device", device, "--target", "file"])
+    for r in reports:
+        for w in r.windows:
+            out.check(not w.error, f"stall-{r.saver}-{w.loop}-{w.save}",
+                      w.error or f"blocked {w.blocked:.3f} s, durable {w.durable:.2f} s, lost {w.lost:.2f} s, "
+                                  f"median step {w.median_step * 1e3:.1f} ms (base {w.base_median * 1e3:.1f}), "
+                                  f"longest {w.longest_step * 1e3:.1f} ms")
+        if r.error:
+            out.check(False, f"stall-{r.saver}", r.error[-400:])
+        if r.checked:
+            out.check("WRONG" not in r.checked, f"stall-{r.saver}-readback", r.checked)
+    for g in st.goals(reports):
+        print(g, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--size", default="1GiB")
-    ap.add_argument("--h2d-bytes", default="2GiB")
-    ap.add_argument("--data-dir", default=str(REPO / "bench-data"))
-    ap.add_argument("--out", default="")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=4.0, help="bytes per copy and checkpoint (GiB)")
+    ap.add_argument("--stall-gib", type=float, default=1.0, help="the async-saved state (GiB)")
+    ap.add_argument("--work", default="/tmp/sc-gpucheck", help="local files go here (not /dev/shm)")
+    ap.add_argument("--summary", default="", help="append one PASS/FAIL line per check here")
+    ap.add_argument("--out", default="", help="the report (plain text, for benchmarks.run --gpu-results)")
+    ap.add_argument("--budget-s", type=float, default=250.0, help="start no part after this many seconds")
+    ap.add_argument("--smoke", action="store_true", help="no GPU: run the load-save and stall parts on the CPU, "
+                    "small, to check this script's own code paths")
     args = ap.parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure", file=sys.stderr)
+    out = Summary(args.summary)
+    if args.smoke:
+        dev, args.gib, args.stall_gib = torch.device("cpu"), min(args.gib, 0.125), min(args.stall_gib, 1 / 32)
+    elif not torch.cuda.is_available():
+        out.check(False, "benchmark", f"CUDA is not available to torch {torch.__version__}: nothing measured")
         return 2
-    lines = [f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {os.cpu_count()} CPU cores"]
-    for part, fn in (("H2D", lambda: h2d(data.parse_size(args.h2d_bytes), [8 << 20, 32 << 20, 128 << 20])),
-                     ("scenario (a) on 1 GPU", lambda: load_a(args.size, Path(args.data_dir)))):
-        lines.append(f"## {part}")
-        try:
-            lines += fn()
-        except Exception as e:  # noqa: BLE001 - report what broke and keep the other part
-            lines.append(f"FAILED: {type(e).__name__}: {e}")
-        print("\n".join(lines), flush=True)
-    text = "\n".join(lines)
+    else:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    total = int(args.gib * GiB)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (--smoke)"
+    head = [f"device: {name}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+            f"{os.cpu_count()} CPU cores"]
+    print(head[0], flush=True)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="bench-", dir=args.work))
+    t0 = time.perf_counter()
+    stall_lines: list[str] = []
+    ceiling = [0.0]
+    parts: list[tuple[str, Callable[[], None]]] = [
+        ("h2d", lambda: ceiling.__setitem__(0, h2d(total, dev, out))),
+        ("d2h", lambda: d2h(total, dev, out)),
+        ("load-save", lambda: load_and_save(total, dev, ceiling[0] or float("nan"), root, out)),
+        ("stall", lambda: stall(int(args.stall_gib * GiB), dev.type, root, out, stall_lines,
+                                deadline=t0 + args.budget_s + 15)),
+    ]
+    if args.smoke:
+        parts = parts[2:]
+    try:
+        for name, fn in parts:
+            if time.perf_counter() - t0 > args.budget_s:
+                out.check(False, name, f"not run: out of time ({args.budget_s:.0f} s budget spent)")
+                continue
+            print(f"## {name}", flush=True)
+            t1 = time.perf_counter()
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - report what broke, in full, and run the other parts
+                traceback.print_exc()
+                out.check(False, name, f"{type(e).__name__}: {e}")
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            print(f"## {name} took {time.perf_counter() - t1:.1f} s", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    text = "\n".join(head + out.lines + [""] + stall_lines)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    print(json.dumps({"done": True}))
-    return 0
+    print("--- report ---\n" + text, flush=True)
+    return 1 if out.failed else 0
 
 
 if __name__ == "__main__":

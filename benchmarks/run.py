@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import data, savebench
+from . import data, savebench, stall
 from .server import BUCKET, BenchServer, free_port
 from .worker import fill_outcome
 from .capped import (CAPPED, CAPPED_LOADERS, CAPPED_QUICK, CAPPED_REPS_IN_ALL, CAPPED_TITLES, CAPPED_WORLD, base_of,
@@ -43,6 +43,7 @@ SCENARIOS = {
     "f": "the planner alone at 512/1024/4096 simulated ranks",
     "s": "save: one process saving the whole model, side by side; then 2- and 4-rank DDP saves (gloo)",
     "g": "under a bandwidth cap on the S3 server: a replicated load on 4 ranks (g1) and the reshard of (c) (g2)",
+    "t": "training stall: a training loop stepping while sc.async_save / dcp.async_save (thread, process) upload",
 }
 LOAD_SCENARIOS = "abcdeg"
 WORLD = {"a": 1, "b": 1, "c": data.LOAD_COL_WORLD, "d": 2, "e": 1, "g1": CAPPED_WORLD, "g2": data.LOAD_COL_WORLD}
@@ -67,6 +68,16 @@ DATASET = {
 for _sets in DATASET.values():
     _sets.update({g: _sets[b] for g, b in CAPPED.items() if b in _sets})
 DATASET["streamckpt.no_read_once"] = {g: DATASET["streamckpt"][b] for g, b in CAPPED.items()}
+
+
+# How a session lent a GPU runs the prepared check (issue 26): the device tool's `run`, pasted as is.
+GPU_CHECK = [
+    "On a lent GPU (the device tool's `nvidia-h200`), after `make gpu-wheels` here, one `run` call does it all "
+    "(install, `tests/test_gpu.py`, `benchmarks/gpu.py`; under 8 minutes):", "",
+    "```", 'command:   bash benchmarks/gpu_check.sh', 'carry:     [".whl"]', "timeout_s: 540", "```", "",
+    "It leaves `$OUT/gpu_check.log` (everything), `$OUT/gpu_summary.txt` (a PASS/FAIL line per check) and "
+    "`$OUT/gpu.txt` (this section's text, for `--gpu-results`).", "",
+]
 
 
 def title(scenario: str) -> str:
@@ -803,6 +814,7 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
         lines += table
         lines.append("")
     lines += savebench.render_save(h, SCENARIOS["s"])
+    lines += getattr(h, "notes_t", [])  # (t), when run
     if "f" in h.args.scenarios:
         lines.append(f"## (f) {SCENARIOS['f']}")
         lines.append("")
@@ -828,7 +840,7 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
         lines += ["From `benchmarks/gpu.py` on a lent GPU:", "", "```", gpu.read_text().strip(), "```", ""]
     else:
         lines += ["Not measured in this run (no GPU on this machine): `benchmarks/gpu.py` is ready for one; "
-                  "pass its output with `--gpu-results FILE`.", ""]
+                  "pass its output with `--gpu-results FILE`.", ""] + GPU_CHECK
     notes = (h.server.notes if h.server else []) + h.notes
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
@@ -879,7 +891,7 @@ def main(argv: list[str] | None = None) -> int:
     h.prepare()
     print(f"data ready in {h.timing['prepare']:.1f} s", flush=True)
     load_scenarios = [s for s in args.scenarios if s in LOAD_SCENARIOS]
-    if load_scenarios or "s" in args.scenarios:
+    if load_scenarios or "s" in args.scenarios or "t" in args.scenarios:
         h.server = BenchServer(h.root, kind=args.server).start()
         try:
             print(f"server: {h.server.kind} at {h.server.endpoint}", flush=True)
@@ -895,6 +907,11 @@ def main(argv: list[str] | None = None) -> int:
             if "s" in args.scenarios:
                 print(f"scenario (s): {SCENARIOS['s']}", flush=True)
                 savebench.run_save_scenario(h)
+            if "t" in args.scenarios:  # benchmarks/stall.py, against this server
+                print(f"scenario (t): {SCENARIOS['t']}", flush=True)
+                reports = stall.measure(h.model.nbytes, "cpu", "s3", stall.SAVERS, stall.LOOPS, h.root / "stall",
+                                        h.server, reps=args.reps)
+                h.notes_t = stall.render(reports, ["--size", args.size, "--reps", str(args.reps)])
         finally:
             h.server.stop()
     if "f" in args.scenarios:
