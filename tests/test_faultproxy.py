@@ -282,3 +282,32 @@ def test_load_through_mixed_faults_is_bit_exact(
     assert proxy.injected > 0, proxy.counts
     full = sc.load_full(s3_uri, storage_options=proxy.storage_options)
     assert torch.equal(full["w"], src["w"])
+
+
+@pytest.mark.parametrize("backend", ["auto", "s3fs"])
+def test_a_server_without_bulk_delete_still_deletes(local_s3: Any, s3_uri: str, backend: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some S3-compatible servers answer the bulk delete (``POST /bucket?delete``) with 501:
+    an overwrite and a removal then delete one object at a time, after one refused request."""
+    import torch
+
+    import streamckpt as sc
+    from streamckpt.storage import Storage
+
+    def bulk(method: str, path: str) -> bool:
+        return method == "POST" and path.partition("?")[2].split("&")[0] in ("delete", "delete=")
+
+    monkeypatch.setenv("STREAMCKPT_S3_BACKEND", backend)
+    with FaultProxy(local_s3.endpoint_url, rate=0.0, unsupported=bulk) as proxy:
+        opts = proxy.storage_options
+        sc.save({"w": torch.ones(10), "b": torch.ones(3)}, s3_uri, storage_options=opts)
+        sc.save({"w": torch.zeros(10)}, s3_uri, storage_options=opts, overwrite=True)
+        assert proxy.refused >= 1
+        state = sc.load_state(s3_uri, storage_options=opts)
+        assert list(state) == ["w"] and torch.equal(state["w"], torch.zeros(10))
+        storage = Storage(s3_uri, opts)
+        try:
+            storage.delete("", recursive=True)
+            assert storage.list("", recursive=True) == []
+        finally:
+            storage.close()

@@ -31,8 +31,8 @@ _NO_CREDENTIALS = ("unable to locate credentials", "nocredentialserror", "no cre
 AZURE_DENIED_HINT = ("access denied: check the credentials (account_name with account_key or sas_token, the "
                      "AccountKey= or SharedAccessSignature= of connection_string, or the AZURE_STORAGE_* variables) "
                      "and the container's permissions for this URI")
-_AZURE_DENIED = ("failed to authenticate", "authorizationfailure", "authenticationfailed", "authorizationpermissionmismatch",
-                 "403", "forbidden")
+_AZURE_DENIED = ("failed to authenticate", "authorizationfailure", "authenticationfailed",
+                 "authorizationpermissionmismatch", "403", "forbidden")
 _DENIED = ("accessdenied", "access denied", "403 forbidden", "status: 403", "permissiondenied",
            "invalidaccesskeyid", "signaturedoesnotmatch", "forbidden")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import http.client
 import inspect
 import re
@@ -111,12 +112,12 @@ def classify(exc: BaseException, path: str) -> BackendError:
         return RangeNotSatisfiable(text)
     if isinstance(exc, _TRANSPORT_ERRORS):
         return Transient(text)
-    if isinstance(exc, (PermissionError, IsADirectoryError)):
-        return Permanent(text)
+    if isinstance(exc, (PermissionError, IsADirectoryError)) or isinstance(exc, OSError) and exc.errno == errno.ENOSYS:
+        return Permanent(text)  # ENOSYS: s3fs's word for a 501, a request the server does not implement
     if status is not None:
         if status == 404:
             return NotFound(text)
-        return Transient(text) if status >= 500 or status in (408, 429) else Permanent(text)
+        return Transient(text) if status >= 500 and status != 501 or status in (408, 429) else Permanent(text)
     if any(w in low for w in _FATAL_WORDS):
         return Permanent(text)
     if any(w in low for w in _TRANSIENT_WORDS):

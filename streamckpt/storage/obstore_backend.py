@@ -337,6 +337,8 @@ def translate(e: BaseException, bucket: str) -> BackendError:
     if isinstance(e, (ox.InvalidPathError, ox.UnknownConfigurationKeyError, ox.NotSupportedError, ValueError)):
         return Permanent(text)
     low = text.lower()
+    if "501 not implemented" in low:  # a request this server does not serve (bulk delete on some S3 servers)
+        return Permanent(f"{text} (the server does not implement this request)")
     if "416" in text or "range not satisfiable" in low or "invalidrange" in low or "range" in low and (
         "invalid" in low or "start" in low
     ):

@@ -53,6 +53,10 @@ class S3fsBackend(FsspecBackend):
         bucket, key, _ = self.fs.split_path(path)
         return await classified(path, self.fs._call_s3(method, Bucket=bucket, Key=key, **kwargs), self.request_timeout)
 
+    async def delete_one(self, path: str) -> None:
+        """One DeleteObject (s3fs's ``rm`` posts a bulk delete, which some S3 servers lack)."""
+        await self.call_s3(path, "delete_object")
+
     async def fetch(self, path: str, start: int, buf: memoryview, *, want_meta: bool = False) -> Fetched:
         """A ranged GET streamed straight into ``buf``; the client's chunks are the only copy."""
         return await self._get(path, start, [buf])

@@ -442,6 +442,12 @@ class Storage:
             self._call(f"deleting {self.describe(name)}", self._write_backend.delete, self.path(name), recursive)
         except NotFound:
             pass
+        except StorageError as e:
+            if self._protocol not in _S3_PROTOCOLS or not _unimplemented(str(e)):
+                raise
+            log.info("%s: the server has no bulk delete (501); deleting one object at a time", self.describe(name))
+            for one in [name] + (self.list(name, recursive=True) if recursive else []):
+                self._call(f"deleting {self.describe(one)}", self._s3fs().delete_one, self.path(one))
 
     def makedirs(self, name: str = "") -> None:
         self._sync(self._write_backend.makedirs(self.path(name)))
@@ -452,6 +458,13 @@ class Storage:
         for extra in {id(b): b for b in (self._writer, self._s3fs_backend) if b is not None}.values():
             if extra is not self._reader.backend:
                 extra.close()
+
+
+def _unimplemented(text: str) -> bool:
+    """Whether a failure says the server does not implement the request (HTTP 501; s3fs
+    words it as ENOSYS's "... not implemented")."""
+    low = text.lower()
+    return "501" in low or "not implemented" in low
 
 
 def split_entry(uri: str) -> tuple[str, str | None]:

@@ -21,6 +21,10 @@ guaranteed to get through; set it high to model an outage (or ``rate=1.0``).
         sc.load(sd, uri, storage_options=proxy.storage_options)
         print(proxy.counts)   # {'slowdown': 7, 'reset': 5, ...}
 
+``unsupported(method, path)`` picks requests the proxy answers ``501 NotImplemented`` itself,
+always (not counted as faults: a server that lacks an API, as some S3-compatible servers lack
+the bulk delete ``POST /bucket?delete``); ``refused`` counts them.
+
 ``api="gcs"`` puts it in front of a GCS JSON-API server (``LocalGCS``): object
 requests are then ``.../b/<bucket>/o/<object>`` (media downloads and metadata),
 the body faults (``short``, ``flip``) touch only media bodies (a metadata reply
@@ -59,6 +63,10 @@ _HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
     "transfer-encoding", "upgrade", "expect",
 }
+_NOT_IMPLEMENTED_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>NotImplemented</Code>'
+    b"<Message>A header you provided implies functionality that is not implemented</Message></Error>"
+)
 _SLOWDOWN_BODY = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message><RequestId>faultproxy</RequestId></Error>"
@@ -101,6 +109,7 @@ class FaultProxy:
         host: str = "127.0.0.1",
         port: int = 0,
         api: str = "s3",
+        unsupported: Callable[[str, str], bool] | None = None,
     ) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
@@ -122,6 +131,8 @@ class FaultProxy:
         self.max_repeats = int(max_repeats)
         self.methods = frozenset(m.upper() for m in methods)
         self.match = match
+        self.unsupported = unsupported
+        self.refused = 0
         self._stalled_now = 0
         self._host = host
         self._port = port
@@ -356,6 +367,11 @@ class _Handler(BaseHTTPRequestHandler):
         proxy = self.server.proxy
         body = self._read_body()
         method = self.command
+        if proxy.unsupported is not None and proxy.unsupported(method, self.path):
+            with proxy._lock:
+                proxy.refused += 1
+            self._reply(501, "Not Implemented", [("Content-Type", "application/xml")], _NOT_IMPLEMENTED_BODY)
+            return
         kind, key, rng = proxy._decide(method, self.path, self.headers.get("Range") or "")
         if kind == "slowdown":
             proxy._record(key, kind)
