@@ -137,6 +137,7 @@ class _Session:
     comm: SoloComm | GroupComm  # the save's own group
     last: SaveHandle | None = None
     area: StagingArea | None = None  # kept for the next save with the same budget
+    keep: Any = None  # a training group that cannot be weakly referenced, kept so that its id is not reused
 
     def staging(self, budget: int | None, gpu: torch.device | None, share: int,
                 cuda: CudaApi | None) -> StagingArea:
@@ -190,7 +191,10 @@ def _session_for(process_group: Any) -> _Session:
     with _SESSIONS_LOCK:
         session = _SESSIONS.setdefault(key, _Session(comm))
     if not isinstance(train, SoloComm) and session.comm is comm:
-        weakref.finalize(train.group, _forget, key)
+        try:
+            weakref.finalize(train.group, _forget, key)
+        except TypeError:
+            session.keep = train.group
     return session
 
 
