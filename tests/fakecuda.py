@@ -361,3 +361,53 @@ class FakeCuda:
                 if _overlap(op.writes, other.reads + other.writes) or _overlap(op.reads, other.writes):
                     self.violations.append(f"race: {op.label} on {op.stream} and {other.label} on {s} touch the "
                                            f"same bytes unordered")
+
+
+# ------------------------------------------------------------------ save path: exact pinned memory (h-gpusave)
+# ``CudaApi.pin``/``unpin``: page-locked host bytes of exactly the size asked, until unpinned.
+# Kept in one block so that the stand-in's core can change beside it; these build on ``pinned``.
+
+
+@dataclass
+class PinLedger:
+    """What ``pin`` handed out: every size asked, and the blocks still pinned (storage ptr -> bytes)."""
+
+    asked: list[int] = field(default_factory=list)
+    live: dict[int, int] = field(default_factory=dict)
+    unpinned: list[int] = field(default_factory=list)
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(self.live.values())
+
+
+def _pins(self: FakeCuda) -> PinLedger:
+    with self._lock:
+        ledger = self.__dict__.get("_pin_ledger")
+        if ledger is None:
+            ledger = self.__dict__["_pin_ledger"] = PinLedger()
+        return ledger
+
+
+def _pin(self: FakeCuda, nbytes: int, device: torch.device) -> torch.Tensor:
+    t = self.pinned(nbytes, device)
+    with self._lock:
+        ledger = _pins(self)
+        ledger.asked.append(nbytes)
+        ledger.live[t.untyped_storage().data_ptr()] = nbytes
+    return t
+
+
+def _unpin(self: FakeCuda, t: torch.Tensor) -> None:
+    ptr = t.untyped_storage().data_ptr()
+    with self._lock:
+        ledger = _pins(self)
+        if ptr not in ledger.live or t.storage_offset() != 0:
+            self.violations.append(f"unpin: {t.numel()} bytes at {ptr:#x} were not handed out by pin (or twice)")
+            return
+        ledger.unpinned.append(ledger.live.pop(ptr))
+
+
+FakeCuda.pins = property(_pins)  # type: ignore[attr-defined]
+FakeCuda.pin = _pin  # type: ignore[attr-defined]
+FakeCuda.unpin = _unpin  # type: ignore[attr-defined]

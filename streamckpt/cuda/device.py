@@ -331,30 +331,36 @@ def finishing(stage: Stage) -> Iterator[None]:
 
 
 class DeviceToHost:
-    """A GPU tensor's bytes on the host through two reused pinned blocks gated by events.
+    """A GPU's bytes on the host through two reused pinned blocks gated by events.
 
-    Block i+1's copy runs on a side stream while the host checksums/compresses/
-    uploads block i; the host reuses a block only after it has consumed it, and
-    reads one only after waiting on the event recorded after its copy. The side
-    stream first waits on the caller's stream (pending writes to the tensor).
+    Copies run on a side stream that first waits on the caller's stream (pending writes
+    to the tensor); span j goes into block ``j % 2``; the host reads a block only after
+    waiting on the event recorded after its copy, and a block is refilled only once the
+    host has asked for the span after it (so it is done with it). The blocks are pinned
+    at exactly the largest span asked for (``CudaApi.pin``: no power-of-two rounding, no
+    allocator cache) and unpinned by ``close``. ``host_spans`` drives it.
     """
 
     def __init__(self, api: CudaApi, device: torch.device, block_bytes: int = SAVE_BLOCK_BYTES) -> None:
         self.api = api
         self.device = device
-        self.block_bytes = block_bytes
+        self.block_bytes = block_bytes  # the largest span a caller should ask for
         self.stream = api.new_stream(device)
-        self.blocks: list[torch.Tensor] = []
+        self.blocks: list[torch.Tensor | None] = [None, None]
         self.events = [api.new_event(device), api.new_event(device)]
+        self._slot = 0
 
-    def _block(self, i: int, nbytes: int) -> torch.Tensor:
-        while len(self.blocks) <= i:
-            self.blocks.append(self.api.pinned(max(nbytes, self.block_bytes), self.device))
-        if self.blocks[i].numel() < nbytes:  # a chunk larger than a block (a custom chunk_size)
-            self.blocks[i] = self.api.pinned(nbytes, self.device)
-        return self.blocks[i][:nbytes]
+    def fit(self, nbytes: int) -> None:
+        """Both blocks hold at least ``nbytes`` (the largest span about to be copied); call only
+        while no copy into them is pending."""
+        for slot, block in enumerate(self.blocks):
+            if block is None or block.numel() < nbytes:
+                if block is not None:
+                    self.api.unpin(block)
+                self.blocks[slot] = None  # the old block goes before the new one is pinned
+                self.blocks[slot] = self.api.pin(nbytes, self.device)
 
-    def _contiguous_bytes(self, t: torch.Tensor) -> torch.Tensor:
+    def flat(self, t: torch.Tensor) -> torch.Tensor:
         """``t``'s elements as flat uint8 on the device, ordered after the caller's stream."""
         self.api.wait_stream(self.stream, self.api.current_stream(self.device))
         t = t.detach()
@@ -368,27 +374,133 @@ class DeviceToHost:
         self.api.copy(buf.view(t.dtype).view(t.shape), t, self.stream)
         return buf
 
+    def issue(self, data: torch.Tensor, lo: int, n: int) -> tuple[int, torch.Tensor]:
+        """Enqueue the copy of ``data[lo:lo+n]`` into the next block: (its slot, the block's span)."""
+        slot = self._slot
+        self._slot ^= 1
+        block = self.blocks[slot]
+        if block is None or block.numel() < n:  # larger than ``fit`` said: this block only (the other may be busy)
+            if block is not None:
+                self.api.unpin(block)
+            self.blocks[slot] = None
+            block = self.blocks[slot] = self.api.pin(n, self.device)
+        span = block[:n]
+        self.api.copy(span, data[lo:lo + n], self.stream)
+        self.api.record(self.events[slot], self.stream)
+        return slot, span
+
+    def ready(self, slot: int) -> None:
+        """Block the host until the copy into block ``slot`` is done."""
+        self.api.host_wait(self.events[slot])
+
     def spans(self, t: torch.Tensor, step: int) -> Iterator[torch.Tensor]:
-        """Consecutive host spans of ``t``'s bytes, ``step`` bytes each but the last (a multiple
-        of the caller's chunk); a span stays valid until the next one is requested."""
-        data = self._contiguous_bytes(t)
-        step = max(1, step)
-        n = data.numel()
-        starts = list(range(0, n, step))
-
-        def issue(i: int) -> torch.Tensor:
-            lo = starts[i]
-            block = self._block(i % 2, min(step, n - lo))
-            self.api.copy(block, data[lo: lo + block.numel()], self.stream)
-            self.api.record(self.events[i % 2], self.stream)
-            return block
-
-        nxt = issue(0) if starts else None
-        for i in range(len(starts)):
-            block = nxt
-            nxt = issue(i + 1) if i + 1 < len(starts) else None  # the host is done with that block already
-            self.api.host_wait(self.events[i % 2])
-            yield block  # type: ignore[misc]
+        """Consecutive host spans of one tensor's bytes, ``step`` bytes each but the last; a span
+        stays valid until the next one is requested."""
+        piece = SavePiece(lambda: t, self.api.device_of(t), t.numel() * t.element_size(), step)
+        for _, span, _ in host_spans([piece], lambda _dev: self):
+            if span.numel():
+                yield span
 
     def close(self) -> None:
+        """Wait for the side stream and unpin the blocks."""
         self.api.stream_sync(self.stream)
+        for slot, block in enumerate(self.blocks):
+            if block is not None:
+                self.api.unpin(block)
+            self.blocks[slot] = None
+
+
+@dataclass(frozen=True, slots=True)
+class SavePiece:
+    """One item's bytes to bring to the host: ``tensor()`` gives its tensor (called only when its
+    bytes are due: a staged copy may not exist before), ``device`` is where they live."""
+
+    tensor: Callable[[], torch.Tensor]
+    device: torch.device
+    nbytes: int
+    step: int  # a CUDA piece's span size
+
+
+@dataclass(frozen=True, slots=True)
+class _Cut:
+    item: int
+    device: torch.device | None  # None: host memory, read in place
+    lo: int
+    n: int
+    last: bool  # the item's last span
+
+
+def _cuts(pieces: Sequence[SavePiece]) -> list[_Cut]:
+    out: list[_Cut] = []
+    for i, p in enumerate(pieces):
+        if p.device.type != "cuda" or p.nbytes == 0:
+            out.append(_Cut(i, None, 0, p.nbytes, True))
+            continue
+        step = max(1, p.step)
+        out += [_Cut(i, p.device, lo, min(step, p.nbytes - lo), lo + step >= p.nbytes)
+                for lo in range(0, p.nbytes, step)]
+    return out
+
+
+def host_spans(
+    pieces: Sequence[SavePiece], d2h: Callable[[torch.device], DeviceToHost],
+) -> Iterator[tuple[int, torch.Tensor, bool]]:
+    """Every piece's bytes as host spans, in order: ``(piece index, span, last span of the piece)``.
+
+    A host piece is one span, read in place (a CUDA piece of no bytes too, as an empty
+    span); a CUDA piece is cut into spans of at most its ``step`` bytes and copied through
+    ``d2h(device)``'s two pinned blocks. The copy of the next device span — of the same
+    piece or of a later one — is enqueued before the host waits for this one: the GPU
+    copies item k+1 while the host checksums and uploads item k. A span stays valid
+    until the next one is requested.
+    """
+    cuts = _cuts(pieces)
+    later: list[int | None] = [None] * len(cuts)  # index of the next device cut after each cut
+    nxt: int | None = None
+    for j in range(len(cuts) - 1, -1, -1):
+        later[j] = nxt
+        if cuts[j].device is not None:
+            nxt = j
+    sizes: dict[torch.device, int] = {}
+    for c in cuts:
+        if c.device is not None:
+            sizes[c.device] = max(sizes.get(c.device, 0), c.n)
+    for dev, n in sizes.items():
+        d2h(dev).fit(n)
+    flats: dict[int, torch.Tensor] = {}
+    issued: dict[int, tuple[DeviceToHost, int, torch.Tensor]] = {}
+
+    def issue(j: int) -> None:
+        c = cuts[j]
+        stage = d2h(c.device)  # type: ignore[arg-type]
+        if c.item not in flats:
+            flats[c.item] = stage.flat(pieces[c.item].tensor())
+        slot, span = stage.issue(flats[c.item], c.lo, c.n)
+        if c.last:
+            del flats[c.item]  # the side stream holds it (record_stream, or allocated there)
+        issued[j] = (stage, slot, span)
+
+    if nxt is not None:
+        issue(nxt)
+    for j, c in enumerate(cuts):
+        if c.device is None:
+            yield c.item, _host_bytes(pieces[c.item].tensor()), c.last
+            continue
+        stage, slot, span = issued.pop(j)
+        k = later[j]
+        if k is not None:
+            issue(k)  # before the host waits for this span: the overlap
+        stage.ready(slot)
+        yield c.item, span, c.last
+
+
+def _host_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a host tensor's elements (a copy when not contiguous)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    if t.device.type != "cpu":
+        t = t.cpu()  # another accelerator (or a CUDA tensor without a GPU stand-in): a plain copy
+    return t.reshape(-1).view(torch.uint8)

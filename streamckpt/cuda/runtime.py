@@ -9,9 +9,15 @@ GPU. Nothing here decides anything.
 
 from __future__ import annotations
 
+import logging
+import mmap
 from typing import Any, Protocol, Sequence
 
 import torch
+
+from ..errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 
 class CudaApi(Protocol):
@@ -33,6 +39,13 @@ class CudaApi(Protocol):
 
     def pinned(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """Page-locked host bytes, allocated without touching any other GPU's context."""
+
+    def pin(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Exactly ``nbytes`` of page-locked host bytes (no rounding, no cache) until ``unpin``:
+        what a save stages through, sized to its budget."""
+
+    def unpin(self, t: torch.Tensor) -> None:
+        """Give back what ``pin`` locked (the memory itself goes with its last reference)."""
 
     def empty(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
         """Device bytes from the caching allocator, in the order of ``stream``."""
@@ -87,6 +100,28 @@ class TorchCuda:
     def pinned(self, nbytes: int, device: torch.device) -> torch.Tensor:
         with torch.cuda.device(device):  # pinning needs a context: this rank's GPU, not GPU 0
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def pin(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Anonymous pages of our own, registered with CUDA: torch's pinned host allocator would
+        round the size up to a power of two and keep the block cached after it is freed."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # whole pages of its own
+        t = torch.frombuffer(mem, dtype=torch.uint8)  # the tensor keeps the mapping alive
+        with torch.cuda.device(device):  # a context on this rank's GPU, not GPU 0
+            err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1))  # 1: portable
+        if err != 0:
+            raise CheckpointError(
+                f"pinning {nbytes} bytes of host memory on {device} failed (cudaHostRegister: cudaError {err}); "
+                f"free host memory or pass a smaller staging_budget")
+        return t
+
+    def unpin(self, t: torch.Tensor) -> None:
+        if t.numel() == 0:
+            return
+        err = int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
+        if err != 0:
+            log.warning("cudaHostUnregister of %d bytes failed (cudaError %d)", t.numel(), err)
 
     def empty(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
         with torch.cuda.device(device), torch.cuda.stream(stream):

@@ -10,7 +10,9 @@ of its own, so the training job's collectives (NCCL or gloo) never interleave wi
 save's.
 
 Memory: with ``staging_budget`` set, staged copies live in one block of that many bytes
-(``staging``: a ring, pinned for CUDA tensors, kept for the next save on the group;
+(``staging``: a ring, pinned at exactly that size for CUDA tensors, kept for the next save
+on the group until ``SaveHandle.release_staging()`` or until the group is garbage collected
+after ``destroy_process_group``;
 items larger than a quarter of it are cut into row blocks or flat ranges first; without
 a budget the block is the share's size, kept for the next save that fits in it);
 when this rank's share is larger, ``async_save`` returns only once the rest has been
@@ -35,13 +37,15 @@ import concurrent.futures as cf
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from ..comm import GroupComm, SoloComm, make_comm
 from ..core.targets import TargetSpec
+from ..cuda.runtime import CudaApi, TorchCuda
 from ..errors import CheckpointError
 from ..results import SaveResult
 from ..storage import Storage
@@ -56,10 +60,21 @@ class SaveHandle:
     """An ``async_save`` in flight: ``result()`` waits for the commit (or raises the save's
     error, on every rank); ``done()`` says whether it has finished."""
 
-    def __init__(self, future: "cf.Future[SaveResult]", uri: str, cancel: Any = None) -> None:
+    def __init__(self, future: "cf.Future[SaveResult]", uri: str, cancel: Any = None,
+                 release: Callable[[], None] | None = None) -> None:
         self._future = future
         self._cancel = cancel
+        self._release = release
         self.uri = uri
+
+    def release_staging(self) -> None:
+        """Wait for this save to end, then free the host memory it staged through (page-locked
+        for CUDA tensors), which its process group otherwise keeps for the next ``async_save``
+        (that one then allocates it again). A no-op while a later save on the group is in flight
+        (its own handle can release it), or when a later save has staged elsewhere."""
+        self.wait()
+        if self._release is not None:
+            self._release()
 
     def cancel(self, timeout: float = 60.0) -> bool:
         """Stop the save: no manifest is written (every rank's ``result()`` raises).
@@ -87,6 +102,8 @@ class SaveHandle:
 class StagedShard:
     """One item to write, filled by the staging thread and read once by the uploader
     (``.tensor`` waits until it is staged)."""
+
+    staged = True  # host memory: the writer asks for ``.tensor`` only when its bytes are due
 
     def __init__(self, spec: TargetSpec) -> None:
         self.spec = spec
@@ -117,31 +134,49 @@ class StagedShard:
 
 @dataclass
 class _Session:
-    group: Any  # the training group (kept so that its id is not reused)
     comm: SoloComm | GroupComm  # the save's own group
     last: SaveHandle | None = None
     area: StagingArea | None = None  # kept for the next save with the same budget
+    keep: Any = None  # a training group that cannot be weakly referenced, kept so that its id is not reused
 
-    def staging(self, budget: int | None, gpu: torch.device | None, share: int) -> StagingArea:
+    def staging(self, budget: int | None, gpu: torch.device | None, share: int,
+                cuda: CudaApi | None) -> StagingArea:
         """The staging area for a save of ``share`` bytes (``StagingArea.needed``), reused when it fits."""
-        if self.area is None or not self.area.fits(budget, gpu, share):
-            self.area = None  # the old block goes before the new one is made
-            self.area = StagingArea(budget, gpu, size=share if budget is None else None)
+        if self.area is None or not self.area.fits(budget, gpu, share, cuda):
+            self.release()  # the old block goes before the new one is made
+            self.area = StagingArea(budget, gpu, size=share if budget is None else None, cuda=cuda)
         self.area.reset()
         return self.area
+
+    def release(self, area: StagingArea | None = None) -> None:
+        """Free the kept staging area (only if it is still ``area``, when given, and no save uses it)."""
+        if self.area is None or (area is not None and self.area is not area):
+            return
+        if self.last is not None and not self.last.done():
+            return
+        self.area.close()
+        self.area = None
 
 
 _SESSIONS: dict[int, _Session] = {}
 _SESSIONS_LOCK = threading.Lock()
 
 
+def _forget(key: int) -> None:
+    """The training group is gone (garbage collected): drop its session and free its staging."""
+    with _SESSIONS_LOCK:
+        session = _SESSIONS.pop(key, None)
+    if session is not None:
+        session.release()  # a save still in flight keeps its area; the area unpins when collected
+
+
 def _session_for(process_group: Any) -> _Session:
-    """The save group of ``process_group`` (created on first use: a collective of its ranks)."""
+    """The save group of ``process_group`` (created on first use: a collective of its ranks).
+
+    Keyed by the training group's id; the session goes (and its staging is freed) when that
+    group is garbage collected, so the id cannot be reused by a stale entry."""
     train = make_comm(process_group)
-    if isinstance(train, SoloComm):
-        key, group = 0, None
-    else:
-        key, group = id(train.group), train.group
+    key = 0 if isinstance(train, SoloComm) else id(train.group)
     with _SESSIONS_LOCK:
         session = _SESSIONS.get(key)
         if session is not None:
@@ -154,7 +189,13 @@ def _session_for(process_group: Any) -> _Session:
         side = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
         comm = GroupComm(side)
     with _SESSIONS_LOCK:
-        return _SESSIONS.setdefault(key, _Session(group, comm))
+        session = _SESSIONS.setdefault(key, _Session(comm))
+    if not isinstance(train, SoloComm) and session.comm is comm:
+        try:
+            weakref.finalize(train.group, _forget, key)
+        except TypeError:
+            session.keep = train.group
+    return session
 
 
 def async_save(
@@ -169,8 +210,28 @@ def async_save(
     staging_budget: int | None = None,
 ) -> SaveHandle:
     """Like ``save``, but returns once this rank's share of the state is staged (see the module doc)."""
+    return start_save(state_dict, uri, storage_options=storage_options, process_group=process_group,
+                      compression=compression, metadata=metadata, overwrite=overwrite,
+                      staging_budget=staging_budget)
+
+
+def start_save(
+    state_dict: Mapping[str, Any],
+    uri: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    process_group: Any = None,
+    compression: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    staging_budget: int | None = None,
+    cuda: CudaApi | None = None,
+) -> SaveHandle:
+    """``async_save`` with the CUDA runtime named (``cuda``: a test's stand-in; None: torch's)."""
     if staging_budget is not None and staging_budget <= 0:
         raise ValueError(f"staging_budget must be positive bytes or None, not {staging_budget!r}")
+    if cuda is None and torch.cuda.is_available():
+        cuda = TorchCuda()
     session = _session_for(process_group)
     if session.last is not None:
         session.last.wait()  # at most one save in flight per group
@@ -178,18 +239,21 @@ def async_save(
     try:
         max_item = None if staging_budget is None else max(1 << 20, staging_budget // 4)
         prep = prepare(session.comm, storage, state_dict, compression=compression, metadata=metadata,
-                       overwrite=overwrite, max_item_bytes=max_item)
+                       overwrite=overwrite, max_item_bytes=max_item, cuda=cuda)
     except BaseException:
         storage.close()
         raise
-    gpu = next((t.tensor.device for t in prep.local if t.tensor.device.type == "cuda"), None)
+    devices = [cuda.device_of(t.tensor) if cuda is not None else t.tensor.device for t in prep.local]
+    gpu = next((d for d in devices if d.type == "cuda"), None)
     share = StagingArea.needed(it.spec.nbytes for it in prep.items)
-    handle = _start(session.comm, storage, prep, session.staging(staging_budget, gpu, share))
+    area = session.staging(staging_budget, gpu, share, cuda)
+    handle = _start(session.comm, storage, prep, area, cuda, lambda: session.release(area))
     session.last = handle
     return handle
 
 
-def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, area: StagingArea) -> SaveHandle:
+def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, area: StagingArea,
+           cuda: CudaApi | None, release: Callable[[], None]) -> SaveHandle:
     shards = [StagedShard(it.spec) for it in prep.items]
     future: cf.Future[SaveResult] = cf.Future()
 
@@ -199,7 +263,9 @@ def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, area: S
 
     def background() -> None:
         try:
-            future.set_result(write_and_commit(comm, storage, prep, shards, on_written=released))  # type: ignore[arg-type]
+            result = write_and_commit(comm, storage, prep, shards,  # type: ignore[arg-type]
+                                      on_written=released, cuda=cuda)
+            future.set_result(result)
         except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
             area.fail()
             future.set_exception(e)
@@ -220,7 +286,7 @@ def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, area: S
         # the cores (256 MiB: 0.07 s vs 0.22 s blocked). Otherwise the upload must free
         # room as staging goes.
         fits = area.budget is None or sum(it.spec.nbytes for it in prep.items) <= area.budget
-        if fits and area.gpu is None:
+        if fits:
             _stage_all(area, pieces, shards)
         else:
             if not fits:
@@ -231,7 +297,7 @@ def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, area: S
             uploader.start()
     for shard in shards:
         shard.fail(RuntimeError("staging stopped after the upload failed"))  # no-op for staged shards
-    return SaveHandle(future, storage.describe("").rstrip("/"), cancel)
+    return SaveHandle(future, storage.describe("").rstrip("/"), cancel, release)
 
 
 def _stage_in_turn(area: StagingArea, pieces: list[torch.Tensor], shards: list[StagedShard]) -> None:
@@ -250,8 +316,12 @@ def _stage_in_turn(area: StagingArea, pieces: list[torch.Tensor], shards: list[S
 def _stage_all(area: StagingArea, pieces: list[torch.Tensor], shards: list[StagedShard]) -> None:
     """Everything fits: take the room for every item, then copy them all at once on every core."""
     outs = [area.reserve(p) for p in pieces]  # never waits: the block holds the whole share
+    pairs = [(o, p) for o, p in zip(outs, pieces) if o is not None]
     try:
-        copy_all([(o, p) for o, p in zip(outs, pieces) if o is not None], os.cpu_count() or 1)
+        if area.gpu is not None:
+            area.fill(pairs)  # device copies, one host wait
+        else:
+            copy_all(pairs, os.cpu_count() or 1)
     except BaseException as e:
         _fail_from(shards, 0, e)
         raise

@@ -7,8 +7,9 @@ one file of any size (a multipart upload). Uncompressed files are valid safetens
 header is known before any byte is written. zstd files hold independent
 frames back to back (one per chunk) and no header: the manifest holds every
 frame's length. A CPU tensor is read in place, once; a GPU tensor's
-bytes come to the host through two reused pinned blocks (``device.DeviceToHost``):
-the next block's copy runs while the host checksums and uploads this one.
+bytes come to the host through two reused pinned blocks (``device.DeviceToHost``),
+pinned at the largest span's size and unpinned when the call returns: the next span's
+copy (of the same item or the next one) runs while the host checksums and uploads this one.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..core import dtypes
 from ..core.checksum import crc32c
 from ..core.manifest import Shard
 from ..core.targets import TargetSpec
-from ..cuda.device import DeviceToHost
+from ..cuda.device import CPU, SAVE_BLOCK_BYTES, DeviceToHost, SavePiece, host_spans
 from ..cuda.runtime import CudaApi, TorchCuda
 from ..storage import Storage
 
@@ -68,16 +69,6 @@ def entry_name(spec: TargetSpec) -> str:
     return name
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a tensor's elements (contiguous, on its device)."""
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    return t.reshape(-1).view(torch.uint8)
-
-
 def _safetensors_header(items: Sequence[ShardToWrite]) -> tuple[bytes, list[int]]:
     header: dict[str, object] = {"__metadata__": {"format": "streamckpt"}}
     offsets = []
@@ -95,24 +86,42 @@ def _safetensors_header(items: Sequence[ShardToWrite]) -> tuple[bytes, list[int]
 
 
 class _HostBytes:
-    """A shard's bytes as host spans: in place for CPU tensors, staged for GPU ones."""
+    """The shards' bytes as host spans: in place for CPU tensors, staged for GPU ones, the
+    next GPU span's copy running while the host encodes this one (``device.host_spans``)."""
 
     def __init__(self, cuda: CudaApi | None) -> None:
         self.cuda = cuda
         self.staging: dict[torch.device, DeviceToHost] = {}
+        self._spans: Iterator[tuple[int, torch.Tensor, bool]] = iter(())
 
-    def spans(self, t: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
-        dev = self.cuda.device_of(t) if self.cuda is not None else t.device
-        if dev.type == "cpu":
-            yield _bytes_of(t)
-            return
-        if dev.type != "cuda" or self.cuda is None:
-            yield _bytes_of(t).cpu()  # another accelerator: a plain copy
-            return
+    def _d2h(self, dev: torch.device) -> DeviceToHost:
         d2h = self.staging.get(dev)
         if d2h is None:
-            d2h = self.staging[dev] = DeviceToHost(self.cuda, dev)
-        yield from d2h.spans(t, max(chunk, (d2h.block_bytes // chunk) * chunk))
+            d2h = self.staging[dev] = DeviceToHost(self.cuda, dev)  # type: ignore[arg-type]
+        return d2h
+
+    def plan(self, items: Sequence[ShardToWrite], chunks: Sequence[int]) -> None:
+        """The items ``spans`` will be asked for, in that order, with their checksum chunks.
+
+        A GPU span holds whole chunks, at most ``SAVE_BLOCK_BYTES``: items (cut to one data
+        file, 8 MiB) are one span each, so item k+1's copy overlaps item k's encoding. A staged
+        item (``staged``: a host copy that may not exist yet) is not looked at before its turn."""
+        pieces = []
+        for it, chunk in zip(items, chunks):
+            staged = getattr(it, "staged", False)
+            dev = CPU if staged or self.cuda is None else self.cuda.device_of(it.tensor)
+            pieces.append(SavePiece(lambda it=it: it.tensor, dev, it.spec.nbytes,  # type: ignore[misc]
+                                    max(chunk, (SAVE_BLOCK_BYTES // chunk) * chunk)))
+        self._spans = host_spans(pieces, self._d2h)
+
+    def spans(self, item: int) -> Iterator[torch.Tensor]:
+        """Item ``item``'s spans (the next item of the plan); each valid until the next is asked for."""
+        for i, span, last in self._spans:
+            if i != item:
+                raise RuntimeError(f"internal: asked for item {item}'s bytes, the plan has item {i} next")
+            yield span
+            if last:
+                return
 
     def close(self) -> None:
         for d2h in self.staging.values():
@@ -155,14 +164,20 @@ class _Encoder:
     def header(self, items: Sequence[ShardToWrite]) -> bytes:
         return b"" if self.cctx is not None else _safetensors_header(items)[0]
 
-    def shard(self, sink: _Sink, name: str, it: ShardToWrite) -> Shard:
+    def chunk_of(self, it: ShardToWrite) -> int:
+        return chunk_size_for(it.spec.nbytes, self.chunk_size, self.cctx is not None)
+
+    def plan(self, items: Sequence[ShardToWrite]) -> None:
+        """``shard`` will be called for ``items``, in this order (their indices)."""
+        self.host.plan(items, [self.chunk_of(it) for it in items])
+
+    def shard(self, sink: _Sink, name: str, it: ShardToWrite, index: int) -> Shard:
         cctx = self.cctx
         start = sink.bytes_written
-        nbytes = it.tensor.numel() * it.tensor.element_size()
-        chunk = chunk_size_for(nbytes, self.chunk_size, cctx is not None)
+        chunk = self.chunk_of(it)
         crcs: list[int] = []
         frames: list[int] = []
-        for span in self.host.spans(it.tensor, chunk):  # spans hold whole chunks (the last may end short)
+        for span in self.host.spans(index):  # spans hold whole chunks (the last may end short)
             mv = memoryview(span.numpy())
             if cctx is None:  # one copy per span; the checksums read the same memory chunk by chunk
                 crcs += [crc32c(mv[lo:lo + chunk]) for lo in range(0, len(mv), chunk)]
@@ -206,10 +221,11 @@ def write_data_file(
     enc = _Encoder(compression, chunk_size, _host_for(cuda))
     size_hint = sum(it.spec.nbytes for it in items) + (1 << 20)  # zstd: at most about the raw size
     try:
+        enc.plan(items)
         with storage.open_write(name, size_hint=size_hint) as up:
             up.write(enc.header(items))
             for i, it in enumerate(items):
-                records.append((it.spec.key, enc.shard(up, name, it)))
+                records.append((it.spec.key, enc.shard(up, name, it, i)))
                 if on_written is not None:
                     on_written(i)
             size = up.bytes_written
@@ -283,6 +299,7 @@ def write_data_files(
     records: list[tuple[str, Shard]] = []
     sizes: dict[str, int] = {}
     try:
+        enc.plan(items)
         for f, group in enumerate(pack([it.spec.nbytes for it in items], shape.object_bytes)):
             name = name_of(f)
             mine = [items[i] for i in group]
@@ -290,7 +307,7 @@ def write_data_files(
             body = _Body(queue.buffer(len(head) + sum(it.spec.nbytes for it in mine)))
             body.write(memoryview(head))
             for i, it in zip(group, mine):
-                records.append((it.spec.key, enc.shard(body, name, it)))
+                records.append((it.spec.key, enc.shard(body, name, it, i)))
                 if on_written is not None:
                     on_written(i)
             queue.submit(name, body.buf, body.bytes_written)
