@@ -90,3 +90,10 @@ def test_a_bucket_without_its_scheme(s3_opts: dict[str, Any], tmp_path: Any, mon
     with pytest.raises(sc.CheckpointNotFoundError) as e:
         sc.load_state(str(tmp_path))  # a directory that exists: no hint
     assert str(e.value).endswith("or .metadata (PyTorch DCP)")
+
+
+@pytest.mark.parametrize("budget", [0, -5, "1GiB"])
+def test_a_bad_staging_budget_is_named(s3_uri: str, s3_opts: dict[str, Any], budget: Any) -> None:
+    with pytest.raises(sc.CheckpointError, match=f"^staging_budget must be a positive number of bytes or None, "
+                                                 f"got {budget!r}$"):
+        sc.async_save({"w": torch.ones(3)}, s3_uri, storage_options=s3_opts, staging_budget=budget)

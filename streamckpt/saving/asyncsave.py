@@ -228,8 +228,9 @@ def start_save(
     cuda: CudaApi | None = None,
 ) -> SaveHandle:
     """``async_save`` with the CUDA runtime named (``cuda``: a test's stand-in; None: torch's)."""
-    if staging_budget is not None and staging_budget <= 0:
-        raise ValueError(f"staging_budget must be positive bytes or None, not {staging_budget!r}")
+    if staging_budget is not None and (not isinstance(staging_budget, (int, float)) or isinstance(staging_budget, bool)
+                                       or not staging_budget > 0):
+        raise CheckpointError(f"staging_budget must be a positive number of bytes or None, got {staging_budget!r}")
     if cuda is None and torch.cuda.is_available():
         cuda = TorchCuda()
     session = _session_for(process_group)
