@@ -34,7 +34,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 
-from ..errors import CheckpointError, IncompatibleStateDictError
+from ..errors import CheckpointError, IncompatibleStateDictError, StagingMemoryError
 from ..plan.data import ALIGN  # a piece keeps its address modulo this on the device
 from .runtime import CudaApi
 
@@ -155,10 +155,12 @@ class Placement:
     def is_device(self, t: torch.Tensor) -> bool:
         return self.device is not None and self.api.device_of(t).type == "cuda"
 
-    def stage(self, sizes: Sequence[int]) -> "HostStage | DeviceStage":
+    def stage(self, sizes: Sequence[int], exchange: Sequence[int] = ()) -> "HostStage | DeviceStage":
+        """The arenas (and, for NCCL, the device exchange arenas of ``exchange`` bytes), allocated
+        now; a failed allocation raises ``StagingMemoryError`` naming the memory and its bytes."""
         if self.device is None:
             return HostStage(sizes)
-        return DeviceStage(self.api, self.device, sizes)
+        return DeviceStage(self.api, self.device, sizes, exchange if self.data_on_device else ())
 
 
 def place(api: CudaApi, tensors: Sequence[torch.Tensor], data_device: torch.device) -> Placement:
@@ -187,7 +189,8 @@ class HostStage:
     """The CPU path: plain host arenas, every copy done on the spot."""
 
     def __init__(self, sizes: Sequence[int]) -> None:
-        self.arenas = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        self.arenas = allocate("host memory for 2 staging arenas", sizes, CPU,
+                               lambda n: torch.empty(n, dtype=torch.uint8))
 
     def begin(self) -> None:
         return None
@@ -224,12 +227,18 @@ class DeviceStage:
     that the arena's next ``acquire`` waits on.
     """
 
-    def __init__(self, api: CudaApi, device: torch.device, sizes: Sequence[int]) -> None:
+    def __init__(self, api: CudaApi, device: torch.device, sizes: Sequence[int], exchange: Sequence[int] = ()) -> None:
         self.api = api
         self.device = device
-        self.arenas = [api.pinned(n, device) for n in sizes]
+        self.arenas = allocate("pinned host memory for 2 staging arenas", sizes, device,
+                               lambda n: api.pinned(n, device))
         self.stream = api.new_stream(device)
         self.events: list[Any] = [None] * len(self.arenas)
+        # NCCL's send/recv buffers: one device arena per host arena, allocated once in the current
+        # stream's order (NCCL's), so no allocation can fail between two ranks' matching posts
+        cur = self._current()
+        self.exchange = allocate("GPU memory for 2 exchange arenas", exchange, device,
+                                 lambda n: api.empty(n, device, cur))
 
     def _current(self) -> Any:
         return self.api.current_stream(self.device)
@@ -288,22 +297,26 @@ class DeviceStage:
         self.api.copy(buf, raw, self.stream)
         return buf
 
-    def send_buffer(self, host: torch.Tensor) -> torch.Tensor:
-        """A message for NCCL: copied on the current stream, which NCCL's stream waits on."""
-        cur = self._current()
-        buf = self.api.empty(host.numel(), self.device, cur)
-        self.api.copy(buf, host, cur)
-        return buf
+    def send_buffer(self, slot: int, at: int, nbytes: int) -> torch.Tensor:
+        """Bytes [at, at + nbytes) of exchange arena ``slot``: a message NCCL sends."""
+        return self.exchange[slot][at: at + nbytes]
 
-    def recv_buffer(self, nbytes: int) -> torch.Tensor:
-        """A receive buffer for NCCL, allocated in the current stream's order (NCCL's)."""
-        return self.api.empty(nbytes, self.device, self._current())
+    def fill_send(self, buf: torch.Tensor, host: torch.Tensor) -> None:
+        """A message's bytes into its send buffer on the current stream, which NCCL's stream waits on."""
+        self.api.copy(buf, host, self._current())
+
+    def recv_buffer(self, slot: int, at: int, nbytes: int) -> torch.Tensor:
+        """Bytes [at, at + nbytes) of exchange arena ``slot``: a message NCCL receives. Its
+        previous round's readers are done: ``acquire(slot)`` waited on them."""
+        return self.exchange[slot][at: at + nbytes]
 
     def posted(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
         self.api.exchange_posted(self.device, sends, recvs)
 
     def received(self, bufs: Sequence[torch.Tensor]) -> None:
-        """Received device buffers become readable on the side stream, and stay allocated until it is done."""
+        """After ``work.wait()`` on a round's exchange (sends only too): the current stream follows
+        NCCL; received device buffers become readable on the side stream, and stay allocated until
+        it is done."""
         self.api.exchange_waited(self.device, bufs)
         self.api.wait_stream(self.stream, self._current())
         for b in bufs:
@@ -311,6 +324,24 @@ class DeviceStage:
 
 
 Stage = HostStage | DeviceStage
+
+
+def allocate(what: str, sizes: Sequence[int], device: torch.device,
+             alloc: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
+    """``alloc`` of each size; a failure (``torch.OutOfMemoryError`` or any other) becomes a
+    ``StagingMemoryError`` naming the memory and the bytes asked for."""
+    out = []
+    for n in sizes:
+        try:
+            out.append(alloc(n))
+        except Exception as e:  # noqa: BLE001 - OOM and driver errors alike
+            first = str(e).splitlines()[0][:300] if str(e) else ""
+            raise StagingMemoryError(
+                f"could not allocate {n} bytes of {what} ({', '.join(map(str, sizes))} bytes) for {device} "
+                f"({type(e).__name__}: {first}); lower memory_budget (the arenas hold at most about that) "
+                f"or free memory on {device}"
+            ) from e
+    return out
 
 
 @contextlib.contextmanager
