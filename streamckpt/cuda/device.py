@@ -318,6 +318,8 @@ class DeviceStage:
         NCCL; received device buffers become readable on the side stream, and stay allocated until
         it is done."""
         self.api.exchange_waited(self.device, bufs)
+        if not bufs:
+            return  # a send-only round: release() orders the side stream after the current one
         self.api.wait_stream(self.stream, self._current())
         for b in bufs:
             self.api.record_stream(b, self.stream)
