@@ -303,13 +303,14 @@ class FakeCuda:
             event.stream, event.pos, event.clock = stream, len(stream.ops), dict(stream.clock)
 
     def host_wait(self, event: FakeEvent) -> None:
+        """Everything before the event, on its stream and on what that stream waited for."""
         if event.stream is not None:
             with self._lock:
-                self._flush(event.stream, event.pos)
+                self._force_clock(event.clock)
 
     def stream_sync(self, stream: FakeStream) -> None:
         with self._lock:
-            self._flush(stream, len(stream.ops))
+            self._force_clock(stream.clock)
 
     def record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
         with self._lock:
@@ -449,6 +450,12 @@ class FakeCuda:
                 (b := self._blocks.get(t.untyped_storage().data_ptr())) is not None and b.target for t in writes)
             stream.ops.append(Op(stream, len(stream.ops) + 1, dict(stream.clock), label, fn,
                                  [_span(t) for t in reads], [_span(t) for t in writes], host_reads, writes_target))
+
+    def _force_clock(self, clock: dict[int, int]) -> None:
+        """The host waits for every stream up to ``clock`` (a wait counts even with no op after it)."""
+        for s in list(self.streams):
+            if clock.get(s.sid, 0):
+                self._flush(s, clock[s.sid])
 
     def _flush(self, stream: FakeStream, upto: int, force: bool = True) -> None:
         """Run ``stream``'s ops up to ``upto`` after what they wait for; ``force``: the host waits
