@@ -274,7 +274,7 @@ class DeviceStage:
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """Raw bytes of a pinned span on the device (side stream), at the same address modulo ALIGN."""
         shift = host.data_ptr() % ALIGN
-        buf = self.api.empty(host.numel() + shift, self.device, self.stream)[shift:]
+        buf = self._scratch(host.numel() + shift)[shift:]
         self.api.copy(buf, host, self.stream)
         return buf
 
@@ -293,9 +293,12 @@ class DeviceStage:
         """A misaligned piece's bytes moved to an aligned device buffer (side stream)."""
         if self.api.device_of(raw).type != "cuda":
             return raw.clone()
-        buf = self.api.empty(raw.numel(), self.device, self.stream)
+        buf = self._scratch(raw.numel())
         self.api.copy(buf, raw, self.stream)
         return buf
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        return allocate("GPU scratch", [nbytes], self.device, lambda n: self.api.empty(n, self.device, self.stream))[0]
 
     def send_buffer(self, slot: int, at: int, nbytes: int) -> torch.Tensor:
         """Bytes [at, at + nbytes) of exchange arena ``slot``: a message NCCL sends."""
@@ -339,7 +342,7 @@ def allocate(what: str, sizes: Sequence[int], device: torch.device,
         except Exception as e:  # noqa: BLE001 - OOM and driver errors alike
             first = str(e).splitlines()[0][:300] if str(e) else ""
             raise StagingMemoryError(
-                f"could not allocate {n} bytes of {what} ({', '.join(map(str, sizes))} bytes) for {device} "
+                f"could not allocate {n} bytes of {what}{_listed(sizes)} for {device} "
                 f"({type(e).__name__}: {first}); lower memory_budget (the arenas hold at most about that) "
                 f"or free memory on {device}"
             ) from e
@@ -358,6 +361,10 @@ def finishing(stage: Stage) -> Iterator[None]:
             log.warning("finishing the device stage after a failure: %s", e)
         raise
     stage.finish()
+
+
+def _listed(sizes: Sequence[int]) -> str:
+    return f" ({' + '.join(map(str, sizes))} bytes in all)" if len(sizes) > 1 else ""
 
 
 # ------------------------------------------------------------------ saves: device bytes to the host

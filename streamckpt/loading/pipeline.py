@@ -262,7 +262,7 @@ class Executor:
             buf = stage.recv_buffer(slot, base, size) if on_device else arena[base: base + size]  # type: ignore[union-attr]
             recvs.append(P2P(m.peer, buf, self.plan.reads[m.read_index].tag))
             landed.append((m, buf))
-        failed = _attempt(lambda: self._fill_sends(k, fills, reads))
+        failed = self._attempt(lambda: self._fill_sends(k, fills, reads))
         error = error or failed
         if on_device:
             stage.posted([s.tensor for s in sends], [r.tensor for r in recvs])  # type: ignore[union-attr]
@@ -329,6 +329,17 @@ class Executor:
             host, dev = self._split(buf, 0, buf.numel(), (c.target for c in m.copies))
             for o, c in message_pieces(m.copies):
                 self._apply(host, dev, o, c)
+
+    def _attempt(self, fn: Callable[[], None]) -> BaseException | None:
+        """Run a local step; its failure is returned, to be agreed on with the other ranks (an
+        out-of-memory as a ``StagingMemoryError`` naming this rank)."""
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            if isinstance(e, (StagingMemoryError, torch.OutOfMemoryError)):
+                return _rank_error(e, self.rank)
+            return e
+        return None
 
     # ------------------------------------------------------------------ driver
 
@@ -398,12 +409,12 @@ class Executor:
         try:
             works, landed, error = self._post_exchange(k, error)
             if error is None:
-                error = _attempt(lambda: self._scatter_local(k))
+                error = self._attempt(lambda: self._scatter_local(k))
             self.comm.wait(works)
             if works and self.placement.data_on_device:  # work.wait(): the current stream follows NCCL
                 self.stage.received([buf for _, buf in landed])  # type: ignore[union-attr]
             if error is None:
-                error = _attempt(lambda: self._scatter_received(landed))
+                error = self._attempt(lambda: self._scatter_received(landed))
             self.stage.release(k % 2)
         except BaseException:
             self._drain(pending)
@@ -446,18 +457,14 @@ def _rank_error(e: BaseException, rank: int) -> BaseException:
     """A setup failure as every rank will see it: a ``CheckpointError`` naming this rank."""
     if isinstance(e, StagingMemoryError):
         return StagingMemoryError(f"rank {rank} {e}")
+    if isinstance(e, torch.OutOfMemoryError):
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        return StagingMemoryError(f"rank {rank} ran out of memory ({first}); lower memory_budget or free memory")
     if isinstance(e, CheckpointError):
         return e
     return CheckpointError(f"rank {rank} could not set up its load ({type(e).__name__}: {e})")
 
 
-def _attempt(fn: Callable[[], None]) -> BaseException | None:
-    """Run a local step; its failure is returned, to be agreed on with the other ranks."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001
-        return e
-    return None
 
 
 def _result(fut: cf.Future) -> int:
