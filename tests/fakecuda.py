@@ -126,7 +126,7 @@ class _Block:
     memory: tuple[torch.Tensor, int, int] | None = None  # (segment, offset, size) of an ``empty`` block
 
 
-@dataclass
+@dataclass(eq=False)
 class _Free:
     """A freed block in its allocation stream's pool: reusable once ``after`` has run."""
 
@@ -284,6 +284,7 @@ class FakeCuda:
         self._enqueue(stream, lambda: d.copy_(s), [src], [dst], f"copy {tuple(src.shape)}->{tuple(dst.shape)}")
 
     def download(self, src: torch.Tensor, stream: FakeStream) -> torch.Tensor:
+        self._count_call("download")
         out = torch.empty(src.shape, dtype=src.dtype)
         s = self._alias(src)
         self._enqueue(stream, lambda: out.copy_(s), [src], [], "download")

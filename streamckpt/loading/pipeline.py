@@ -454,15 +454,18 @@ def _exchange_extent(rnd: LocalRound, lay: Layout) -> int:
 
 
 def _rank_error(e: BaseException, rank: int) -> BaseException:
-    """A setup failure as every rank will see it: a ``CheckpointError`` naming this rank."""
+    """A local failure as every rank will see it: a ``CheckpointError`` naming this rank."""
     if isinstance(e, StagingMemoryError):
-        return StagingMemoryError(f"rank {rank} {e}")
-    if isinstance(e, torch.OutOfMemoryError):
+        out: BaseException = StagingMemoryError(f"rank {rank} {e}")
+    elif isinstance(e, torch.OutOfMemoryError):
         first = str(e).splitlines()[0][:300] if str(e) else ""
-        return StagingMemoryError(f"rank {rank} ran out of memory ({first}); lower memory_budget or free memory")
-    if isinstance(e, CheckpointError):
+        out = StagingMemoryError(f"rank {rank} ran out of memory ({first}); lower memory_budget or free memory")
+    elif isinstance(e, CheckpointError):
         return e
-    return CheckpointError(f"rank {rank} could not set up its load ({type(e).__name__}: {e})")
+    else:
+        out = CheckpointError(f"rank {rank} could not set up its load ({type(e).__name__}: {e})")
+    out.__cause__ = e
+    return out
 
 
 
