@@ -18,8 +18,12 @@ Every rule of the GPU path lives here, once:
   (``to_empty`` + ``reset_parameters``, a ``fill_``) land before the loaded bytes;
   at the end the caller's stream waits on the side stream.
 * **Allocator safety**: device scratch is allocated on the side stream that uses it;
-  receive buffers come from the current stream (NCCL's order) and are recorded on the
-  side stream that reads them.
+  NCCL's send/recv buffers are views of two exchange arenas allocated once in the
+  current stream's order (NCCL's), reused under the host arenas' events, and recorded
+  on the side stream that reads them.
+* **No allocation between agreements**: every arena is allocated when the stage is
+  made; a failure is a ``StagingMemoryError`` naming the memory and the bytes, which
+  the executor agrees on before any collective (so no rank blocks on one that failed).
 
 The CUDA calls go through a ``runtime.CudaApi``; ``HostStage`` is the CPU path with
 the same interface, so the executor has one code path.
@@ -222,9 +226,11 @@ class DeviceStage:
 
     Round k: ``acquire(k % 2)`` before any write into that arena; ``upload`` raw
     spans to device scratch and ``write`` strided/permuted/cast pieces into targets,
-    all on the side stream; for NCCL, ``send_buffer``/``recv_buffer`` on the current
-    stream and ``received`` before reading them; ``release(k % 2)`` records the event
-    that the arena's next ``acquire`` waits on.
+    all on the side stream; for NCCL, ``send_buffer``/``recv_buffer`` are views of
+    exchange arena ``k % 2`` (``fill_send`` copies on the current stream) and
+    ``received`` comes after ``work.wait()``, before reading them; ``release(k % 2)``
+    records the event that the arena's next ``acquire`` waits on (and so gates the
+    exchange arena's reuse too).
     """
 
     def __init__(self, api: CudaApi, device: torch.device, sizes: Sequence[int], exchange: Sequence[int] = ()) -> None:

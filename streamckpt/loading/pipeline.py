@@ -259,7 +259,10 @@ class Executor:
         for m in rnd.recvs:
             size = message_size(m.copies)
             base = lay.recv[(m.read_index, m.peer)]
-            buf = stage.recv_buffer(slot, base, size) if on_device else arena[base: base + size]  # type: ignore[union-attr]
+            if on_device:
+                buf = stage.recv_buffer(slot, base, size)  # type: ignore[union-attr]
+            else:
+                buf = arena[base: base + size]
             recvs.append(P2P(m.peer, buf, self.plan.reads[m.read_index].tag))
             landed.append((m, buf))
         failed = self._attempt(lambda: self._fill_sends(k, fills, reads))
