@@ -22,12 +22,12 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
 
-from distributed import run_ranks
+from distributed import run_ranks, run_scenarios
 from fakecuda import FakeCuda
 from gpu_cases import Case, run_rank, write_checkpoint
 
@@ -55,46 +55,51 @@ class _FailNth:
         return self.seen - 1 == self.nth
 
 
-def oom_worker(rank: int, world: int, root: str, fail_rank: int, kind: str, nth: int,
-               data_on_device: bool) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    case = Case(seed=53, world=world, data_on_device=data_on_device, **CASE)
-    fail = _FailNth(kind, nth) if rank == fail_rank else None
-    rep = run_rank(case, rank, GroupComm(dist.group.WORLD), root, fail_alloc=fail)
-    return {"finished": rep}  # not reached when the load raises, as it must
+OOMS = {  # scenario -> (allocation kind, which one fails, NCCL data plane, what the message names)
+    "pinned arenas": ("pinned", 0, False, "pinned host memory for 2 staging arenas"),
+    "exchange arenas": ("empty", 0, True, "GPU memory for 2 exchange arenas"),
+    "scratch in a round": ("empty", 3, False, "GPU scratch"),
+}
 
 
-def _oom_run(kind: str, nth: int, data_on_device: bool) -> list[Any]:
-    with tempfile.TemporaryDirectory(prefix="sc-oom-") as d:
-        write_checkpoint(Case(seed=53, world=3, data_on_device=data_on_device, **CASE), d)
-        return run_ranks(3, oom_worker, kwargs={"root": d, "fail_rank": 1, "kind": kind, "nth": nth,
-                                                "data_on_device": data_on_device},
-                         timeout=100, pg_timeout=45)
+def _oom_scenario(root: str, kind: str, nth: int, data_on_device: bool) -> Callable[[int, int], Any]:
+    def run(rank: int, world: int) -> Any:
+        import torch.distributed as dist
+
+        case = Case(seed=53, world=world, data_on_device=data_on_device, **CASE)
+        fail = _FailNth(kind, nth) if rank == 1 else None
+        return run_rank(case, rank, GroupComm(dist.group.WORLD), root, fail_alloc=fail)  # must raise
+    return run
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("kind,nth,data_on_device,what", [
-    ("pinned", 0, False, "pinned host memory for 2 staging arenas"),
-    ("empty", 0, True, "GPU memory for 2 exchange arenas"),
-    ("empty", 3, False, "GPU scratch"),
-])
-def test_an_oom_on_one_rank_raises_on_every_rank(kind: str, nth: int, data_on_device: bool, what: str) -> None:
+def oom_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Every scenario in one spawn: after an agreed failure the group is in step for the next."""
+    return run_scenarios(rank, world, [(name, _oom_scenario(root, kind, nth, dev))
+                                       for name, (kind, nth, dev, _) in OOMS.items()])
+
+
+@pytest.mark.timeout(200)
+def test_an_oom_on_one_rank_raises_on_every_rank() -> None:
     """Staging arenas (host data plane), the NCCL plane's exchange arenas (both before the first
-    collective), GPU scratch in a later round: every rank raises StagingMemoryError naming rank 1."""
-    results = _oom_run(kind, nth, data_on_device)
-    errors = [r.error for r in results]
-    assert all(e is not None for e in errors), [r.value for r in results]
-    assert [e.cls for e in errors] == ["StagingMemoryError"] * 3, [str(e) for e in errors]
-    own = errors[1].msg
-    m = re.match(rf"rank 1 could not allocate (\d+) bytes of {what}", own)
-    assert m is not None, own
-    nbytes = int(m.group(1))
-    assert nbytes > 0
-    assert f"Tried to allocate {nbytes} bytes ({kind}, fake)" in own  # the bytes the allocator was asked for
-    assert "lower memory_budget" in own
-    for peer in (0, 2):
-        assert errors[peer].msg == f"rank 1 failed: {own}", errors[peer].msg
+    collective), GPU scratch in a later round: every rank raises StagingMemoryError naming rank 1,
+    the memory and the bytes asked for."""
+    with tempfile.TemporaryDirectory(prefix="sc-oom-") as d:
+        write_checkpoint(Case(seed=53, world=3, data_on_device=False, **CASE), d)
+        per_rank = [r.unwrap() for r in run_ranks(3, oom_worker, kwargs={"root": d}, timeout=150, pg_timeout=45)]
+    for name, (kind, _, _, what) in OOMS.items():
+        outcomes = [per_rank[r][name] for r in range(3)]
+        assert all("error" in o for o in outcomes), (name, outcomes)
+        errors = [o["error"] for o in outcomes]
+        assert [e["cls"] for e in errors] == ["StagingMemoryError"] * 3, (name, [e["msg"] for e in errors])
+        own = errors[1]["msg"]
+        m = re.match(rf"rank 1 could not allocate (\d+) bytes of {what}", own)
+        assert m is not None, (name, own)
+        nbytes = int(m.group(1))
+        assert nbytes > 0
+        assert f"Tried to allocate {nbytes} bytes ({kind}, fake)" in own  # the bytes the allocator was asked for
+        assert "lower memory_budget" in own
+        for peer in (0, 2):
+            assert errors[peer]["msg"] == f"rank 1 failed: {own}", (name, errors[peer]["msg"])
 
 
 # ----------------------------------------------------------------------------- mixed cpu:gloo,cuda:nccl
@@ -106,29 +111,15 @@ def _mixed(fake: FakeCuda) -> GroupComm:
     return comm
 
 
-def plane_worker(rank: int, world: int, cuda_ranks: list[int]) -> list[str]:
-    """Which data device each rank's comm picks when ``cuda_ranks`` load into CUDA tensors."""
+def mixed_worker(rank: int, world: int, root: str, cuda_ranks: list[int]) -> dict[str, Any]:
+    """Which data device each rank's comm picks when ``cuda_ranks`` load into CUDA tensors, then
+    a load into CPU tensors on the mixed group: every exchange rides gloo with host tensors."""
     fake = FakeCuda(current_device=0)
     comm = _mixed(fake)
-    out = []
+    planes = []
     for flag in (rank in cuda_ranks, False):
         comm.choose_data_plane(flag)
-        out.append(str(comm.data_device))
-    return out
-
-
-@pytest.mark.timeout(120)
-def test_mixed_group_data_plane_is_agreed() -> None:
-    """NCCL (this rank's GPU) for the data as soon as one rank has CUDA targets, on every rank;
-    host tensors for a load in which none has."""
-    ranks = run_ranks(3, plane_worker, kwargs={"cuda_ranks": [2]}, timeout=60, pg_timeout=30)
-    assert [r.unwrap() for r in ranks] == [["cuda:0", "cpu"]] * 3
-
-
-def mixed_load_worker(rank: int, world: int, root: str) -> dict[str, Any]:
-    """A load into CPU tensors on the mixed group: every exchange rides gloo with host tensors."""
-    fake = FakeCuda(current_device=0)
-    comm = _mixed(fake)
+        planes.append(str(comm.data_device))
     full = sc.load_full(root)
     rows = {k: v.shape[0] // world for k, v in full.items()}
     sd = {k: sc.ShardedTensor(torch.zeros_like(v[: rows[k]]), tuple(v.shape), (rank * rows[k], *[0] * (v.dim() - 1)))
@@ -140,17 +131,21 @@ def mixed_load_worker(rank: int, world: int, root: str) -> dict[str, Any]:
         res = run_load(comm, storage, req)
     finally:
         storage.close()
-    wrong = [k for k, v in full.items() if not torch.equal(sd[k].local_tensor, v[rank * rows[k]: (rank + 1) * rows[k]])]
-    return {"wrong": wrong, "received": res.bytes_received, "data": str(comm.data_device),
+    wrong = [k for k, v in full.items()
+             if not torch.equal(sd[k].local_tensor, v[rank * rows[k]: (rank + 1) * rows[k]])]
+    return {"planes": planes, "wrong": wrong, "received": res.bytes_received, "data": str(comm.data_device),
             "fake_calls": dict(fake.counts), "devices": sorted(map(str, fake.devices_used))}
 
 
 @pytest.mark.timeout(120)
 def test_cpu_targets_on_a_mixed_group_ride_gloo(tmp_path: Path) -> None:
+    """The data plane is agreed: NCCL (this rank's GPU) as soon as one rank has CUDA targets, on
+    every rank, host tensors when none has; a CPU-only load then moves its bytes over gloo."""
     g = torch.Generator().manual_seed(3)
     sc.save({"w": torch.randn(48, 40, generator=g), "e": torch.randn(96, 8, generator=g)}, str(tmp_path))
-    ranks = run_ranks(3, mixed_load_worker, kwargs={"root": str(tmp_path)}, timeout=90, pg_timeout=30)
+    ranks = run_ranks(3, mixed_worker, kwargs={"root": str(tmp_path), "cuda_ranks": [2]}, timeout=90, pg_timeout=30)
     reps = [r.unwrap() for r in ranks]
+    assert [rep["planes"] for rep in reps] == [["cuda:0", "cpu"]] * 3
     for rep in reps:
         assert rep["wrong"] == []
         assert rep["data"] == "cpu"
