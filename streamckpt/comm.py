@@ -8,8 +8,10 @@ Every call is bounded by the process group's timeout.
 Which tensors each call carries follows the group's backends (``device``):
 small collectives on the host when the group has a CPU backend (gloo, or
 ``"cpu:gloo,cuda:nccl"``), else on this rank's GPU; the rounds' data on this
-rank's GPU when the group has NCCL for CUDA tensors. This rank's GPU is chosen
-once (``device.choose_device``), never taken from the current device alone.
+rank's GPU when the group has NCCL for CUDA tensors — except, on a mixed
+``"cpu:gloo,cuda:nccl"`` group, a load in which no rank has CUDA targets
+(``choose_data_plane``): it stays on gloo. This rank's GPU is chosen once
+(``device.choose_device``), never taken from the current device alone.
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ class SoloComm:
     def prefer_device(self, devices: set[torch.device]) -> None:
         return None
 
+    def choose_data_plane(self, cuda_targets: bool) -> None:
+        return None
+
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         return [data]
 
@@ -132,6 +137,7 @@ class GroupComm:
         self._targets: set[torch.device] = set()
         self._gpu: torch.device | None = None
         self._transport: _device.Transport | None = None
+        self._host_data = False  # this load's data rides the CPU backend (choose_data_plane)
         # each agreement on a GPU-only group is a host sync: agree every few rounds there
         self.agree_every = 1 if "cpu" in self.backends else AGREE_EVERY_ON_GPU
 
@@ -164,9 +170,24 @@ class GroupComm:
         return self._tensors().control
 
     @property
+    def mixed(self) -> bool:
+        """A CPU backend and NCCL for CUDA tensors (``"cpu:gloo,cuda:nccl"``, ``init_process_group()``
+        on a GPU build): the rounds' data may take either."""
+        return "cpu" in self.backends and self.backends.get("cuda") == "nccl"
+
+    def choose_data_plane(self, cuda_targets: bool) -> None:
+        """Before placing a load (a collective on a mixed group: call it on every rank): its data
+        goes over NCCL only when some rank loads into CUDA tensors; a load into CPU tensors only
+        keeps it on the CPU backend (gloo), with no device buffers and no blocking
+        device-to-host copy per message."""
+        if not self.mixed:
+            return
+        self._host_data = self.max_ints([1 if cuda_targets else 0])[0] == 0
+
+    @property
     def data_device(self) -> torch.device:
         """Where the rounds' send/recv buffers live."""
-        return self._tensors().data
+        return _device.CPU if self._host_data else self._tensors().data
 
     def _global(self, group_rank: int) -> int:
         if self.group is self.dist.group.WORLD:

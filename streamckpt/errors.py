@@ -51,6 +51,11 @@ class CheckpointExistsError(CheckpointError):
     """A committed checkpoint already exists at the URI and ``overwrite`` is False."""
 
 
+class StagingMemoryError(CheckpointError):
+    """A rank could not allocate the pinned or device memory a load stages through
+    (names the rank, the memory and the bytes asked for)."""
+
+
 class PeerError(CheckpointError):
     """Another rank of the process group failed; this rank stopped with it."""
 
@@ -65,6 +70,7 @@ __all__ = [
     "StorageError",
     "TransformError",
     "CheckpointExistsError",
+    "StagingMemoryError",
     "PeerError",
 ]
 

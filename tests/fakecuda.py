@@ -4,31 +4,51 @@ It implements ``streamckpt.cuda.runtime.CudaApi`` on a machine without a GPU. "D
 memory is host memory the fake knows as living on ``cuda:i`` (``place`` for tensors
 the test allocates, ``empty`` for the library's buffers). Work enqueued on a stream
 does not run when enqueued: it runs only when the host forces it (an event or stream
-synchronize, a download, an NCCL exchange, ``synchronize``) — in stream order, after
-the work the cross-stream waits made it depend on: the latest a real GPU could run it.
-So a missing wait shows up as wrong bytes, and as a recorded violation:
+synchronize, a download, ``synchronize``) — in stream order, after the work the
+cross-stream waits made it depend on: the latest a real GPU could run it. So a missing
+wait shows up as wrong bytes, and as a recorded violation:
 
 * ``host-write``: a copy reading host (pinned) memory finds it changed between enqueue
-  and execution — the host wrote an arena before waiting on the event after its copies;
+  and the host's next wait covering it — the host wrote an arena before waiting on the
+  event after its copies (checked again when the copy ran early, see NCCL below);
 * ``race``: two ops touch the same bytes, one writing, and neither is ordered before the
   other (vector clocks over the stream waits) — e.g. a pending init kernel on the
   caller's stream and a loaded piece on the side stream;
 * ``no-record-stream``: a device buffer used on a stream other than the one it was
   allocated on without ``record_stream`` on that stream (NCCL's own use exempt: it
   records its buffers itself);
+* ``pageable``: a non-blocking copy (every ``copy``) whose host side was not allocated
+  by ``pinned`` (torch would silently make it a blocking copy);
 * ``device``: a stream, event, buffer or copy on another GPU than the one expected
   (``expect_device``).
 
-NCCL is modelled as a stream of its own (``exchange_posted``): it waits on the caller's
-current stream, reads the send buffers and writes the receive buffers right away (the
-bytes themselves travel over the real gloo group), and ``exchange_waited`` makes the
-current stream wait on it, as ``ProcessGroupNCCL`` does.
+**NCCL** is a stream of its own per device. ``exchange_posted`` enqueues one op on it
+that waits on the caller's current stream, reads the send buffers and writes the
+receive buffers; it runs only when forced, like any op. The bytes themselves travel over
+the real gloo group when the library posts it, so the op's dependencies (the send
+copies) run then, *early* — not forced: their host reads are checked again when the
+host forces them later. ``exchange_waited`` (after ``work.wait()``) makes the current
+stream wait on NCCL, and — when the op has not run yet — takes the bytes gloo delivered
+and fills the receive buffers with ``POISON`` until the op runs: a read of a receive
+buffer not ordered after NCCL sees poison.
+
+**The caching allocator**: ``empty`` hands out device blocks from segments the fake
+keeps; a freed block (its storage's last reference gone) goes back to its allocation
+stream's pool at once, or, if it was ``record_stream``-ed, once those streams' work
+enqueued before the free has run — as torch's allocator does. The next ``empty`` on
+that stream gets the same bytes, so a buffer freed too early is overwritten under a
+pending reader (wrong bytes and a ``race``). Ops refer to device blocks through
+aliases that do not keep them allocated.
+
+``fail_alloc(kind, nbytes)`` (``kind`` "pinned" or "empty") makes that allocation raise
+``torch.OutOfMemoryError``, as a nearly full GPU or host would.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -43,6 +63,7 @@ class FakeStream:
     sid: int
     ops: list["Op"] = field(default_factory=list)
     done: int = 0  # ops[:done] have run
+    forced: int = 0  # ops[:forced] the host has waited for (forced <= done)
     clock: dict[int, int] = field(default_factory=dict)  # vector clock: stream id -> ops ordered before now
 
     def __repr__(self) -> str:
@@ -69,6 +90,7 @@ class Op:
     host_reads: list[tuple[torch.Tensor, torch.Tensor]]  # (source view, its bytes at enqueue time)
     writes_target: bool = False
     ran: bool = False
+    early: bool = False  # ran for NCCL's transport before the host forced it
 
 
 def _span(t: torch.Tensor) -> tuple[int, int, int]:
@@ -90,6 +112,9 @@ def _overlap(a: Sequence[tuple[int, int, int]], b: Sequence[tuple[int, int, int]
     return any(p == q and lo < hi2 and lo2 < hi for p, lo, hi in a for q, lo2, hi2 in b)
 
 
+POISON = 0xA5  # what a receive buffer holds until NCCL's op has run
+
+
 @dataclass
 class _Block:
     device: torch.device
@@ -98,14 +123,31 @@ class _Block:
     recorded: set[int] = field(default_factory=set)
     used_on: set[int] = field(default_factory=set)
     label: str = ""
+    memory: tuple[torch.Tensor, int, int] | None = None  # (segment, offset, size) of an ``empty`` block
+
+
+@dataclass(eq=False)
+class _Free:
+    """A freed block in its allocation stream's pool: reusable once ``after`` has run."""
+
+    segment: torch.Tensor
+    offset: int
+    size: int
+    after: list[tuple[FakeStream, int]]
+
+
+def _round(n: int) -> int:
+    return max(512, -(-n // 512) * 512)
 
 
 class FakeCuda:
     """See the module doc. ``current_device`` and ``device_count`` are what the fake reports."""
 
-    def __init__(self, *, current_device: int = 0, device_count: int = 8) -> None:
+    def __init__(self, *, current_device: int = 0, device_count: int = 8,
+                 fail_alloc: Callable[[str, int], bool] | None = None) -> None:
         self._current = current_device
         self._count = device_count
+        self._fail_alloc = fail_alloc
         self._lock = threading.RLock()
         self._sids = itertools.count(1)
         self._default: dict[torch.device, FakeStream] = {}
@@ -113,6 +155,8 @@ class FakeCuda:
         self.streams: list[FakeStream] = []
         self._blocks: dict[int, _Block] = {}  # storage ptr -> block, device memory only
         self._pinned: set[int] = set()
+        self._pools: dict[int, list[_Free]] = {}  # allocation stream id -> freed blocks
+        self._pending_recv: dict[torch.device, Op] = {}  # the last exchange's op, until waited
         self.violations: list[str] = []
         self.devices_used: set[torch.device] = set()
         self.counts: dict[str, int] = {}
@@ -202,31 +246,48 @@ class FakeCuda:
 
     def pinned(self, nbytes: int, device: torch.device) -> torch.Tensor:
         self._use(device, "pinned")
+        self._maybe_fail("pinned", nbytes)
         t = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
         with self._lock:
-            self._pinned.add(t.untyped_storage().data_ptr())
+            self._pinned.add(ptr)
+        weakref.finalize(st, self._pinned.discard, ptr)
         self._count_call("pinned")
         return t[:nbytes]
 
     def empty(self, nbytes: int, device: torch.device, stream: FakeStream) -> torch.Tensor:
+        """A block from the caching allocator: a freed one of this stream's pool when it fits."""
         self._use(device, "empty")
         self._same_device(stream.device, device, "empty")
-        t = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-        self._register(t, _Block(device, stream, False, label=f"buffer of {nbytes} bytes"))
+        self._maybe_fail("empty", nbytes)
+        size = _round(nbytes)
+        with self._lock:
+            segment, offset = self._reuse(stream, size)
+            t = _view_of(segment, offset, size)
+            self._register(t, _Block(device, stream, False, label=f"buffer of {nbytes} bytes",
+                                     memory=(segment, offset, size)))
         self._count_call("empty")
         return t[:nbytes]
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream) -> None:
-        for t in (dst, src):
+        for t, side in ((dst, "destination"), (src, "source")):
             d = self.device_of(t)
             if d.type == "cuda":
                 self._same_device(stream.device, d, "copy")
+            elif t.untyped_storage().data_ptr() not in self._pinned:
+                self.violations.append(f"pageable: a non-blocking copy {tuple(src.shape)}->{tuple(dst.shape)} on "
+                                       f"{stream} has a pageable host {side} (not from pinned()): torch makes it "
+                                       f"a blocking copy")
         self._count_call("copy")
-        self._enqueue(stream, lambda: dst.copy_(src), [src], [dst], f"copy {tuple(src.shape)}->{tuple(dst.shape)}")
+        d, s = self._alias(dst), self._alias(src)
+        self._enqueue(stream, lambda: d.copy_(s), [src], [dst], f"copy {tuple(src.shape)}->{tuple(dst.shape)}")
 
     def download(self, src: torch.Tensor, stream: FakeStream) -> torch.Tensor:
+        self._count_call("download")
         out = torch.empty(src.shape, dtype=src.dtype)
-        self._enqueue(stream, lambda: out.copy_(src), [src], [], "download")
+        s = self._alias(src)
+        self._enqueue(stream, lambda: out.copy_(s), [src], [], "download")
         self.stream_sync(stream)
         return out
 
@@ -243,13 +304,14 @@ class FakeCuda:
             event.stream, event.pos, event.clock = stream, len(stream.ops), dict(stream.clock)
 
     def host_wait(self, event: FakeEvent) -> None:
+        """Everything before the event, on its stream and on what that stream waited for."""
         if event.stream is not None:
             with self._lock:
-                self._flush(event.stream, event.pos)
+                self._force_clock(event.clock)
 
     def stream_sync(self, stream: FakeStream) -> None:
         with self._lock:
-            self._flush(stream, len(stream.ops))
+            self._force_clock(stream.clock)
 
     def record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
         with self._lock:
@@ -258,19 +320,41 @@ class FakeCuda:
                 block.recorded.add(stream.sid)
 
     def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
+        """NCCL's op waits on the current stream and stays pending; gloo moves the bytes now, so
+        what the send buffers depend on runs now, early (re-checked when forced)."""
         with self._lock:
             nccl = self._nccl.get(device)
             if nccl is None:
                 nccl = self._nccl[device] = self._stream(device, f"nccl:{device}")
             self.wait_stream(nccl, self._caller_stream(device))
             self._enqueue(nccl, lambda: None, list(sends), list(recvs), "nccl send/recv", nccl=True)
-            self._flush(nccl, len(nccl.ops))  # gloo moves the bytes now
+            op = nccl.ops[-1]
+            for t in [*sends, *recvs]:  # ProcessGroupNCCL records its buffers on its stream
+                self.record_stream(t, nccl)
+            for s in list(self.streams):
+                if s is not nccl:
+                    self._flush(s, op.clock.get(s.sid, 0), force=False)
+            self._pending_recv[device] = op
 
     def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor]) -> None:
+        """``work.wait()``: the current stream follows NCCL. The received bytes reach the receive
+        buffers only when NCCL's op runs: until then they hold ``POISON``."""
         with self._lock:
             nccl = self._nccl.get(device)
             if nccl is not None:
                 self.wait_stream(self._caller_stream(device), nccl)
+            op = self._pending_recv.pop(device, None)
+            if op is None or op.ran or not recvs:
+                return
+            wire = [(self._alias(r), r.detach().clone()) for r in recvs]
+            for r in recvs:
+                r.view(torch.uint8).fill_(POISON)
+
+            def deliver() -> None:
+                for buf, data in wire:
+                    buf.copy_(data)
+
+            op.fn = deliver
 
     # ------------------------------------------------------------------ internals
 
@@ -288,6 +372,11 @@ class FakeCuda:
     def _count_call(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
 
+    def _maybe_fail(self, kind: str, nbytes: int) -> None:
+        if self._fail_alloc is not None and self._fail_alloc(kind, nbytes):
+            self._count_call(f"failed {kind}")
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes ({kind}, fake)")
+
     def _use(self, device: torch.device, what: str) -> None:
         if device.type != "cuda" or device.index is None:
             self.violations.append(f"device: {what} on {device} (not a concrete GPU)")
@@ -299,6 +388,29 @@ class FakeCuda:
     def _same_device(self, a: torch.device, b: torch.device, what: str) -> None:
         if a != b:
             self.violations.append(f"device: {what} mixes {a} and {b}")
+
+    def _reuse(self, stream: FakeStream, size: int) -> tuple[torch.Tensor, int]:
+        """The smallest freed block of ``stream``'s pool that fits and whose recorded work has run,
+        else a new segment."""
+        pool = self._pools.setdefault(stream.sid, [])
+        ready = [f for f in pool if f.size >= size and all(s.done >= pos for s, pos in f.after)]
+        if ready:
+            best = min(ready, key=lambda f: f.size)
+            pool.remove(best)
+            self._count_call("reused")
+            return best.segment, best.offset
+        segment = torch.empty(size + 512, dtype=torch.uint8)
+        return segment, -segment.data_ptr() % 512
+
+    def _alias(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the same bytes through a storage of its own, so an op does not keep an
+        ``empty`` block allocated (the caching allocator frees it when the caller drops it)."""
+        block = self._blocks.get(t.untyped_storage().data_ptr())
+        if block is None or block.memory is None:
+            return t
+        segment, offset, size = block.memory
+        base = _view_of(segment, offset, size)
+        return torch.empty(0, dtype=t.dtype).set_(base.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
     def _register(self, t: torch.Tensor, block: _Block) -> None:
         st = t.untyped_storage()
@@ -312,10 +424,15 @@ class FakeCuda:
             if self._blocks.get(ptr) is block:
                 del self._blocks[ptr]
             missing = block.used_on - block.recorded
-            if block.stream is not None and missing:
+            pending = [s for s in self.streams if s.sid in missing and s.done < len(s.ops)]
+            if block.stream is not None and pending:  # a stream that used it may still read or write it
                 self._freed_unrecorded.append(
                     f"no-record-stream: {block.label} allocated on {block.stream} was used on streams "
                     f"{sorted(missing)} without record_stream")
+            if block.memory is not None and block.stream is not None:
+                after = [(s, len(s.ops)) for s in self.streams if s.sid in block.recorded]
+                segment, offset, size = block.memory
+                self._pools.setdefault(block.stream.sid, []).append(_Free(segment, offset, size, after))
 
     def _enqueue(self, stream: FakeStream, fn: Callable[[], None], reads: list[torch.Tensor],
                  writes: list[torch.Tensor], label: str, nccl: bool = False) -> None:
@@ -335,21 +452,39 @@ class FakeCuda:
             stream.ops.append(Op(stream, len(stream.ops) + 1, dict(stream.clock), label, fn,
                                  [_span(t) for t in reads], [_span(t) for t in writes], host_reads, writes_target))
 
-    def _flush(self, stream: FakeStream, upto: int) -> None:
-        while stream.done < upto:
-            op = stream.ops[stream.done]
+    def _force_clock(self, clock: dict[int, int]) -> None:
+        """The host waits for every stream up to ``clock`` (a wait counts even with no op after it)."""
+        for s in list(self.streams):
+            if clock.get(s.sid, 0):
+                self._flush(s, clock[s.sid])
+
+    def _flush(self, stream: FakeStream, upto: int, force: bool = True) -> None:
+        """Run ``stream``'s ops up to ``upto`` after what they wait for; ``force``: the host waits
+        for them (an op that ran early has its host reads checked again)."""
+        i = stream.forced if force else stream.done
+        while i < upto:
+            op = stream.ops[i]
             for s in self.streams:  # first what this op was made to wait for
                 need = op.clock.get(s.sid, 0)
-                if s is not stream and s.done < need:
-                    self._flush(s, need)
-            self._check_races(op)
-            for view, before in op.host_reads:
-                if not torch.equal(_bytes(view), before):
-                    self.violations.append(f"host-write: the host changed memory that {op.label} on {stream} "
-                                           f"reads before it ran (an arena written before waiting on its event)")
-            op.fn()
-            op.ran = True
-            stream.done += 1
+                if s is not stream and (s.forced if force else s.done) < need:
+                    self._flush(s, need, force)
+            if not op.ran:
+                self._check_races(op)
+                self._check_host_reads(op, "")
+                op.fn()
+                op.ran, op.early = True, not force
+                stream.done = i + 1
+            elif force and op.early:
+                self._check_host_reads(op, " (it ran early for NCCL; a GPU may run it only now)")
+            i += 1
+            if force:
+                stream.forced = i
+
+    def _check_host_reads(self, op: Op, why: str) -> None:
+        for view, before in op.host_reads:
+            if not torch.equal(_bytes(view), before):
+                self.violations.append(f"host-write: the host changed memory that {op.label} on {op.stream} "
+                                       f"reads before it ran (an arena written before waiting on its event){why}")
 
     def _check_races(self, op: Op) -> None:
         for s in self.streams:
@@ -361,6 +496,13 @@ class FakeCuda:
                 if _overlap(op.writes, other.reads + other.writes) or _overlap(op.reads, other.writes):
                     self.violations.append(f"race: {op.label} on {op.stream} and {other.label} on {s} touch the "
                                            f"same bytes unordered")
+
+
+def _view_of(segment: torch.Tensor, offset: int, size: int) -> torch.Tensor:
+    """Bytes [offset, offset + size) of a segment as a tensor with a storage of its own."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(memoryview(segment.numpy())[offset: offset + size], dtype=torch.uint8)
 
 
 # ------------------------------------------------------------------ save path: exact pinned memory (h-gpusave)

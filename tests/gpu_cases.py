@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from hypothesis import strategies as st
@@ -160,8 +160,10 @@ def _expected(full: torch.Tensor, spec: TargetSpec) -> torch.Tensor:
     return block if spec.flat_range is None else block.reshape(-1)[spec.flat_range[0]:spec.flat_range[1]]
 
 
-def run_rank(case: Case, rank: int, comm: SoloComm | GroupComm, path: str) -> dict[str, Any]:
-    """One rank's load through the real planner and executor, on a fake GPU."""
+def run_rank(case: Case, rank: int, comm: SoloComm | GroupComm, path: str,
+             fail_alloc: Callable[[str, int], bool] | None = None) -> dict[str, Any]:
+    """One rank's load through the real planner and executor, on a fake GPU (whose
+    allocations ``fail_alloc`` may make fail)."""
     rng = random.Random(case.seed * 31 + rank)
     storage = Storage(path)
     try:
@@ -170,7 +172,7 @@ def run_rank(case: Case, rank: int, comm: SoloComm | GroupComm, path: str) -> di
         opts = PlanOptions(memory_budget=case.budget, read_once=case.read_once)
         plan = build_plan(manifest, specs, opts, view_of(case, manifest), rank=rank)
         settle_rounds(plan, comm.max_ints)
-        fake = FakeCuda(current_device=case.current_device)
+        fake = FakeCuda(current_device=case.current_device, fail_alloc=fail_alloc)
         dev = torch.device("cuda", (case.seed + 3 * rank) % 8)
         fake.expect_device(dev)
         fulls = expected_full(case)
@@ -199,6 +201,7 @@ def run_rank(case: Case, rank: int, comm: SoloComm | GroupComm, path: str) -> di
             "placement": {"device": str(placement.device), "data_on_device": placement.data_on_device},
             "rounds": stats.rounds,
             "recv_only_rounds": sum(1 for r in ex.schedule if r.recvs and not r.reads),
+            "send_only_rounds": sum(1 for r in ex.schedule if r.sends and not r.recvs),
             "received_bytes": stats.bytes_received,
             "copies": fake.counts.get("copy", 0),
             "target_writes": len(fake.target_writes()),

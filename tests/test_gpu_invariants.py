@@ -123,19 +123,28 @@ def test_every_rank_schedule_keeps_the_rules(batch: list[Case]) -> None:
 
 def test_receive_only_rounds_and_the_nccl_plane_are_covered() -> None:
     """Fixed cases that the rules must hold on: 8 ranks, read once, a tiny budget (many rounds
-    in which most ranks only receive), host and device data planes, agreement every 1 and 3 rounds."""
+    in which most ranks only receive), host and device data planes, agreement every 1 and 3 rounds;
+    and NCCL-plane cases with send-only rounds (3 and 2 ranks), where only ``release()`` orders
+    the side stream after the send copies (the fake's NCCL runs late, so a missing wait there
+    or in ``received()`` is a ``host-write``, a ``race`` and poisoned targets)."""
     base = dict(world=8, budget=1024, read_once=True, zstd=False, chunk=64, current_device=0,
                 transform=True, cpu_targets=False)
+    small = {**base, "transform": False}
     batch = [Case(seed=11, data_on_device=False, agree_every=1, **base),
              Case(seed=12, data_on_device=True, agree_every=3, **base),
-             Case(seed=13, data_on_device=True, agree_every=1, **{**base, "zstd": True, "cpu_targets": True})]
+             Case(seed=13, data_on_device=True, agree_every=1, **{**base, "zstd": True, "cpu_targets": True}),
+             Case(seed=53, data_on_device=True, agree_every=1, **{**small, "world": 3}),
+             Case(seed=40, data_on_device=True, agree_every=1, **{**small, "world": 2, "zstd": True})]
     per_rank = _run_cases(batch)
     for i, case in enumerate(batch):
         reps = [per_rank[r][i] for r in range(case.world)]
         for rank, rep in enumerate(reps):
             check_report(case, rank, rep)
-        assert sum(r["recv_only_rounds"] for r in reps) > 0, "no rank had a receive-only round"
         assert sum(r["received_bytes"] for r in reps) > 0
+        if case.world == 8:
+            assert sum(r["recv_only_rounds"] for r in reps) > 0, "no rank had a receive-only round"
+        else:
+            assert sum(r["send_only_rounds"] for r in reps) >= 2, "too few send-only rounds"
 
 
 def test_failures_agreed_every_k_rounds_raise_on_every_rank() -> None:

@@ -18,8 +18,12 @@ Every rule of the GPU path lives here, once:
   (``to_empty`` + ``reset_parameters``, a ``fill_``) land before the loaded bytes;
   at the end the caller's stream waits on the side stream.
 * **Allocator safety**: device scratch is allocated on the side stream that uses it;
-  receive buffers come from the current stream (NCCL's order) and are recorded on the
-  side stream that reads them.
+  NCCL's send/recv buffers are views of two exchange arenas allocated once in the
+  current stream's order (NCCL's), reused under the host arenas' events, and recorded
+  on the side stream that reads them.
+* **No allocation between agreements**: every arena is allocated when the stage is
+  made; a failure is a ``StagingMemoryError`` naming the memory and the bytes, which
+  the executor agrees on before any collective (so no rank blocks on one that failed).
 
 The CUDA calls go through a ``runtime.CudaApi``; ``HostStage`` is the CPU path with
 the same interface, so the executor has one code path.
@@ -34,7 +38,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 
-from ..errors import CheckpointError, IncompatibleStateDictError
+from ..errors import CheckpointError, IncompatibleStateDictError, StagingMemoryError
 from ..plan.data import ALIGN  # a piece keeps its address modulo this on the device
 from .runtime import CudaApi
 
@@ -155,10 +159,12 @@ class Placement:
     def is_device(self, t: torch.Tensor) -> bool:
         return self.device is not None and self.api.device_of(t).type == "cuda"
 
-    def stage(self, sizes: Sequence[int]) -> "HostStage | DeviceStage":
+    def stage(self, sizes: Sequence[int], exchange: Sequence[int] = ()) -> "HostStage | DeviceStage":
+        """The arenas (and, for NCCL, the device exchange arenas of ``exchange`` bytes), allocated
+        now; a failed allocation raises ``StagingMemoryError`` naming the memory and its bytes."""
         if self.device is None:
             return HostStage(sizes)
-        return DeviceStage(self.api, self.device, sizes)
+        return DeviceStage(self.api, self.device, sizes, exchange if self.data_on_device else ())
 
 
 def place(api: CudaApi, tensors: Sequence[torch.Tensor], data_device: torch.device) -> Placement:
@@ -187,7 +193,8 @@ class HostStage:
     """The CPU path: plain host arenas, every copy done on the spot."""
 
     def __init__(self, sizes: Sequence[int]) -> None:
-        self.arenas = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        self.arenas = allocate("host memory for 2 staging arenas", sizes, CPU,
+                               lambda n: torch.empty(n, dtype=torch.uint8))
 
     def begin(self) -> None:
         return None
@@ -219,17 +226,25 @@ class DeviceStage:
 
     Round k: ``acquire(k % 2)`` before any write into that arena; ``upload`` raw
     spans to device scratch and ``write`` strided/permuted/cast pieces into targets,
-    all on the side stream; for NCCL, ``send_buffer``/``recv_buffer`` on the current
-    stream and ``received`` before reading them; ``release(k % 2)`` records the event
-    that the arena's next ``acquire`` waits on.
+    all on the side stream; for NCCL, ``send_buffer``/``recv_buffer`` are views of
+    exchange arena ``k % 2`` (``fill_send`` copies on the current stream) and
+    ``received`` comes after ``work.wait()``, before reading them; ``release(k % 2)``
+    records the event that the arena's next ``acquire`` waits on (and so gates the
+    exchange arena's reuse too).
     """
 
-    def __init__(self, api: CudaApi, device: torch.device, sizes: Sequence[int]) -> None:
+    def __init__(self, api: CudaApi, device: torch.device, sizes: Sequence[int], exchange: Sequence[int] = ()) -> None:
         self.api = api
         self.device = device
-        self.arenas = [api.pinned(n, device) for n in sizes]
+        self.arenas = allocate("pinned host memory for 2 staging arenas", sizes, device,
+                               lambda n: api.pinned(n, device))
         self.stream = api.new_stream(device)
         self.events: list[Any] = [None] * len(self.arenas)
+        # NCCL's send/recv buffers: one device arena per host arena, allocated once in the current
+        # stream's order (NCCL's), so no allocation can fail between two ranks' matching posts
+        cur = self._current()
+        self.exchange = allocate("GPU memory for 2 exchange arenas", exchange, device,
+                                 lambda n: api.empty(n, device, cur))
 
     def _current(self) -> Any:
         return self.api.current_stream(self.device)
@@ -265,7 +280,7 @@ class DeviceStage:
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """Raw bytes of a pinned span on the device (side stream), at the same address modulo ALIGN."""
         shift = host.data_ptr() % ALIGN
-        buf = self.api.empty(host.numel() + shift, self.device, self.stream)[shift:]
+        buf = self._scratch(host.numel() + shift)[shift:]
         self.api.copy(buf, host, self.stream)
         return buf
 
@@ -284,33 +299,60 @@ class DeviceStage:
         """A misaligned piece's bytes moved to an aligned device buffer (side stream)."""
         if self.api.device_of(raw).type != "cuda":
             return raw.clone()
-        buf = self.api.empty(raw.numel(), self.device, self.stream)
+        buf = self._scratch(raw.numel())
         self.api.copy(buf, raw, self.stream)
         return buf
 
-    def send_buffer(self, host: torch.Tensor) -> torch.Tensor:
-        """A message for NCCL: copied on the current stream, which NCCL's stream waits on."""
-        cur = self._current()
-        buf = self.api.empty(host.numel(), self.device, cur)
-        self.api.copy(buf, host, cur)
-        return buf
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        return allocate("GPU scratch", [nbytes], self.device, lambda n: self.api.empty(n, self.device, self.stream))[0]
 
-    def recv_buffer(self, nbytes: int) -> torch.Tensor:
-        """A receive buffer for NCCL, allocated in the current stream's order (NCCL's)."""
-        return self.api.empty(nbytes, self.device, self._current())
+    def send_buffer(self, slot: int, at: int, nbytes: int) -> torch.Tensor:
+        """Bytes [at, at + nbytes) of exchange arena ``slot``: a message NCCL sends."""
+        return self.exchange[slot][at: at + nbytes]
+
+    def fill_send(self, buf: torch.Tensor, host: torch.Tensor) -> None:
+        """A message's bytes into its send buffer on the current stream, which NCCL's stream waits on."""
+        self.api.copy(buf, host, self._current())
+
+    def recv_buffer(self, slot: int, at: int, nbytes: int) -> torch.Tensor:
+        """Bytes [at, at + nbytes) of exchange arena ``slot``: a message NCCL receives. Its
+        previous round's readers are done: ``acquire(slot)`` waited on them."""
+        return self.exchange[slot][at: at + nbytes]
 
     def posted(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
         self.api.exchange_posted(self.device, sends, recvs)
 
     def received(self, bufs: Sequence[torch.Tensor]) -> None:
-        """Received device buffers become readable on the side stream, and stay allocated until it is done."""
+        """After ``work.wait()`` on a round's exchange (sends only too): the current stream follows
+        NCCL; received device buffers become readable on the side stream, and stay allocated until
+        it is done."""
         self.api.exchange_waited(self.device, bufs)
+        if not bufs:
+            return  # a send-only round: release() orders the side stream after the current one
         self.api.wait_stream(self.stream, self._current())
         for b in bufs:
             self.api.record_stream(b, self.stream)
 
 
 Stage = HostStage | DeviceStage
+
+
+def allocate(what: str, sizes: Sequence[int], device: torch.device,
+             alloc: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
+    """``alloc`` of each size; a failure (``torch.OutOfMemoryError`` or any other) becomes a
+    ``StagingMemoryError`` naming the memory and the bytes asked for."""
+    out = []
+    for n in sizes:
+        try:
+            out.append(alloc(n))
+        except Exception as e:  # noqa: BLE001 - OOM and driver errors alike
+            first = str(e).splitlines()[0][:300] if str(e) else ""
+            raise StagingMemoryError(
+                f"could not allocate {n} bytes of {what}{_listed(sizes)} for {device} "
+                f"({type(e).__name__}: {first}); lower memory_budget (the arenas hold at most about that) "
+                f"or free memory on {device}"
+            ) from e
+    return out
 
 
 @contextlib.contextmanager
@@ -325,6 +367,10 @@ def finishing(stage: Stage) -> Iterator[None]:
             log.warning("finishing the device stage after a failure: %s", e)
         raise
     stage.finish()
+
+
+def _listed(sizes: Sequence[int]) -> str:
+    return f" ({' + '.join(map(str, sizes))} bytes in all)" if len(sizes) > 1 else ""
 
 
 # ------------------------------------------------------------------ saves: device bytes to the host

@@ -25,7 +25,7 @@ Wiring only: no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -194,9 +194,11 @@ class Checked:
 
 
 def head_targets(heads: Sequence[Head], specs: Sequence[TargetSpec], everything: bool,
-                 device: torch.device) -> list[Checked]:
+                 alloc: Callable[[int], torch.Tensor]) -> list[Checked]:
     """The checks this rank must verify: those covering chunks its targets overlap (a
-    flat range counts as overlapping every chunk of its tensor), or all with ``everything``."""
+    flat range counts as overlapping every chunk of its tensor), or all with ``everything``.
+    ``alloc(n)`` makes a check's ``uint8`` target where the rank's targets live (its GPU's
+    through the load's ``CudaApi``), so the checks ride the same path as the tensors."""
     boxes: dict[str, list[TargetSpec]] = {}
     for s in specs:
         if s.numel > 0:
@@ -212,17 +214,18 @@ def head_targets(heads: Sequence[Head], specs: Sequence[TargetSpec], everything:
         on_tail = h.tail is not None and touched(h.tail.key, h.tail.box)
         if on_head or on_tail:
             n = h.length
-            target = LocalTarget(TargetSpec(h.name, U8, (n,), (0,), (n,)), torch.empty(n, dtype=torch.uint8, device=device))
+            target = LocalTarget(TargetSpec(h.name, U8, (n,), (0,), (n,)), alloc(n))
             out.append(Checked(h, target, on_head, on_tail))
     return out
 
 
-def first_mismatch(checked: Sequence[Checked]) -> str | None:
-    """The first covered chunk whose bytes differ from their prediction, described, or None."""
+def first_mismatch(checked: Sequence[Checked], to_host: Callable[[torch.Tensor], torch.Tensor]) -> str | None:
+    """The first covered chunk whose bytes differ from their prediction, described, or None.
+    ``to_host`` brings a check's bytes to the host (a download after the load's GPU work)."""
     layouts: dict[tuple[str, tuple[int, ...]], dcplayout.TailLayout | None] = {}  # one per dtype and shape
     for c in checked:
         h = c.head
-        got = c.target.tensor.cpu().numpy().tobytes()
+        got = to_host(c.target.tensor).numpy().tobytes()
         cut = len(got) - len(h.expected)
         if c.check_head and got[cut:] != h.expected:
             return f"{h.key!r} chunk at {list(h.box.offset)} ({h.file} bytes [{h.start + cut}, {h.start + len(got)}))"

@@ -154,8 +154,8 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
             everything = req.transforms is not None  # its targets do not name chunks: verify all
             checks = spec.all_checks(manifest)
             mine_heads = spec.covering(checks, None if everything else {t.spec.key for t in targets})
-            device = next((t.tensor.device for t in targets if t.tensor.device.type == "cuda"), torch.device("cpu"))
-            checked = spec.head_targets(mine_heads, [t.spec for t in targets], everything, device)
+            checked = spec.head_targets(mine_heads, [t.spec for t in targets], everything,
+                                        _head_alloc(cuda, [t.tensor for t in targets]))
         except CheckpointError as e:
             own = e
     mine = targets + [c.target for c in checked]
@@ -167,6 +167,8 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
     view: Any = None
     missing: list[str] = []
     vplan = ValuePlan()
+    # on a mixed cpu:gloo,cuda:nccl group a load into CPU tensors only keeps its data on gloo
+    comm.choose_data_plane(bool(cuda_devices(cuda, (t.tensor for t in mine))))  # on every rank
     try:
         placement = place(cuda, [t.tensor for t in mine], comm.data_device)
         view = _view(manifest, req.transforms)
@@ -201,7 +203,7 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
     with torch.no_grad():
         stats = Executor(plan, comm, storage, dest, progress=req.progress, placement=placement).run()
     if speculative:
-        bad = spec.first_mismatch(checked)
+        bad = spec.first_mismatch(checked, lambda t: _to_host(cuda, t))
         if comm.max_ints([1 if bad is not None else 0])[0]:
             return None, bad or "on another rank"
     for slot, value in vplan.assign:
@@ -228,6 +230,21 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
     if comm.rank == 0:
         log.info("streamckpt load %s: %s", storage.describe(""), result)
     return result, None
+
+
+def _head_alloc(cuda: CudaApi, tensors: Sequence[torch.Tensor]) -> Callable[[int], torch.Tensor]:
+    """Where a DCP check's bytes land: this rank's GPU (through ``cuda``) when its targets are
+    there, so checks take the GPU path with them; else host memory."""
+    device = next((d for d in map(cuda.device_of, tensors) if d.type == "cuda"), None)
+    if device is None:
+        return lambda n: torch.empty(n, dtype=torch.uint8)
+    return lambda n: cuda.empty(n, device, cuda.current_stream(device))
+
+
+def _to_host(cuda: CudaApi, t: torch.Tensor) -> torch.Tensor:
+    """A check's bytes on the host; a GPU one after the caller's stream, which follows the load."""
+    device = cuda.device_of(t)
+    return cuda.download(t, cuda.current_stream(device)) if device.type == "cuda" else t
 
 
 def _unloadable(manifest: mf.Manifest) -> set[str]:

@@ -29,15 +29,15 @@ import torch
 import zstandard
 
 from ..comm import P2P, GroupComm, SoloComm
-from ..cuda.device import Placement, finishing, place
+from ..cuda.device import HostStage, Placement, Stage, finishing, place
 from ..cuda.runtime import TorchCuda
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StagingMemoryError
 from ..plan.data import Copy, LoadPlan, Read, is_packed, message_size
 from ..storage import Landing, RangeRead, Storage
 from .direct import DirectBatch
 from .landing import advise_huge, plan_landings
 from .scatter import Destinations, message_pieces, pack_message, source_view, unpack_message
-from .schedule import LocalRound, Message, layout, local_schedule
+from .schedule import Layout, LocalRound, Message, layout, local_schedule
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,14 @@ class Executor:
     same agreement, all raising together; the only other exit is the backend itself
     failing (a peer died), which gloo reports on every survivor. A failure is seen at
     most ``agree_every`` rounds late; the targets of a failed load are unspecified.
+
+    Nothing that can fail locally runs between two agreements unguarded: the staging
+    arenas (pinned, and on the NCCL plane the device exchange arenas, one per host arena
+    and mirroring its message layout) are allocated in ``__init__`` and agreed on first
+    thing in ``run``, before the first all-reduce of ``open_exchange``; a round's send and
+    receive buffers are views of them, so posting an exchange allocates nothing, and
+    every other step's failure is kept for the next agreement. An out-of-memory on one
+    rank raises ``StagingMemoryError`` (its rank, memory and bytes) on every rank.
     """
 
     def __init__(
@@ -119,10 +127,20 @@ class Executor:
                 "whole, so the budget must hold about 4 chunks (the default chunk is 256 KiB)",
                 self.rank, self.stats.staging_bytes, plan.options.memory_budget,
             )
-        self.stage = placement.stage(sizes)
+        exchange = [max((_exchange_extent(r, lay) for r, lay in zip(self.schedule[slot::2], self.layouts[slot::2])),
+                        default=0) for slot in range(2)]
+        # a local failure here (an OOM above all) is agreed on first thing in run(): no other
+        # rank may block in a collective this rank never reaches
+        self.setup_error: BaseException | None = None
+        try:
+            self.stage: Stage = placement.stage(sizes, exchange)
+        except Exception as e:  # noqa: BLE001 - agreed on in run()
+            self.setup_error = _rank_error(e, self.rank)
+            self.stage = HostStage([0, 0])
         self.arenas = self.stage.arenas
         host_arenas = [(a.data_ptr(), a.numel()) for a in self.arenas] if placement.device is None else []
-        advise_huge([m for land in self.landings.values() for m in land.memory] + host_arenas)
+        if self.setup_error is None:
+            advise_huge([m for land in self.landings.values() for m in land.memory] + host_arenas)
         self.views = [memoryview(a.numpy()) if a.numel() else memoryview(b"") for a in self.arenas]
         self.dctx = zstandard.ZstdDecompressor()
         # On the host path each read is decoded and scattered as soon as it is verified, while
@@ -214,41 +232,54 @@ class Executor:
         base = lay.decode[read_index] if r.zstd else lay.fetch[read_index]
         return self.arenas[k % 2][base: base + r.staging]
 
-    def _post_exchange(self, k: int) -> tuple[list[Any], list[tuple[Message, torch.Tensor]]]:
+    def _post_exchange(self, k: int, error: BaseException | None
+                       ) -> tuple[list[Any], list[tuple[Message, torch.Tensor]], BaseException | None]:
+        """Post round k's grouped send/recv: buffers are views of arenas allocated up front, so
+        nothing here allocates; a failure filling them is returned (agreed on later) and the
+        exchange is posted anyway, with sizes from the plan, as every peer expects."""
         rnd = self.schedule[k]
         if not (rnd.sends or rnd.recvs):
-            return [], []
-        arena = self.arenas[k % 2]
+            return [], [], error
+        slot = k % 2
+        arena = self.arenas[slot]
         lay = self.layouts[k]
         reads = dict(rnd.reads)
+        stage = self.stage
         on_device = self.placement.data_on_device
         sends: list[P2P] = []
+        fills: list[tuple[Message, int, torch.Tensor]] = []
         for m in rnd.sends:
-            staged = self._staged(k, m.read_index, reads[m.read_index])
-            if not is_packed(m.copies):
-                c = m.copies[0]
-                payload = staged[c.offset: c.offset + c.length]
-            else:
-                base = lay.pack[(m.read_index, m.peer)]
-                payload = pack_message(staged, m.copies, arena[base:])
-            self.stats.bytes_sent += payload.numel()
-            if on_device:
-                payload = self.stage.send_buffer(payload)  # type: ignore[union-attr]
-            sends.append(P2P(m.peer, payload, self.plan.reads[m.read_index].tag))
+            at, n = _send_span(m, reads[m.read_index], lay)
+            wire = stage.send_buffer(slot, at, n) if on_device else arena[at: at + n]  # type: ignore[union-attr]
+            self.stats.bytes_sent += n
+            sends.append(P2P(m.peer, wire, self.plan.reads[m.read_index].tag))
+            fills.append((m, at, wire))
         recvs: list[P2P] = []
         landed: list[tuple[Message, torch.Tensor]] = []
         for m in rnd.recvs:
             size = message_size(m.copies)
+            base = lay.recv[(m.read_index, m.peer)]
             if on_device:
-                buf = self.stage.recv_buffer(size)  # type: ignore[union-attr]
+                buf = stage.recv_buffer(slot, base, size)  # type: ignore[union-attr]
             else:
-                base = lay.recv[(m.read_index, m.peer)]
                 buf = arena[base: base + size]
             recvs.append(P2P(m.peer, buf, self.plan.reads[m.read_index].tag))
             landed.append((m, buf))
+        failed = self._attempt(lambda: self._fill_sends(k, fills, reads))
+        error = error or failed
         if on_device:
-            self.stage.posted([s.tensor for s in sends], [r.tensor for r in recvs])  # type: ignore[union-attr]
-        return self.comm.exchange(sends, recvs), landed
+            stage.posted([s.tensor for s in sends], [r.tensor for r in recvs])  # type: ignore[union-attr]
+        return self.comm.exchange(sends, recvs), landed, error
+
+    def _fill_sends(self, k: int, fills: Sequence[tuple[Message, int, torch.Tensor]], reads: dict[int, Read]) -> None:
+        """Pack the round's packed messages in its arena; on the NCCL plane copy each message
+        into its device send buffer."""
+        arena = self.arenas[k % 2]
+        for m, at, wire in fills:
+            if is_packed(m.copies):
+                pack_message(self._staged(k, m.read_index, reads[m.read_index]), m.copies, arena[at:])
+            if self.placement.data_on_device:
+                self.stage.fill_send(wire, arena[at: at + wire.numel()])  # type: ignore[union-attr]
 
     def _split(self, buf: torch.Tensor, lo: int, hi: int, targets: Iterable[int]) -> tuple[Any, Any]:
         """``buf`` as (host view, device view) for the pieces in bytes [lo, hi) of it: each
@@ -302,9 +333,21 @@ class Executor:
             for o, c in message_pieces(m.copies):
                 self._apply(host, dev, o, c)
 
+    def _attempt(self, fn: Callable[[], None]) -> BaseException | None:
+        """Run a local step; its failure is returned, to be agreed on with the other ranks (an
+        out-of-memory as a ``StagingMemoryError`` naming this rank)."""
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            if isinstance(e, (StagingMemoryError, torch.OutOfMemoryError)):
+                return _rank_error(e, self.rank)
+            return e
+        return None
+
     # ------------------------------------------------------------------ driver
 
     def run(self) -> Stats:
+        self.comm.agree(self.setup_error)  # before any collective a failed rank would not join
         if self.plan.num_rounds:  # the same on every rank
             self.comm.open_exchange()
         self.stage.begin()
@@ -367,14 +410,14 @@ class Executor:
     def _exchange_and_scatter(self, k: int, error: BaseException | None, pending: cf.Future | None) -> BaseException | None:
         """Round k's exchange (posted even after a failure, see the class doc) and scatter."""
         try:
-            works, landed = self._post_exchange(k)
+            works, landed, error = self._post_exchange(k, error)
             if error is None:
-                error = _attempt(lambda: self._scatter_local(k))
+                error = self._attempt(lambda: self._scatter_local(k))
             self.comm.wait(works)
-            if landed and self.placement.data_on_device:
+            if works and self.placement.data_on_device:  # work.wait(): the current stream follows NCCL
                 self.stage.received([buf for _, buf in landed])  # type: ignore[union-attr]
             if error is None:
-                error = _attempt(lambda: self._scatter_received(landed))
+                error = self._attempt(lambda: self._scatter_received(landed))
             self.stage.release(k % 2)
         except BaseException:
             self._drain(pending)
@@ -395,13 +438,39 @@ class Executor:
             self.storage.stop(pending)
 
 
-def _attempt(fn: Callable[[], None]) -> BaseException | None:
-    """Run a local step; its failure is returned, to be agreed on with the other ranks."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001
+def _send_span(m: Message, r: Read, lay: Layout) -> tuple[int, int]:
+    """Where message ``m`` sits in its round's arena, and its length: a packed one in its pack
+    buffer, else the copy's bytes in the staged read (decoded bytes for zstd)."""
+    if is_packed(m.copies):
+        return lay.pack[(m.read_index, m.peer)], message_size(m.copies)
+    c = m.copies[0]
+    base = lay.decode[m.read_index] if r.zstd else lay.fetch[m.read_index]
+    return base + c.offset, c.length
+
+
+def _exchange_extent(rnd: LocalRound, lay: Layout) -> int:
+    """Bytes of a round's arena its messages span: its device exchange arena mirrors them."""
+    reads = dict(rnd.reads)
+    ends = [sum(_send_span(m, reads[m.read_index], lay)) for m in rnd.sends]
+    ends += [lay.recv[(m.read_index, m.peer)] + message_size(m.copies) for m in rnd.recvs]
+    return max(ends, default=0)
+
+
+def _rank_error(e: BaseException, rank: int) -> BaseException:
+    """A local failure as every rank will see it: a ``CheckpointError`` naming this rank."""
+    if isinstance(e, StagingMemoryError):
+        out: BaseException = StagingMemoryError(f"rank {rank} {e}")
+    elif isinstance(e, torch.OutOfMemoryError):
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        out = StagingMemoryError(f"rank {rank} ran out of memory ({first}); lower memory_budget or free memory")
+    elif isinstance(e, CheckpointError):
         return e
-    return None
+    else:
+        out = CheckpointError(f"rank {rank} could not set up its load ({type(e).__name__}: {e})")
+    out.__cause__ = e
+    return out
+
+
 
 
 def _result(fut: cf.Future) -> int:
