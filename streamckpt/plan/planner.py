@@ -20,7 +20,7 @@ import contextlib
 import gc
 import heapq
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -142,7 +142,7 @@ def _build_plan(
         shared_keys = []
         mine = census.uids(census.by_key) if rank is None else sorted({u for u in rank_targets[rank] if u >= 0})
         own, edges = _plan_owned(mine, ctx, focus), []
-    placed = _plan_shared(shared_keys, census, ctx, distinct.needers, world, private_keys, rank)
+    placed = _plan_shared(shared_keys, census, ctx, distinct.needers, world, private_keys, rank, rank_targets)
     rounds = RoundPacker(world, options.round_cap)
     for r in placed:
         rounds.place(r, targets)
@@ -169,6 +169,17 @@ class _Census:
     by_key: dict[str, list[int]]  # live target ids, keys in first-seen order, ids ascending
     dead: list[int]  # targets of keys the view lacks
     replicated: set[str]  # keys with a live target that several ranks hold
+    key_names: list[str] = field(default_factory=list)  # with key_ids: every target's key by number
+    key_ids: np.ndarray | None = None
+    specs: Sequence[TargetSpec] = ()  # without key_ids: the targets' specs, whose keys they are
+
+    def keys_of(self, uids: Sequence[int]) -> set[str]:
+        """The keys of targets ``uids`` (-1: none)."""
+        live = [u for u in uids if u >= 0]
+        if self.key_ids is None:
+            return {self.specs[u][0] for u in live}
+        names = self.key_names
+        return {names[i] for i in set(self.key_ids[live].tolist())}
 
     def uids(self, keys: Iterable[str]) -> list[int]:
         """The live targets of ``keys``, ascending."""
@@ -203,7 +214,7 @@ def _census(distinct: Distinct, view: ViewLike) -> _Census:
         got[0].append(uid)
     by_key = {k: v[0] for k, v in info.items()}
     replicated = {k for k in (distinct.specs[u][0] for u in distinct.several) if k in by_key}
-    return _Census(by_key, dead, replicated)
+    return _Census(by_key, dead, replicated, specs=distinct.specs)
 
 
 def _census_of_kinds(distinct: Distinct, kinds: Kinds, view: ViewLike) -> _Census:
@@ -230,7 +241,7 @@ def _census_of_kinds(distinct: Distinct, kinds: Kinds, view: ViewLike) -> _Censu
     dead = np.nonzero(~alive[key_of_uid])[0].tolist()
     several = unique(key_of_uid[distinct.several])[0]
     replicated = {keys[i] for i in several.tolist() if alive[i]}
-    return _Census(by_key, dead, replicated)
+    return _Census(by_key, dead, replicated, keys, key_of_uid)
 
 
 def _check_target(spec: TargetSpec, vt: Any, transformed: bool, needers: Sequence[int] = ()) -> None:
@@ -316,7 +327,7 @@ def _plan_owned(uids: Sequence[int], ctx: PlanContext, focus: set[int]) -> list[
 
 def _plan_shared(
     keys: list[str], census: _Census, ctx: PlanContext, needers: Sequence[list[int]], world: int,
-    private_keys: set[str], rank: int | None,
+    private_keys: set[str], rank: int | None, rank_targets: Sequence[Sequence[int]],
 ) -> list[Read]:
     """Targets more than one rank holds: planned alike on every rank of their component.
 
@@ -329,9 +340,10 @@ def _plan_shared(
     are counted but not laid out (``rounds.reachable``)."""
     if not keys:
         return []
-    comps = _components(keys, census, ctx, needers, world)
-    if rank is not None:
-        comps = [c for c in comps if rank in c.ranks]
+    if rank is None:
+        comps = _components(keys, census, ctx, needers, world)
+    else:
+        comps = _component_of(rank, keys, census, ctx, needers, rank_targets)
     out: list[Read] = []
     for comp in comps:
         out.extend(_plan_component(comp, keys, census, ctx, world, private_keys, rank))
@@ -425,6 +437,47 @@ def _components(
         if comp is not None:
             comp.ranks.add(x)
     return list(comps.values())
+
+
+def _component_of(
+    rank: int, keys: list[str], census: _Census, ctx: PlanContext, needers: Sequence[list[int]],
+    rank_targets: Sequence[Sequence[int]],
+) -> list[_Component]:
+    """The component of ``_components`` that holds ``rank`` (none when it holds no shared
+    target), found by walking out from the rank: its shared keys, their holders, their
+    keys, and so on. The walk visits only that component's ranks and targets, so a
+    one-rank plan does not grow with the other PP stages."""
+    if not isinstance(ctx.view, IdentityView):
+        return [c for c in _components(keys, census, ctx, needers, len(rank_targets)) if rank in c.ranks]
+    shared = set(keys)
+    near: dict[str, list[str]] = {}
+    for a, b in _overlapping(ctx.manifest, keys):
+        near.setdefault(a, []).append(b)
+        near.setdefault(b, []).append(a)
+    ranks = {rank}
+    found: set[str] = set()
+    todo_ranks = [rank]
+    joined: set[int] = set()
+    while todo_ranks:
+        todo_keys = [k for k in census.keys_of(rank_targets[todo_ranks.pop()]) if k in shared and k not in found]
+        while todo_keys:
+            k = todo_keys.pop()
+            if k in found:
+                continue
+            found.add(k)
+            todo_keys.extend(x for x in near.get(k, ()) if x not in found)
+            for u in census.by_key[k]:
+                held = needers[u]
+                if id(held) in joined:  # equal holder lists are one object (gathered.distinct)
+                    continue
+                joined.add(id(held))
+                for x in held:
+                    if x not in ranks:
+                        ranks.add(x)
+                        todo_ranks.append(x)
+    if not found:
+        return []
+    return [_Component([k for k in keys if k in found], ranks)]
 
 
 def _overlapping(manifest: Manifest, keys: list[str]) -> list[tuple[str, str]]:
