@@ -42,7 +42,7 @@ def load_reference(rev: str, into: Path) -> Any:
         tar.extractall(into, filter="data")
     (into / "streamckpt").rename(into / "streamckpt_ref")
     sys.path.insert(0, str(into))
-    return importlib.import_module("streamckpt_ref.plan")
+    return importlib.import_module("streamckpt_ref.plan.planner")
 
 
 def _run(r: Any) -> tuple:
@@ -56,17 +56,21 @@ def _copy(c: Any) -> tuple:
             c.dst_frame, c.perm)
 
 
-def _read(r: Any) -> tuple:
+def _read(r: Any, tag: bool = True) -> tuple:
     return (r.file, r.start, r.stop, r.reader, tuple(map(_run, r.runs)), r.zstd, r.staging,
-            tuple(map(_copy, r.copies)), r.private, r.round, r.tag)
+            tuple(map(_copy, r.copies)), r.private, r.round, r.tag if tag else None)
 
 
-def signature(plan: Any) -> tuple:
-    """Everything a plan says, as plain values."""
+def signature(plan: Any, shared_tags: bool = True) -> tuple:
+    """Everything a plan says, as plain values; without ``shared_tags`` the tags of shared
+    reads are left out (they are numbered per component since the planner plans each
+    component of shared tensors apart; before, they were indices among all shared reads)."""
     ids = {id(r): i for i, r in enumerate(plan.reads)}
+    edges = {id(r) for r in plan.edge_reads}
     return (
         plan.world_size, plan.num_rounds, plan.rank, plan.base_rounds, plan.edge_degree, plan.settled,
-        tuple(map(_read, plan.reads)), tuple(ids.get(id(r), -1) for r in plan.edge_reads),
+        tuple(_read(r, shared_tags or r.private or id(r) in edges) for r in plan.reads),
+        tuple(ids.get(id(r), -1) for r in plan.edge_reads),
         tuple((tuple(t.spec), tuple(t.needers)) for t in plan.targets),
         tuple(map(tuple, plan.rank_targets)), tuple(map(tuple, plan.missing)), tuple(plan.unexpected),
         tuple(getattr(plan.options, f) for f in ("memory_budget", "max_gap_bytes", "max_request_bytes", "read_once",
@@ -90,8 +94,9 @@ def _diff(what: str, a: tuple, b: tuple) -> str:
 class Checker:
     """Plans each input with both planners and counts what differs."""
 
-    def __init__(self, new: Any, ref: Any, wire: bool = False) -> None:
+    def __init__(self, new: Any, ref: Any, wire: bool = False, shared_tags: bool = True) -> None:
         self.new, self.ref = new, ref
+        self.shared_tags = shared_tags
         self.wire = wire  # the new planner plans from specs sent through this tree's specwire
         self.wired = 0
         self.plans = 0
@@ -110,7 +115,7 @@ class Checker:
 
     def same(self, what: str, a: Any, b: Any) -> bool:
         self.plans += 1
-        sa, sb = signature(a), signature(b)
+        sa, sb = signature(a, self.shared_tags), signature(b, self.shared_tags)
         if sa != sb:
             self.failures.append(_diff(what, sa, sb))
             print(self.failures[-1], flush=True)
@@ -259,11 +264,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wire", action="store_true",
                     help="the new planner plans from the specs as specwire delivers them (gathered pieces)")
+    ap.add_argument("--no-shared-tags", action="store_true",
+                    help="leave shared reads' tags out (a reference that numbers them among all shared reads)")
     args = ap.parse_args()
     import streamckpt.plan.planner as new
 
     with tempfile.TemporaryDirectory() as tmp:
-        check = Checker(new, load_reference(args.against, Path(tmp)), args.wire)
+        check = Checker(new, load_reference(args.against, Path(tmp)), args.wire, not args.no_shared_tags)
         for n in args.ranks:
             bench_job(check, n, args.layers)
         random_cases(check, args.examples, args.seed)

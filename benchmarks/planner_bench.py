@@ -16,6 +16,12 @@ same job, the old JSON gather and ``streamckpt.plan.specwire`` side by side: thi
 rank's encoding, the gather (bytes each rank receives, and the CPU time of
 cutting them out of the receive buffer as ``all_gather_bytes`` does; network
 time is not simulated), decoding every rank's specs, and rank 0's plan.
+
+Any multiple of 64 ranks works; BENCHMARKS.md's (f) runs 512, 1,024, 4,096 and
+16,384 (``python -m benchmarks.planner_bench 512 1024 4096 16384`` and the same with
+``--metadata``). ``bench`` plans from plain lists (a caller's own, deduplicated by
+hashing every spec); a load plans from the gathered pieces, as ``metadata`` does, which
+is the per-rank figure that counts at scale.
 """
 
 from __future__ import annotations

@@ -412,3 +412,20 @@ def test_small_replicated_tensor_rides_on_the_neighbouring_edge_read():
                                    lambda spec: _expected(originals[spec.key], spec))
     check_read_once(fetched)
     assert sum(stop - start for _, start, stop in fetched) == len(blob)
+
+
+def test_one_rank_plan_from_gathered_pieces_builds_only_its_pp_stage():
+    """A one-rank plan plans its own component of shared tensors (here its PP stage) and
+    the ZeRO slices near its own, and builds only those targets: the rest of the world's
+    stay unbuilt. It is the plan made from the plain lists, field for field."""
+    from benchmarks.plan_equiv import _through_wire, signature
+    from benchmarks.planner_bench import _stage, _weights, build_manifest, build_targets
+
+    layers, ranks, rank = 16, 256, 5  # TP=4 × PP=16 × DP=4; rank 5: TP rank 1 of stage 1, DP rank 0
+    manifest, targets = build_manifest(layers=layers), build_targets(ranks, layers=layers)
+    plan = build_plan(manifest, _through_wire(targets), PlanOptions(), rank=rank)
+    built = [t for t in plan.targets._built if t is not None]
+    stage_of = {name: _stage(layer, 16, layers) for name, _, _, layer in _weights(layers)}
+    assert {stage_of[t.spec.key.removeprefix("optim.exp_avg.")] for t in built} == {1}
+    assert 0 < len(built) < len(plan.targets) // 10
+    assert signature(plan) == signature(build_plan(manifest, targets, PlanOptions(), rank=rank))

@@ -91,6 +91,44 @@ class Target(NamedTuple):
     needers: list[int]
 
 
+class Targets(Sequence[Target]):
+    """A plan's targets by id, each ``Target`` built when first used.
+
+    A one-rank plan at scale uses a small part of the distinct targets (its PP
+    stage's shared ones, its own, their ZeRO neighbours); the rest stay unbuilt,
+    and so do their specs when ``specs`` is lazy (``gathered.LazySpecs``).
+    Iterating builds them all.
+    """
+
+    __slots__ = ("_specs", "_needers", "_built")
+
+    def __init__(self, specs: Sequence[TargetSpec], needers: Sequence[list[int]]) -> None:
+        self._specs = specs
+        self._needers = needers
+        self._built: list[Target | None] = [None] * len(needers)
+
+    def __len__(self) -> int:
+        return len(self._built)
+
+    def __getitem__(self, u: Any) -> Any:
+        if isinstance(u, slice):
+            return [self[i] for i in range(*u.indices(len(self)))]
+        got = self._built[u]
+        if got is None:
+            got = self._built[u] = tuple.__new__(Target, (self._specs[u], self._needers[u]))
+        return got
+
+    def __iter__(self) -> Any:
+        return (self[u] for u in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 @dataclass(slots=True, eq=False)
 class Copy:
     """One strided copy from a staged byte span into one target.
@@ -196,7 +234,7 @@ class LoadPlan:
     """
 
     world_size: int
-    targets: list[Target]
+    targets: Sequence[Target]  # a list, or ``Targets`` built on use (a one-rank plan from gathered pieces)
     reads: list[Read]
     num_rounds: int
     rank_targets: list[list[int]]  # per rank: target id of each of its specs, -1 if missing
@@ -310,7 +348,7 @@ def read_cost(r: Read) -> int:
     return fetch + (-(-r.staging // ALIGN) * ALIGN if r.zstd else 0)
 
 
-def messages_of(r: Read, targets: list[Target]) -> dict[int, list[Copy]]:
+def messages_of(r: Read, targets: Sequence[Target]) -> dict[int, list[Copy]]:
     """Receiver rank -> the copies of read ``r`` it needs (none for private reads)."""
     out: dict[int, list[Copy]] = {}
     if r.private:
@@ -322,7 +360,7 @@ def messages_of(r: Read, targets: list[Target]) -> dict[int, list[Copy]]:
     return out
 
 
-def costs_of(r: Read, targets: list[Target]) -> dict[int, int]:
+def costs_of(r: Read, targets: Sequence[Target]) -> dict[int, int]:
     """Staging bytes read ``r`` takes on each rank it involves in its round."""
     reader = r.reader
     costs = {reader: read_cost(r)}
@@ -364,7 +402,7 @@ def costs_of(r: Read, targets: list[Target]) -> dict[int, int]:
 
 
 
-def ranks_of(r: Read, targets: list[Target]) -> tuple[int, ...]:
+def ranks_of(r: Read, targets: Sequence[Target]) -> tuple[int, ...]:
     return tuple(sorted({n for c in r.copies for n in targets[c.target].needers}))
 
 

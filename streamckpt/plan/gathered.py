@@ -12,6 +12,7 @@ not with ranks × specs. Both paths give exactly the same ``Distinct``. Pure.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, Iterator, Sequence, overload
@@ -25,7 +26,7 @@ from ..core.targets import TargetSpec
 class Distinct:
     """The distinct target specs (ids in first-seen order) and the ranks holding each."""
 
-    specs: list[TargetSpec]
+    specs: Sequence[TargetSpec]  # a list, or ``LazySpecs`` from gathered pieces
     needers: list[list[int]]  # ascending; one shared list per rank for its single-holder ids, equal lists shared
     rank_targets: list[list[int]]  # per rank: the id of each of its specs
     several: list[int]  # ids held by more than one rank
@@ -182,6 +183,7 @@ class _Numbering:
         canon: dict[tuple[int, int], int] = {}
         numbered = [np.array([canon.setdefault(r, len(canon)) for r in f], dtype=np.int64) for f in flats]
         self.range_objs = np.fromiter(canon, dtype=object, count=len(canon))
+        self.range_pairs: np.ndarray | None = None  # the same ranges as integers, made on first use
         self.range_of = np.full(n, -1, dtype=np.int64)
         at = np.concatenate([wheres[li] + s for (li, _), s in zip(of_rank, self.starts.tolist())] or [empty])
         self.range_of[at] = np.concatenate([numbered[fi] for _, fi in of_rank] or [empty])
@@ -205,7 +207,7 @@ class _Numbering:
         uid[order] = uid_of_class[np.cumsum(new) - 1]
         entry_rank = np.repeat(np.arange(self.world, dtype=np.int64), self.lens)
         needers, several = self._needers(order, new, entry_rank, by_uid)
-        specs = self._specs(first[by_uid])
+        specs = LazySpecs(self, first[by_uid])
         flat_uids = uid.tolist()
         bounds = self.starts.tolist()
         rank_targets = [flat_uids[a:b] for a, b in zip(bounds, bounds[1:])]
@@ -244,7 +246,7 @@ class _Numbering:
             out[mine] = lists[which.reshape(-1)]
         return out.tolist(), several.tolist()
 
-    def _specs(self, first: np.ndarray) -> list[TargetSpec]:
+    def specs(self, first: np.ndarray) -> list[TargetSpec]:
         """Each uid's spec (``first``: its first entry): a layout's own object, or a
         ZeRO slice built from its five fields and range, column by column."""
         value = self.value[first]
@@ -262,6 +264,103 @@ class _Numbering:
         """The five fields of every value id, by column (a spec's own fields for whole specs)."""
         protos = self.protos.tolist()
         return [np.fromiter((p[i] for p in protos), dtype=object, count=len(protos)) for i in range(5)]
+
+
+class LazySpecs(Sequence[TargetSpec]):
+    """The distinct specs by id, each built when first asked for.
+
+    A one-rank plan looks at the targets of its own PP stage and the ZeRO slices
+    next to its own, a small part of the world's (at 16,384 ranks, 620k distinct
+    specs, most of them other ranks' slices): building only those keeps the plan's
+    cost and the objects it leaves alive from growing with the world. Iterating
+    (or ``list``) builds every spec at once, column by column.
+    """
+
+    def __init__(self, numbering: _Numbering, first: np.ndarray) -> None:
+        self._numbering = numbering
+        self._first = first
+        self._protos: list[tuple] = numbering.protos.tolist()
+        self._value: list[int] = numbering.value[first].tolist()
+        self._built: list[TargetSpec | None] = [None] * len(first)
+        self._all: list[TargetSpec] | None = None
+
+    def __len__(self) -> int:
+        return len(self._built)
+
+    @overload
+    def __getitem__(self, u: int) -> TargetSpec: ...
+    @overload
+    def __getitem__(self, u: slice) -> list[TargetSpec]: ...
+
+    def __getitem__(self, u: int | slice) -> Any:
+        if isinstance(u, slice):
+            return self.materialize()[u]
+        got = self._built[u]
+        if got is None:
+            proto = self._protos[self._value[u]]
+            if len(proto) == 5:  # a flat spec's five fields: add its range
+                n = self._numbering
+                proto = tuple.__new__(TargetSpec, (*proto, n.range_objs[n.range_of[self._first[u]]]))
+            got = self._built[u] = proto
+        return got
+
+    def __iter__(self) -> Iterator[TargetSpec]:
+        return iter(self.materialize())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return self.materialize() == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def rows(self, uids: Sequence[int]) -> tuple[list[tuple[tuple[int, ...], tuple[int, ...]]], np.ndarray, np.ndarray]:
+        """For targets ``uids`` without building their specs: the distinct (offset, shape)
+        boxes among them, each target's box (an index into those) and the dim-0 rows
+        ``[r0, r1)`` it covers (``private._rows``), for a closure over many ZeRO slices."""
+        n = self._numbering
+        if n.range_pairs is None:
+            n.range_pairs = np.array(n.range_objs.tolist(), dtype=np.int64).reshape(-1, 2)
+        at = np.asarray(uids, dtype=np.int64)
+        first = self._first[at]
+        value = n.value[first]
+        found, _, which = unique(value)
+        boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        r0 = np.zeros(len(at), dtype=np.int64)
+        r1 = np.zeros(len(at), dtype=np.int64)
+        for i, v in enumerate(found.tolist()):
+            proto = self._protos[v]
+            off, shape = proto[3], proto[4]
+            boxes.append((off, shape))
+            mine = which == i
+            if not shape:
+                r0[mine], r1[mine] = 0, 1
+                continue
+            base = off[0]
+            flat = proto[5] if len(proto) == 6 else None
+            if len(proto) == 6 and flat is None:
+                r0[mine], r1[mine] = base, base + shape[0]
+                continue
+            inner = math.prod(shape[1:])
+            if inner == 0:
+                r0[mine] = r1[mine] = base
+                continue
+            if flat is not None:
+                a = np.full(int(mine.sum()), flat[0], dtype=np.int64)
+                b = np.full(len(a), flat[1], dtype=np.int64)
+            else:
+                pairs = n.range_pairs[n.range_of[first[mine]]]
+                a, b = pairs[:, 0], pairs[:, 1]
+            r0[mine] = base + a // inner
+            r1[mine] = base - (-b // inner)
+        return boxes, which, np.stack([r0, r1], axis=1)
+
+    def materialize(self) -> list[TargetSpec]:
+        """Every spec, as a list (built once, column by column)."""
+        if self._all is None:
+            self._all = self._numbering.specs(self._first)
+            self._built = self._all  # type: ignore[assignment]
+        return self._all
 
 
 def _equal_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

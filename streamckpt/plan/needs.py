@@ -365,7 +365,7 @@ class PlanContext:
     manifest: Manifest
     view: ViewLike
     options: PlanOptions
-    targets: list[Target]
+    targets: Sequence[Target]
     offsets: FrameOffsets = field(default_factory=FrameOffsets)
     finder: NeedFinder = field(init=False)
 

@@ -20,7 +20,7 @@ import contextlib
 import gc
 import heapq
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -40,6 +40,7 @@ from .data import (
     Read,
     Segment,
     Target,
+    Targets,
     ViewLike,
     costs_of,
     is_packed,
@@ -111,7 +112,10 @@ def _build_plan(
     world = len(targets_by_rank)
     distinct = number_targets(targets_by_rank)
     census = _census(distinct, view)
-    targets = list(map(tuple.__new__, repeat(Target), zip(distinct.specs, distinct.needers)))
+    if rank is None or isinstance(distinct.specs, list):
+        targets: Sequence[Target] = list(map(tuple.__new__, repeat(Target), zip(distinct.specs, distinct.needers)))
+    else:  # a one-rank plan from gathered pieces: only the targets it looks at are built
+        targets = Targets(distinct.specs, distinct.needers)
     rank_targets = distinct.rank_targets
     missing: list[list[str]] = [[] for _ in range(world)]
     for u in census.dead:
@@ -128,23 +132,21 @@ def _build_plan(
     focus = set(range(world)) if rank is None else {rank}
     private_keys = _private_keys(census, view) if options.read_once else set()
     if options.read_once:
-        shared_uids = census.uids(k for k in census.by_key if k not in private_keys)
+        shared_keys = [k for k in census.by_key if k not in private_keys]
         if rank is None:
             private_uids = census.uids(private_keys)
         else:
-            private_uids = closure(rank, census.by_key, private_keys, rank_targets[rank], ctx)
+            private_uids = closure(rank, census.by_key, private_keys, rank_targets[rank], ctx, distinct.specs)
         own, edges = plan_private(private_uids, focus, ctx)
     else:
-        shared_uids = []
+        shared_keys = []
         mine = census.uids(census.by_key) if rank is None else sorted({u for u in rank_targets[rank] if u >= 0})
         own, edges = _plan_owned(mine, ctx, focus), []
-    placed = _plan_shared(shared_uids, ctx, world, private_keys, rank)
+    placed = _plan_shared(shared_keys, census, ctx, distinct.needers, world, private_keys, rank, rank_targets)
     rounds = RoundPacker(world, options.round_cap)
-    for i, r in enumerate(placed):
-        if r is not None:
-            r.tag = i
-            rounds.place(r, targets)
-    shared = absorb_small_shared([r for r in placed if r is not None], edges, targets)
+    for r in placed:
+        rounds.place(r, targets)
+    shared = absorb_small_shared(placed, edges, targets)
     for r in own:
         rounds.place(r, targets)
     for r in edges:
@@ -167,6 +169,17 @@ class _Census:
     by_key: dict[str, list[int]]  # live target ids, keys in first-seen order, ids ascending
     dead: list[int]  # targets of keys the view lacks
     replicated: set[str]  # keys with a live target that several ranks hold
+    key_names: list[str] = field(default_factory=list)  # with key_ids: every target's key by number
+    key_ids: np.ndarray | None = None
+    specs: Sequence[TargetSpec] = ()  # without key_ids: the targets' specs, whose keys they are
+
+    def keys_of(self, uids: Sequence[int]) -> set[str]:
+        """The keys of targets ``uids`` (-1: none)."""
+        live = [u for u in uids if u >= 0]
+        if self.key_ids is None:
+            return {self.specs[u][0] for u in live}
+        names = self.key_names
+        return {names[i] for i in set(self.key_ids[live].tolist())}
 
     def uids(self, keys: Iterable[str]) -> list[int]:
         """The live targets of ``keys``, ascending."""
@@ -201,7 +214,7 @@ def _census(distinct: Distinct, view: ViewLike) -> _Census:
         got[0].append(uid)
     by_key = {k: v[0] for k, v in info.items()}
     replicated = {k for k in (distinct.specs[u][0] for u in distinct.several) if k in by_key}
-    return _Census(by_key, dead, replicated)
+    return _Census(by_key, dead, replicated, specs=distinct.specs)
 
 
 def _census_of_kinds(distinct: Distinct, kinds: Kinds, view: ViewLike) -> _Census:
@@ -228,7 +241,7 @@ def _census_of_kinds(distinct: Distinct, kinds: Kinds, view: ViewLike) -> _Censu
     dead = np.nonzero(~alive[key_of_uid])[0].tolist()
     several = unique(key_of_uid[distinct.several])[0]
     replicated = {keys[i] for i in several.tolist() if alive[i]}
-    return _Census(by_key, dead, replicated)
+    return _Census(by_key, dead, replicated, keys, key_of_uid)
 
 
 def _check_target(spec: TargetSpec, vt: Any, transformed: bool, needers: Sequence[int] = ()) -> None:
@@ -247,7 +260,7 @@ def _check_target(spec: TargetSpec, vt: Any, transformed: bool, needers: Sequenc
 
 
 
-def _assign_readers(reads: list[Read], needs_world: int, targets: list[Target]) -> None:
+def _assign_readers(reads: list[Read], needs_world: int, targets: Sequence[Target]) -> None:
     """Each shared read goes to the least-loaded rank (by bytes) among those needing it,
     the lowest rank among ties. A run of reads with the same candidates keeps them in
     a heap of (load, rank): within the run only its own picks change their loads."""
@@ -275,7 +288,7 @@ def _assign_readers(reads: list[Read], needs_world: int, targets: list[Target]) 
         load[best] += r.length
 
 
-def _degree(edges: list[Read], focus: set[int], targets: list[Target]) -> int:
+def _degree(edges: list[Read], focus: set[int], targets: Sequence[Target]) -> int:
     """The most distinct groups of ranks that edge reads make one rank of ``focus`` serve."""
     groups: dict[int, set[tuple[int, ...]]] = {}
     for g in {ranks_of(r, targets) for r in edges}:
@@ -313,20 +326,177 @@ def _plan_owned(uids: Sequence[int], ctx: PlanContext, focus: set[int]) -> list[
 
 
 def _plan_shared(
-    uids: Sequence[int], ctx: PlanContext, world: int, private_keys: set[str], rank: int | None,
-) -> list[Read | None]:
-    """Targets more than one rank holds: planned alike on every rank. With ``rank``,
-    reads that cannot affect that rank's are counted (their index is a tag) but
-    not laid out: None in their place."""
-    if not uids:
+    keys: list[str], census: _Census, ctx: PlanContext, needers: Sequence[list[int]], world: int,
+    private_keys: set[str], rank: int | None, rank_targets: Sequence[Sequence[int]],
+) -> list[Read]:
+    """Targets more than one rank holds: planned alike on every rank of their component.
+
+    Shared tensors fall into components (``_components``): ranks holding targets of
+    one tensor, joined through tensors they share. A read's needs, reader and round
+    depend only on its own component, so a one-rank plan plans only its rank's (at
+    scale, a PP stage's tensors: the plan grows with the stage, not the world), and
+    a shared read's tag is its index among its component's reads, which every rank of
+    the component numbers alike. Reads of the component that cannot affect ``rank``'s
+    are counted but not laid out (``rounds.reachable``)."""
+    if not keys:
         return []
-    needs = [n for uid in uids for n in ctx.needs(uid)]
-    barriers = _barriers(ctx.manifest, private_keys, {n.file for n in needs})
+    if rank is None:
+        comps = _components(keys, census, ctx, needers, world)
+    else:
+        comps = _component_of(rank, keys, census, ctx, needers, rank_targets)
+    out: list[Read] = []
+    for comp in comps:
+        out.extend(_plan_component(comp, keys, census, ctx, world, private_keys, rank))
+    if len(comps) > 1:  # the reads in file order, as one component's are (components share no read)
+        out.sort(key=lambda r: (r.file, r.start))
+    return out
+
+
+def _plan_component(
+    comp: _Component, keys: list[str], census: _Census, ctx: PlanContext, world: int, private_keys: set[str],
+    rank: int | None,
+) -> list[Read]:
+    """One component's shared reads, tagged by their index among them. Other components'
+    shards fence its reads as private shards do (their bytes are read there)."""
+    needs = [n for uid in census.uids(comp.keys) for n in ctx.needs(uid)]
+    mine = set(comp.keys)
+    fenced = private_keys.union(k for k in keys if k not in mine) if len(mine) < len(keys) else private_keys
+    barriers = _barriers(ctx.manifest, fenced, {n.file for n in needs})
     groups = group_needs(needs, ctx.options, ctx.targets, barriers)
     keep = reachable(groups, rank, world, ctx.targets) if rank is not None else [True] * len(groups)
-    reads = [make_read(*g, ctx.offsets) if k else None for g, k in zip(groups, keep)]
-    _assign_readers([r for r in reads if r is not None], world, ctx.targets)
+    reads: list[Read] = []
+    for i, (g, k) in enumerate(zip(groups, keep)):
+        if k:
+            r = make_read(*g, ctx.offsets)
+            r.tag = i
+            reads.append(r)
+    _assign_readers(reads, world, ctx.targets)
     return reads
+
+
+@dataclass(slots=True)
+class _Component:
+    """Shared tensors whose reads may involve the same ranks, and those ranks."""
+
+    keys: list[str]  # in the census's order
+    ranks: set[int]
+
+
+def _components(
+    keys: list[str], census: _Census, ctx: PlanContext, needers: Sequence[list[int]], world: int,
+) -> list[_Component]:
+    """Shared tensors joined by the ranks holding their targets, and by stored bytes two
+    of them share (a hostile manifest's overlapping shards, whose needs would merge into
+    one read). Every rank derives the same components from the same targets. Under
+    transforms a target's bytes may come from any tensor: one component."""
+    if not isinstance(ctx.view, IdentityView):
+        return [_Component(list(keys), {x for k in keys for u in census.by_key[k] for x in needers[u]})]
+    parent = list(range(world))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(a: int, b: int) -> None:
+        a, b = find(a), find(b)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+
+    joined: set[int] = set()
+    head: dict[str, int] = {}
+    for k in keys:
+        last: list[int] | None = None
+        h = -1
+        for u in census.by_key[k]:
+            held = needers[u]
+            if held is last:
+                continue
+            last = held
+            if id(held) not in joined:  # equal holder lists are one object (gathered.distinct)
+                joined.add(id(held))
+                for x in held[1:]:
+                    union(held[0], x)
+            if h < 0:
+                h = held[0]
+            else:
+                union(h, held[0])
+        head[k] = h
+    for a, b in _overlapping(ctx.manifest, keys):
+        union(head[a], head[b])
+    comps: dict[int, _Component] = {}
+    for k in keys:
+        root = find(head[k])
+        comp = comps.get(root)
+        if comp is None:
+            comp = comps[root] = _Component([], set())
+        comp.keys.append(k)
+    for x in range(world):
+        comp = comps.get(find(x))
+        if comp is not None:
+            comp.ranks.add(x)
+    return list(comps.values())
+
+
+def _component_of(
+    rank: int, keys: list[str], census: _Census, ctx: PlanContext, needers: Sequence[list[int]],
+    rank_targets: Sequence[Sequence[int]],
+) -> list[_Component]:
+    """The component of ``_components`` that holds ``rank`` (none when it holds no shared
+    target), found by walking out from the rank: its shared keys, their holders, their
+    keys, and so on. The walk visits only that component's ranks and targets, so a
+    one-rank plan does not grow with the other PP stages."""
+    if not isinstance(ctx.view, IdentityView):
+        return [c for c in _components(keys, census, ctx, needers, len(rank_targets)) if rank in c.ranks]
+    shared = set(keys)
+    near: dict[str, list[str]] = {}
+    for a, b in _overlapping(ctx.manifest, keys):
+        near.setdefault(a, []).append(b)
+        near.setdefault(b, []).append(a)
+    ranks = {rank}
+    found: set[str] = set()
+    todo_ranks = [rank]
+    joined: set[int] = set()
+    while todo_ranks:
+        todo_keys = [k for k in census.keys_of(rank_targets[todo_ranks.pop()]) if k in shared and k not in found]
+        while todo_keys:
+            k = todo_keys.pop()
+            if k in found:
+                continue
+            found.add(k)
+            todo_keys.extend(x for x in near.get(k, ()) if x not in found)
+            for u in census.by_key[k]:
+                held = needers[u]
+                if id(held) in joined:  # equal holder lists are one object (gathered.distinct)
+                    continue
+                joined.add(id(held))
+                for x in held:
+                    if x not in ranks:
+                        ranks.add(x)
+                        todo_ranks.append(x)
+    if not found:
+        return []
+    return [_Component([k for k in keys if k in found], ranks)]
+
+
+def _overlapping(manifest: Manifest, keys: list[str]) -> list[tuple[str, str]]:
+    """Pairs of ``keys`` with shards whose stored bytes overlap in a file."""
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for k in keys:
+        for sh in manifest.tensors[k].shards:
+            if sh.byte_length > 0:
+                spans.setdefault(sh.file, []).append((sh.byte_offset, sh.byte_offset + sh.byte_length, k))
+    out: list[tuple[str, str]] = []
+    for sp in spans.values():
+        sp.sort()
+        reach, owner = -1, ""
+        for a, b, k in sp:
+            if a < reach and k != owner:
+                out.append((owner, k))
+            if b > reach:
+                reach, owner = b, k
+    return out
 
 
 def _barriers(manifest: Manifest, private_keys: set[str], files: set[str]) -> dict[str, list[tuple[int, int]]]:

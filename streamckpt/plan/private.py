@@ -15,11 +15,14 @@ import zlib
 from dataclasses import replace
 from typing import Sequence
 
+import numpy as np
+
 from ..core import dtypes
 from ..core.manifest import Shard
 from ..core.regions import Box, CoalesceOptions
 from ..core.targets import TargetSpec
 from .data import Copy, Read, Target, ranks_of
+from .gathered import LazySpecs
 from .needs import FrameOffsets, Need, PlanContext, make_read, need_bytes
 
 
@@ -60,7 +63,7 @@ def _meets(a: Box, ra: tuple[int, int], b: Box, rb: tuple[int, int]) -> bool:
 
 
 def closure(rank: int, by_key: dict[str, list[int]], private_keys: set[str], mine: Sequence[int],
-             ctx: PlanContext) -> list[int]:
+             ctx: PlanContext, specs: Sequence[TargetSpec] = ()) -> list[int]:
     """Private targets whose needs can share a stored shard with ``rank``'s own.
 
     Every target that meets a shard one of the rank's targets meets is in it,
@@ -74,6 +77,9 @@ def closure(rank: int, by_key: dict[str, list[int]], private_keys: set[str], min
     for key, uids in by_key.items():
         if key not in own_keys or key not in private_keys:
             continue
+        if isinstance(specs, LazySpecs):
+            out.extend(_closure_of_rows(key, uids, own, specs, ctx))
+            continue
         regions = [_region(targets[u].spec) for u in uids]
         ours = [regions[i] for i, u in enumerate(uids) if u in own]
         touched = [sb for sb in map(_region, ctx.manifest.tensors[key].shards)
@@ -81,6 +87,29 @@ def closure(rank: int, by_key: dict[str, list[int]], private_keys: set[str], min
         out.extend(u for u, region in zip(uids, regions)
                    if u in own or any(_meets(*region, *sb) for sb in touched))
     return out
+
+
+def _closure_of_rows(key: str, uids: list[int], own: set[int], specs: LazySpecs, ctx: PlanContext) -> list[int]:
+    """``closure``'s test for one key's targets from gathered pieces, without building
+    their specs: the key's boxes are few (its TP boxes), and each target's rows come
+    from its flat range, so the rows of every target are tested at once with numpy."""
+    boxes, which, rows = specs.rows(uids)
+    regions = [tuple.__new__(Box, b) for b in boxes]
+    ours_at = [i for i, u in enumerate(uids) if u in own]
+    ours = [(regions[int(which[i])], (int(rows[i, 0]), int(rows[i, 1]))) for i in ours_at]
+    touched = [sb for sb in map(_region, ctx.manifest.tensors[key].shards)
+               if any(_meets(*region, *sb) for region in ours)]
+    hit = np.zeros(len(uids), dtype=bool)
+    hit[ours_at] = True
+    for b, box in enumerate(regions):
+        mine = which == b
+        for sbox, (s0, s1) in touched:  # _meets, with the rows of every target of this box at once
+            if box.ndim == 0 or sbox.ndim == 0:
+                hit |= mine
+            elif all(box.offset[d] < sbox.offset[d] + sbox.shape[d] and sbox.offset[d] < box.offset[d] + box.shape[d]
+                     for d in range(1, box.ndim)):
+                hit |= mine & (rows[:, 0] < s1) & (s0 < rows[:, 1])
+    return np.asarray(uids, dtype=np.int64)[hit].tolist()
 
 
 def plan_private(uids: Sequence[int], focus: set[int], ctx: PlanContext) -> tuple[list[Read], list[Read]]:
@@ -296,7 +325,7 @@ def _split_contested(comp: list[Need], offsets: "FrameOffsets") -> list[Need]:
 SMALL_SHARED = 64 << 10  # a shared read this small rides on a neighbouring edge read
 
 
-def absorb_small_shared(shared: list[Read], edges: list[Read], targets: list[Target]) -> list[Read]:
+def absorb_small_shared(shared: list[Read], edges: list[Read], targets: Sequence[Target]) -> list[Read]:
     """Fold each small raw shared read into an edge read that touches it in the file and
     serves exactly its ranks; returns the shared reads left.
 

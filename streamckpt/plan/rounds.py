@@ -17,7 +17,7 @@ updates the whole set lazily, since ``max(max(s, B) + A, base) + c`` is again
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from .data import Read, Target, costs_of, is_packed, message_layout, read_cost
 from .needs import Group
@@ -51,7 +51,7 @@ class RoundPacker:
         used = state & USED
         return (state >> SHIFT) + (1 if used and used + cost > self.cap else 0)
 
-    def place(self, r: Read, targets: list[Target]) -> None:
+    def place(self, r: Read, targets: Sequence[Target]) -> None:
         """Give ``r`` its round and charge every rank it involves."""
         if r.private:
             self._flush()
@@ -108,7 +108,7 @@ class RoundPacker:
         return max(((self.state[r] >> SHIFT) + 1 for r in ranks if r in self.touched), default=0)
 
 
-def uniform_costs(r: Read, targets: list[Target]) -> tuple[list[int], int, int] | None:
+def uniform_costs(r: Read, targets: Sequence[Target]) -> tuple[list[int], int, int] | None:
     """``costs_of`` for a read whose copies all go to one set of ranks (a replicated
     box), as (those ranks, what each but the reader takes, what the reader takes);
     None when the copies' ranks differ, or when the reader would take less than the
@@ -129,7 +129,7 @@ def uniform_costs(r: Read, targets: list[Target]) -> tuple[list[int], int, int] 
     return first, size, reader_cost
 
 
-def reachable(groups: list[Group], rank: int, world: int, targets: list[Target]) -> list[bool]:
+def reachable(groups: list[Group], rank: int, world: int, targets: Sequence[Target]) -> list[bool]:
     """Which shared reads (as ``needs.group_needs`` groups them) one rank's plan must
     place: those whose ranks connect to ``rank`` through other shared reads.
 
