@@ -79,7 +79,7 @@ def _merge_notes(old: Section, new: Section) -> Section:
 def replace_sections(old: str, new: str, scenarios: str, command: str) -> str:
     """``old`` with the sections of ``scenarios`` taken from ``new`` (see the module doc)."""
     olds, news = split(old), split(new)
-    fresh = [s for s in news if s.scenario in scenarios]
+    fresh = [s for s in news if s.scenario is not None and s.scenario in scenarios]
     notes = next((s for s in news if s.heading == NOTES), None)
     out: list[Section] = []
     placed: set[int] = set()
