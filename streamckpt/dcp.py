@@ -39,7 +39,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import fsspec
 import torch
@@ -419,9 +419,9 @@ class StorageReader(tdcp.StorageReader):
                                              size=torch.Size(t.shape), chunks=chunks)
         self._values = _dcp_values(manifest.values)
         self._unloadable = dict(manifest.metadata.get("unloadable_reasons") or {})
-        for key in [*self._values, *self._unloadable]:
+        for key in [*_value_order(manifest.values), *self._unloadable]:
             sdm.setdefault(key, BytesStorageMetadata())
-        return Metadata(state_dict_metadata=sdm, storage_data={},
+        return Metadata(state_dict_metadata=sdm, planner_data=_planner_paths(manifest, sdm), storage_data={},
                         storage_meta=StorageMeta(checkpoint_id=self.uri))
 
     def _value_bytes(self, fqn: str) -> io.BytesIO:
@@ -591,3 +591,54 @@ def _dcp_values(values: dict[str, Any]) -> dict[str, Any]:
         for k, v in flat.items():
             out.setdefault(k, v)
     return out
+
+
+def _value_order(values: dict[str, Any]) -> list[str]:
+    """Value keys for DCP's metadata: each value's flattened aliases (see ``_dcp_values``)
+    before the value itself, so that a planner rebuilding the state from the metadata in
+    order (``_EmptyStateDictLoadPlanner``) ends with the whole value in its place."""
+    out: list[str] = []
+    for key, value in values.items():
+        flat, _ = flatten_state_dict({key: value})
+        out += [k for k in flat if k != key] + [key]
+    return out
+
+
+def _planner_paths(manifest: mf.Manifest, keys: Sequence[str]) -> dict[str, tuple[str | int, ...]]:
+    """Every key's path in the saved state's nesting, as DCP's default planner records it in
+    ``Metadata.planner_data`` (``_EmptyStateDictLoadPlanner``, hence ``dcp_to_torch_save``, and
+    ``load_sharded_optimizer_state_dict`` rebuild the nesting from it); a key the tree does not
+    place (a checkpoint without one) stays at the top level under its dotted name."""
+    tree = manifest.tree if manifest.tree is not None else trees.flat(manifest.tensors, manifest.values)
+    paths = dict(_tree_paths(tree, ()))
+    for key, value in manifest.values.items():  # the flattened aliases of _dcp_values
+        flat, mapping = flatten_state_dict({key: value})
+        base = paths.get(key, (key,))
+        for k in flat:
+            paths.setdefault(k, base + tuple(mapping[k][1:]))
+    return {k: paths.get(k, (k,)) for k in keys}
+
+
+def _tree_paths(node: Any, path: tuple[str | int, ...]) -> Iterator[tuple[str, tuple[str | int, ...]]]:
+    """(stored key, path) of every leaf of a (checked) tree document, see ``core.tree``."""
+    if isinstance(node, list):
+        for i, child in enumerate(node):
+            if child is not None:
+                yield from _tree_paths(child, path + (i,))
+        return
+    if not isinstance(node, dict):
+        return
+    if len(node) == 1:
+        kind, inner = next(iter(node.items()))
+        if kind in (trees.TENSOR, trees.VALUE) and isinstance(inner, str):
+            yield inner, path
+            return
+        if kind == trees.TUPLE:
+            yield from _tree_paths(inner, path)
+            return
+        if kind == trees.ITEMS:
+            for name, child in inner:  # a dict key is a string in DCP's paths (it flattens with str(key))
+                yield from _tree_paths(child, path + (str(name),))
+            return
+    for name, child in node.items():
+        yield from _tree_paths(child, path + (name,))
