@@ -418,7 +418,8 @@ def load_table(h: "Harness", case: str) -> tuple[list[str], dict[str, float], di
         lines += ["", "`StorageReader.stats`, summed over ranks (first rep): " +
                   ", ".join(f"{k}={_human(v) if k.startswith('bytes') else v}" for k, v in ours.reader.items())]
     if "ours" in walls and "s3torch" in walls:
-        lines += ["", f"speed-up (S3StorageReader wall ÷ StorageReader wall): {walls['s3torch'] / walls['ours']:.2f}×"]
+        ratio = walls["s3torch"] / walls["ours"]
+        lines += ["", f"speed-up (S3StorageReader wall ÷ StorageReader wall): {ratio:.2f}×"]
     return lines, walls, ampls
 
 

@@ -62,7 +62,7 @@ from .formats import read_manifest
 from .formats.dcpitem import value_from_record
 from .saving import writeplan
 from .saving.writer import OBJECT_BYTES, ShardToWrite, write_data_files
-from .storage import RangeRead, Storage
+from .storage import Landing, RangeRead, Storage
 
 log = logging.getLogger(__name__)
 
@@ -463,47 +463,58 @@ class StorageReader(tdcp.StorageReader):
         return out
 
     def _read_batch(self, reqs: list[ReadItem], planner: LoadPlanner) -> None:
-        """Fetch the units covering every item's runs, then copy each item into its target."""
-        storage = self._open()
-        wanted: dict[tuple[str, int], list[tuple[int, int]]] = {}
-        shards: dict[tuple[str, int], mf.Shard] = {}
-        itemsizes: dict[tuple[str, int], int] = {}
-        item_runs = []
-        for req in reqs:
-            p = self._piece(req)
-            sub = Box(tuple(o + s for o, s in zip(p.box.offset, req.storage_offsets)), tuple(req.lengths))
-            byte_runs = [(p.raw_base + s * p.itemsize, n * p.itemsize) for s, n in runs(p.box, sub)]
-            ident = (p.shard.file, p.shard.byte_offset)
-            shards[ident] = p.shard
-            itemsizes[ident] = p.itemsize
-            wanted.setdefault(ident, []).extend((a, a + n) for a, n in byte_runs)
-            item_runs.append((req, p, ident, byte_runs))
-        units = {ident: _units(shards[ident], itemsizes[ident], spans) for ident, spans in wanted.items()}
-        flat = [u for us in units.values() for u in us]
-        bufs = [bytearray(u.read.length) for u in flat]
-        self.stats.requests += storage.read_into([u.read for u in flat], [memoryview(b) for b in bufs]).result()
-        self.stats.bytes_read += sum(len(b) for b in bufs)
-        for u, b in zip(flat, bufs):
-            u.data = _decode(u, b, storage)
-        for req, p, ident, byte_runs in item_runs:
-            self._deliver(req, p, units[ident], byte_runs, planner)
+        """Fetch the units covering every item's runs, then copy each item into its target.
 
-    def _deliver(self, req: ReadItem, p: _Piece, units: list[_Unit], byte_runs: list[tuple[int, int]],
-                 planner: LoadPlanner) -> None:
-        nbytes = sum(n for _, n in byte_runs)
-        staged = bytearray(nbytes)
-        pos = 0
-        starts = [u.raw_lo for u in units]
-        for a, n in byte_runs:
-            u = units[bisect.bisect_right(starts, a) - 1]
-            staged[pos:pos + n] = u.data[a - u.raw_lo:a - u.raw_lo + n]
-            pos += n
-        dtype = dtypes.to_torch(p.dtype)
-        target = planner.resolve_tensor(req).detach()
-        if nbytes:
-            src = torch.frombuffer(staged, dtype=torch.uint8).view(dtype).reshape(tuple(req.lengths))
-            target.copy_(src)
-        planner.commit_tensor(req, target)
+        A unit whose items each need one contiguous run into a contiguous target of the
+        stored dtype (a whole tensor, a ``Shard(0)`` row block) is read straight into those
+        targets, the bytes between them into scratch: no staging copy."""
+        storage = self._open()
+        by_shard: dict[tuple[str, int], list[_Want]] = {}
+        shards: dict[tuple[str, int], mf.Shard] = {}
+        for req in reqs:
+            want = _want(req, self._piece(req), planner)
+            ident = (want.piece.shard.file, want.piece.shard.byte_offset)
+            shards[ident] = want.piece.shard
+            by_shard.setdefault(ident, []).append(want)
+        units: dict[tuple[str, int], list[_Unit]] = {}
+        reads, bufs, staged = [], [], []
+        for ident, wants in by_shard.items():
+            spans = [(a, a + n) for w in wants for a, n in w.runs]
+            units[ident] = _units(shards[ident], wants[0].piece.itemsize, spans)
+            for u in units[ident]:
+                landing = _landing(u, wants)
+                buf = landing if landing is not None else bytearray(u.read.length)
+                if landing is None:
+                    staged.append((u, buf))
+                reads.append(u.read)
+                bufs.append(buf if landing is not None else memoryview(buf))
+        self.stats.requests += storage.read_into(reads, bufs).result()
+        self.stats.bytes_read += sum(r.length for r in reads)
+        for u, b in staged:
+            u.data = _decode(u, b, storage)
+        for ident, wants in by_shard.items():
+            for w in wants:
+                self._deliver(w, units[ident], planner)
+
+    def _deliver(self, w: _Want, units: list[_Unit], planner: LoadPlanner) -> None:
+        nbytes = sum(n for _, n in w.runs)
+        if not w.landed and nbytes:
+            starts = [u.raw_lo for u in units]
+            if len(w.runs) == 1:  # one run: no staging, a view of the fetched bytes
+                a, n = w.runs[0]
+                u = units[bisect.bisect_right(starts, a) - 1]
+                staged: Any = u.data[a - u.raw_lo:a - u.raw_lo + n]
+            else:
+                staged = bytearray(nbytes)
+                pos = 0
+                for a, n in w.runs:
+                    u = units[bisect.bisect_right(starts, a) - 1]
+                    staged[pos:pos + n] = u.data[a - u.raw_lo:a - u.raw_lo + n]
+                    pos += n
+            dtype = dtypes.to_torch(w.piece.dtype)
+            src = torch.frombuffer(staged, dtype=torch.uint8).view(dtype).reshape(tuple(w.req.lengths))
+            w.target.copy_(src)
+        planner.commit_tensor(w.req, w.target)
         self.stats.bytes_needed += nbytes
         self.stats.items += 1
 
@@ -527,6 +538,58 @@ def _pieces_of(key: str, shard: mf.Shard, dtype: str) -> list[_Piece]:
     lo, hi = shard.flat_range
     size = dtypes.itemsize(dtype)
     return [_Piece(key, shard, box, (start - lo) * size, dtype) for start, box in flat_range_boxes(shard.box, lo, hi)]
+
+
+@dataclass(slots=True)
+class _Want:
+    """One read item: its stored piece, the raw byte runs of its sub-box, its target."""
+
+    req: ReadItem
+    piece: _Piece
+    runs: list[tuple[int, int]]  # (raw start, length) in the piece's shard
+    target: torch.Tensor
+    landed: bool = False  # read straight into ``target``
+
+
+def _want(req: ReadItem, p: _Piece, planner: LoadPlanner) -> _Want:
+    sub = Box(tuple(o + s for o, s in zip(p.box.offset, req.storage_offsets)), tuple(req.lengths))
+    byte_runs = [(p.raw_base + s * p.itemsize, n * p.itemsize) for s, n in runs(p.box, sub) if n]
+    return _Want(req, p, byte_runs, planner.resolve_tensor(req).detach())
+
+
+def _direct(w: _Want) -> memoryview | None:
+    """The target's memory, when the item's one run can land in it as stored."""
+    t = w.target
+    if len(w.runs) != 1 or t.device.type != "cpu" or not t.is_contiguous() or \
+            t.dtype != dtypes.to_torch(w.piece.dtype) or t.numel() * t.element_size() != w.runs[0][1]:
+        return None
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _landing(u: _Unit, wants: list[_Want]) -> Landing | None:
+    """The unit's bytes straight into its items' targets (scratch between them), when every
+    item inside it can take its bytes directly and none overlaps another; else None."""
+    if u.frames:
+        return None
+    inside = sorted((w for w in wants if w.runs and u.raw_lo <= w.runs[0][0] < u.raw_hi), key=lambda w: w.runs[0][0])
+    mems = [_direct(w) for w in inside]
+    if not inside or any(m is None for m in mems):
+        return None
+    parts: list[memoryview] = []
+    pos = u.raw_lo
+    for w, mem in zip(inside, mems):
+        a, n = w.runs[0]
+        if a < pos or a + n > u.raw_hi:
+            return None
+        if a > pos:
+            parts.append(memoryview(bytearray(a - pos)))
+        parts.append(mem)
+        pos = a + n
+    if pos < u.raw_hi:
+        parts.append(memoryview(bytearray(u.raw_hi - pos)))
+    for w in inside:
+        w.landed = True
+    return Landing(parts)
 
 
 def _merge(spans: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:

@@ -221,8 +221,9 @@ def test_dcp_load_of_writer_checkpoint_with_values_and_zstd(s3_uri: str, s3_opts
 
 
 def _nested(w: torch.Tensor, scale: float) -> dict[str, Any]:
-    return {"model": {"w": w * scale}, "optim": {"state": {0: {"exp_avg": w * 2 * scale, "step": torch.tensor(3.0 * scale)}},
-                                            "param_groups": [{"lr": 0.1 * scale, "params": [0]}]},
+    moments = {0: {"exp_avg": w * 2 * scale, "step": torch.tensor(3.0 * scale)}}
+    groups = [{"lr": 0.1 * scale, "params": [0]}]
+    return {"model": {"w": w * scale}, "optim": {"state": moments, "param_groups": groups},
             "extra": [w + scale, {"k": int(5 * scale)}]}
 
 
@@ -284,8 +285,8 @@ def test_state_rebuilt_from_a_native_checkpoint_keeps_whole_values(s3_uri: str, 
     paths = StorageReader(s3_uri, storage_options=s3_opts).read_metadata().planner_data
     assert paths == {"m.w": ("m", "w"), "opt.state.0.e": ("opt", "state", "0", "e"), "groups.0.lr": ("groups", 0, "lr"),
                      "groups.0.betas": ("groups", 0, "betas"), "groups": ("groups",), "step": ("step",)}
-    _same_tree(_rebuilt(StorageReader(s3_uri, storage_options=s3_opts)),
-               {"m": {"w": w}, "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}], "step": 3, "opt": {"state": {"0": {"e": w}}}})
+    want = {"m": {"w": w}, "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}], "step": 3, "opt": {"state": {"0": {"e": w}}}}
+    _same_tree(_rebuilt(StorageReader(s3_uri, storage_options=s3_opts)), want)
 
 
 def test_missing_checkpoint_is_not_found(s3_uri: str, s3_opts: dict[str, Any]) -> None:
