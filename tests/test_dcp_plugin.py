@@ -5,7 +5,8 @@ StorageWriter / StorageReader, on moto over HTTP and real gloo ranks.
   state again with ``dcp.async_save``); 3 ranks read it back with ``dcp.load`` through
   our reader and with ``sc.load``, exact; a save where one rank fails commits nothing.
 * 4 ranks ``dcp.load`` a DTensor ``Shard(0)`` from our writer's checkpoint and from one
-  DCP's own ``FileSystemWriter`` left: each rank reads exactly its quarter of the bytes.
+  DCP's own ``FileSystemWriter`` left: each rank reads exactly its quarter of the bytes;
+  ``Shard(1)`` columns of the latter, exact (the small gaps between rows read through).
 * One process: a Hugging Face directory; a nested state of DCP's own layout and the
   ``planner_data`` that rebuilds it (as DCP's reader gives it); errors (missing checkpoint, a flipped data
   byte) arrive as streamckpt classes inside DCP's ``CheckpointException``.
@@ -137,7 +138,16 @@ def shard0_load(rank: int, world: int, ours: str, theirs: str, opts: dict[str, A
                     "requests": reader.stats.requests}
         return run
 
-    return run_scenarios(rank, world, [("ours", case(ours)), ("theirs", case(theirs))])
+    def columns(rank: int, world: int) -> dict[str, Any]:  # Shard(1): a run per row, staged, not landed
+        w, want_w = dtensor(original("w", (ROWS, COLS), torch.float32), mesh, [Shard(1)], fill=False)
+        sd = {"w": w}
+        reader = StorageReader(theirs, storage_options=opts)
+        dcp.load(sd, storage_reader=reader)
+        check_equal("w", sd["w"].to_local(), want_w)
+        return {"read": reader.stats.bytes_read, "needed": reader.stats.bytes_needed,
+                "requests": reader.stats.requests}
+
+    return run_scenarios(rank, world, [("ours", case(ours)), ("theirs", case(theirs)), ("columns", columns)])
 
 
 def test_shard0_load_reads_a_quarter_per_rank(tmp_path: Path, s3_uri: str, s3_opts: dict[str, Any]) -> None:
@@ -164,6 +174,10 @@ def test_shard0_load_reads_a_quarter_per_rank(tmp_path: Path, s3_uri: str, s3_op
             assert v["needed"] == quarter, (name, v)
             assert v["read"] == quarter + extra[name], (name, v)
             assert v["requests"] == 2, (name, v)
+    row = COLS * 4  # columns: each rank's 1 KiB per 4 KiB row; the 3 KiB gaps are read through, one range
+    for v in res.values("columns"):
+        assert v["needed"] == ROWS * row // 4 and v["read"] == (ROWS - 1) * row + row // 4, v
+        assert v["requests"] == 1, v
 
 
 # ------------------------------------------------------------- one process: HF, errors
