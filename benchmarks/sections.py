@@ -4,8 +4,10 @@ A full run takes about 18 minutes on this machine; adding or refreshing one scen
 should not need it. The new report's sections of the rerun scenarios (``## (x) ...``,
 with their ``###`` parts, and ``## Profile of ... in (x) ...``) replace the old ones in
 place, or, for a scenario the old report lacks, go after the last old section of their
-kind. Every other section stays as it was; the header's command block gains the new
-command, and new notes are added to the old Notes.
+kind; an old one the rerun did not write again (a profile it did not take) goes. Every
+other section stays as it was (the Targets sections too: they are not recomputed from the
+old figures); the header's command block gains the new command, and new notes are added
+to the old Notes.
 """
 
 from __future__ import annotations

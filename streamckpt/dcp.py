@@ -58,8 +58,13 @@ from .core import dtypes, manifest as mf, tree as trees, values as vals
 from .core.regions import Box, flat_range_boxes, runs
 from .core.targets import TargetSpec
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleStateDictError
-from .formats import read_manifest
-from .formats.dcpitem import value_from_record
+from .core.values import RESTORABLE, unrestorable
+from .errors import CheckpointNotFoundError
+from .formats import read_hf_manifest, read_manifest, read_native_manifest
+from .formats.dcp import MAX_METADATA_BYTES, METADATA_NAME
+from .formats.dcpitem import (MAX_VALUE_ITEM_BYTES, RangeCache, item_windows, located_shard, read_value,
+                              value_from_record)
+from .formats.dcpmeta import DcpMetadata, DcpTensor, ItemInfo, parse_metadata
 from .saving import writeplan
 from .saving.writer import OBJECT_BYTES, ShardToWrite, write_data_files
 from .storage import Landing, RangeRead, Storage
@@ -298,6 +303,16 @@ class _Piece:
         return dtypes.itemsize(self.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class _Unlocated:
+    """A DCP chunk whose tensor bytes are not located yet (``StorageReader._locate``)."""
+
+    key: str
+    box: Box
+    tensor: DcpTensor
+    item: ItemInfo
+
+
 @dataclass(slots=True)
 class ReadStats:
     """What a reader's ``read_data`` calls fetched since the last ``reset``/``read_metadata``
@@ -338,7 +353,8 @@ class StorageReader(tdcp.StorageReader):
         self.max_concurrency = max_concurrency
         self.stats = ReadStats()
         self._storage: Storage | None = None
-        self._pieces: dict[str, list[_Piece]] = {}
+        self._pieces: dict[str, list[_Piece | _Unlocated]] = {}
+        self._parsed: dict[bytes, Any] = {}  # DCP item headers parsed so far (formats.dcpitem)
         self._values: dict[str, Any] = {}
         self._unloadable: dict[str, str] = {}
         self._failed: CheckpointError | None = None
@@ -351,6 +367,7 @@ class StorageReader(tdcp.StorageReader):
             self.uri = os.fspath(checkpoint_id)
         self.stats = ReadStats()
         self._pieces, self._values, self._unloadable, self._failed = {}, {}, {}, None
+        self._parsed = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -366,12 +383,20 @@ class StorageReader(tdcp.StorageReader):
         self.stats = ReadStats()
         self._failed = None
         try:
-            manifest = read_manifest(self._open())
+            return self._read_metadata(self._open())
         except CheckpointError as e:
             self._close()
             self._failed = e
             return Metadata(state_dict_metadata={})
-        return self._metadata_of(manifest)
+
+    def _read_metadata(self, storage: Storage) -> Metadata:
+        """A DCP checkpoint from its ``.metadata`` alone: each rank locates only the items it
+        reads (``_locate``); on 4 ranks of a checkpoint saved by 4, a quarter of them."""
+        if storage.entry is None and read_native_manifest(storage) is None and read_hf_manifest(storage) is None:
+            md = _dcp_metadata(storage)
+            if md is not None:
+                return self._metadata_of_dcp(storage, md)
+        return self._metadata_of(read_manifest(storage))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._failed is not None:
@@ -395,7 +420,8 @@ class StorageReader(tdcp.StorageReader):
                     planner.load_bytes(req, self._value_bytes(req.storage_index.fqn))
                 else:
                     tensors.append(req)
-            tensors.sort(key=lambda r: self._piece(r).shard.byte_offset)
+            self._locate(tensors)
+            tensors.sort(key=lambda r: (self._piece(r).shard.file, self._piece(r).shard.byte_offset))
             for batch in self._batches(tensors):
                 self._read_batch(batch, planner)
         finally:
@@ -410,6 +436,7 @@ class StorageReader(tdcp.StorageReader):
     def _metadata_of(self, manifest: mf.Manifest) -> Metadata:
         sdm: dict[str, Any] = {}
         self._pieces = {}
+        self._parsed = {}
         for key, t in manifest.tensors.items():
             pieces = [p for s in t.shards for p in _pieces_of(key, s, t.dtype)]
             self._pieces[key] = pieces
@@ -421,8 +448,48 @@ class StorageReader(tdcp.StorageReader):
         self._unloadable = dict(manifest.metadata.get("unloadable_reasons") or {})
         for key in [*_value_order(manifest.values), *self._unloadable]:
             sdm.setdefault(key, BytesStorageMetadata())
-        return Metadata(state_dict_metadata=sdm, planner_data=_planner_paths(manifest, sdm), storage_data={},
+        paths = _planner_paths(manifest.tree, manifest.tensors, manifest.values, sdm)
+        return Metadata(state_dict_metadata=sdm, planner_data=paths, storage_data={},
                         storage_meta=StorageMeta(checkpoint_id=self.uri))
+
+    def _metadata_of_dcp(self, storage: Storage, md: DcpMetadata) -> Metadata:
+        """DCP ``Metadata`` from a parsed ``.metadata``; tensor items stay unlocated, values read."""
+        sdm: dict[str, Any] = {}
+        self._pieces = {}
+        self._parsed = {}
+        for key, t in md.tensors.items():
+            pieces = [_Unlocated(key, Box(tuple(o), tuple(z)), t, item) for o, z, item in t.chunks]
+            self._pieces[key] = list(pieces)
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(p.box.offset), sizes=torch.Size(p.box.shape))
+                      for p in pieces]
+            sdm[key] = TensorStorageMetadata(properties=TensorProperties(dtype=dtypes.to_torch(t.dtype)),
+                                             size=torch.Size(t.shape), chunks=chunks)
+        values, self._unloadable = _dcp_item_values(RangeCache(storage), storage, md)
+        self._values = _dcp_values(values)
+        for key in [*_value_order(values), *self._unloadable]:
+            sdm.setdefault(key, BytesStorageMetadata())
+        tree = trees.from_paths(md.paths, md.tensors, values) if md.paths else None
+        return Metadata(state_dict_metadata=sdm, planner_data=_planner_paths(tree, md.tensors, values, sdm),
+                        storage_data={}, storage_meta=StorageMeta(checkpoint_id=self.uri))
+
+    def _locate(self, reqs: Sequence[ReadItem]) -> None:
+        """Find the tensor bytes of the DCP items these reads need (their ``torch.save``
+        records' headers, a few small range reads per item, fetched together)."""
+        todo: dict[tuple[str, tuple[int, ...]], _Unlocated] = {}
+        for req in reqs:
+            p = self._entry(req)
+            if isinstance(p, _Unlocated):
+                todo[(p.key, p.box.offset)] = p
+        if not todo:
+            return
+        storage = self._open()
+        cache = RangeCache(storage)
+        cache.prefetch([w for p in todo.values() for w in item_windows(p.item)])
+        for p in todo.values():
+            shard, _ = located_shard(cache, storage, p.key, p.tensor, p.box.offset, p.box.shape, p.item,
+                                     self._parsed)
+            pieces = self._pieces[p.key]
+            pieces[pieces.index(p)] = _Piece(p.key, shard, shard.box, 0, p.tensor.dtype)
 
     def _value_bytes(self, fqn: str) -> io.BytesIO:
         if fqn not in self._values:
@@ -436,6 +503,12 @@ class StorageReader(tdcp.StorageReader):
         return buf
 
     def _piece(self, req: ReadItem) -> _Piece:
+        p = self._entry(req)
+        if isinstance(p, _Unlocated):  # pragma: no cover - read_data locates every item first
+            raise CheckpointError(f"{p.key}: internal error, item at {list(p.box.offset)} read before located")
+        return p
+
+    def _entry(self, req: ReadItem) -> _Piece | _Unlocated:
         idx = req.storage_index
         pieces = self._pieces.get(idx.fqn)
         if not pieces:
@@ -667,14 +740,49 @@ def _value_order(values: dict[str, Any]) -> list[str]:
     return out
 
 
-def _planner_paths(manifest: mf.Manifest, keys: Sequence[str]) -> dict[str, tuple[str | int, ...]]:
+def _dcp_metadata(storage: Storage) -> DcpMetadata | None:
+    """The parsed ``.metadata`` at the prefix (one GET, no pickle code run), or None."""
+    try:
+        raw = storage.read_bytes(METADATA_NAME, max_bytes=MAX_METADATA_BYTES)
+    except CheckpointNotFoundError:
+        return None
+    return parse_metadata(raw, where=storage.describe(METADATA_NAME))
+
+
+def _dcp_item_values(cache: RangeCache, storage: Storage, md: DcpMetadata) -> tuple[dict[str, Any], dict[str, str]]:
+    """The non-tensor items restorable as plain data (read whole, builtins only), and why
+    the others are not (as ``formats.dcp`` reports them)."""
+    cache.prefetch([(it.file, it.offset, it.offset + it.length) for it in md.values.values()
+                    if it.length <= MAX_VALUE_ITEM_BYTES])
+    values: dict[str, Any] = {}
+    unloadable: dict[str, str] = {}
+    for fqn, item in md.values.items():
+        if item.length > MAX_VALUE_ITEM_BYTES:
+            unloadable[fqn] = f"{item.length}-byte value is larger than the {MAX_VALUE_ITEM_BYTES}-byte limit"
+            continue
+        where = f"{storage.describe(item.file)} [{item.offset}, {item.offset + item.length}) ({fqn!r})"
+        try:
+            value = read_value(cache, item, where=where)
+        except CorruptCheckpointError as e:
+            unloadable[fqn] = f"not restorable without running pickle code: {e}"
+            continue
+        why = unrestorable(value)
+        if why is None:
+            values[fqn] = value
+        else:
+            unloadable[fqn] = f"{why} is not JSON-safe nor made of restorable types ({RESTORABLE})"
+    return values, unloadable
+
+
+def _planner_paths(tree: Any, tensors: Any, values: dict[str, Any],
+                   keys: Sequence[str]) -> dict[str, tuple[str | int, ...]]:
     """Every key's path in the saved state's nesting, as DCP's default planner records it in
     ``Metadata.planner_data`` (``_EmptyStateDictLoadPlanner``, hence ``dcp_to_torch_save``, and
     ``load_sharded_optimizer_state_dict`` rebuild the nesting from it); a key the tree does not
     place (a checkpoint without one) stays at the top level under its dotted name."""
-    tree = manifest.tree if manifest.tree is not None else trees.flat(manifest.tensors, manifest.values)
+    tree = tree if tree is not None else trees.flat(tensors, values)
     paths = dict(_tree_paths(tree, ()))
-    for key, value in manifest.values.items():  # the flattened aliases of _dcp_values
+    for key, value in values.items():  # the flattened aliases of _dcp_values
         flat, mapping = flatten_state_dict({key: value})
         base = paths.get(key, (key,))
         for k in flat:
