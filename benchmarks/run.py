@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import data, savebench, stall
+from . import data, dcpplug, savebench, stall
+from .sections import replace_sections
 from .server import BUCKET, BenchServer, free_port
 from .worker import fill_outcome
 from .capped import (CAPPED, CAPPED_LOADERS, CAPPED_QUICK, CAPPED_REPS_IN_ALL, CAPPED_TITLES, CAPPED_WORLD, base_of,
@@ -44,6 +45,7 @@ SCENARIOS = {
     "s": "save: one process saving the whole model, side by side; then 2- and 4-rank DDP saves (gloo)",
     "g": "under a bandwidth cap on the S3 server: a replicated load on 4 ranks (g1) and the reshard of (c) (g2)",
     "t": "training stall: a training loop stepping while sc.async_save / dcp.async_save (thread, process) upload",
+    "p": "the DCP plug-ins: dcp.load / dcp.save through streamckpt.dcp vs s3torchconnector.dcp",
 }
 LOAD_SCENARIOS = "abcdeg"
 WORLD = {"a": 1, "b": 1, "c": data.LOAD_COL_WORLD, "d": 2, "e": 1, "g1": CAPPED_WORLD, "g2": data.LOAD_COL_WORLD}
@@ -201,12 +203,12 @@ class Harness:
         t0 = time.perf_counter()
         self.bucket_dir.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
-        quick = self.args.quick and not self.args.loaders
+        quick = self.args.quick and not self.args.loaders and "p" not in self.args.scenarios  # (p) reads DCP's
         data.generate_local(self.bucket_dir, self.model, dcp=not quick)
         missing = data.saved_by_ranks_missing(self.bucket_dir, self.model)
         if quick:  # --quick runs streamckpt, naive and the ceiling only
             missing = [d for d in missing if d.startswith("sc_")]
-        if not set(self.args.scenarios) & set(LOAD_SCENARIOS):  # (s) and (f) need only the hf files
+        if not set(self.args.scenarios) & set(LOAD_SCENARIOS + "p"):  # (s) and (f) need only the hf files
             missing = []
         if missing:
             spec = {"world": data.SAVE_WORLD, "bucket_dir": str(self.bucket_dir), "model": data.spec_to_json(self.model),
@@ -815,6 +817,7 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
         lines.append("")
     lines += savebench.render_save(h, SCENARIOS["s"])
     lines += getattr(h, "notes_t", [])  # (t), when run
+    lines += dcpplug.render_plug(h, SCENARIOS["p"])
     if "f" in h.args.scenarios:
         lines.append(f"## (f) {SCENARIOS['f']}")
         lines.append("")
@@ -849,7 +852,7 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
-    ap.add_argument("--scenario", default="all", help="a,b,c,d,e,f,g,s or all (comma-separated list allowed)")
+    ap.add_argument("--scenario", default="all", help="a,b,c,d,e,f,g,s,p,t or all (= all but t; comma-separated list allowed)")
     ap.add_argument("--size", default="1GiB", help="model size, e.g. 16MiB, 256MiB, 1GiB")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="tiny data, 1 rep, streamckpt + naive + ceiling only "
@@ -864,12 +867,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="(g): the server's total body bandwidth, e.g. 200MB/s, 100MiB/s (default 200MB/s)")
     ap.add_argument("--capped-reps", type=int, default=0,
                     help=f"(g): repetitions (default: --reps; at most {CAPPED_REPS_IN_ALL} under --scenario all)")
+    ap.add_argument("--update", action="store_true",
+                    help="replace only the rerun scenarios' sections of an existing --out (others kept as they are)")
     args = ap.parse_args(argv)
     try:
         parse_rate(args.bandwidth_cap)
     except ValueError as e:
         ap.error(str(e))
-    sc = "abcdefgs" if args.scenario == "all" else args.scenario.replace(",", "")
+    sc = "abcdefgsp" if args.scenario == "all" else args.scenario.replace(",", "")
     bad = set(sc) - set(SCENARIOS)
     if bad:
         ap.error(f"unknown scenario(s) {sorted(bad)}")
@@ -891,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
     h.prepare()
     print(f"data ready in {h.timing['prepare']:.1f} s", flush=True)
     load_scenarios = [s for s in args.scenarios if s in LOAD_SCENARIOS]
-    if load_scenarios or "s" in args.scenarios or "t" in args.scenarios:
+    if load_scenarios or set("spt") & set(args.scenarios):
         h.server = BenchServer(h.root, kind=args.server).start()
         try:
             print(f"server: {h.server.kind} at {h.server.endpoint}", flush=True)
@@ -912,12 +917,18 @@ def main(argv: list[str] | None = None) -> int:
                 reports = stall.measure(h.model.nbytes, "cpu", "s3", stall.SAVERS, stall.LOOPS, h.root / "stall",
                                         h.server, reps=args.reps)
                 h.notes_t = stall.render(reports, ["--size", args.size, "--reps", str(args.reps)])
+            if "p" in args.scenarios:
+                print(f"scenario (p): {SCENARIOS['p']}", flush=True)
+                dcpplug.run_plug_scenario(h)
         finally:
             h.server.stop()
     if "f" in args.scenarios:
         print(f"scenario (f): {SCENARIOS['f']}", flush=True)
         h.run_planner()
     text = render(h, argv, time.perf_counter() - t0)
+    if args.update and Path(args.out).is_file():
+        command = "python -m benchmarks.run " + " ".join(shlex.quote(a) for a in argv)
+        text = replace_sections(Path(args.out).read_text(), text, args.scenarios, command)
     Path(args.out).write_text(text + "\n")
     print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)", flush=True)
     return 0

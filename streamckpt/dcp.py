@@ -39,7 +39,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import fsspec
 import torch
@@ -58,11 +58,16 @@ from .core import dtypes, manifest as mf, tree as trees, values as vals
 from .core.regions import Box, flat_range_boxes, runs
 from .core.targets import TargetSpec
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleStateDictError
-from .formats import read_manifest
-from .formats.dcpitem import value_from_record
+from .core.values import RESTORABLE, unrestorable
+from .errors import CheckpointNotFoundError
+from .formats import read_hf_manifest, read_manifest, read_native_manifest
+from .formats.dcp import MAX_METADATA_BYTES, METADATA_NAME
+from .formats.dcpitem import (MAX_VALUE_ITEM_BYTES, RangeCache, item_windows, located_shard, read_value,
+                              value_from_record)
+from .formats.dcpmeta import DcpMetadata, DcpTensor, ItemInfo, parse_metadata
 from .saving import writeplan
 from .saving.writer import OBJECT_BYTES, ShardToWrite, write_data_files
-from .storage import RangeRead, Storage
+from .storage import Landing, RangeRead, Storage
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +303,16 @@ class _Piece:
         return dtypes.itemsize(self.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class _Unlocated:
+    """A DCP chunk whose tensor bytes are not located yet (``StorageReader._locate``)."""
+
+    key: str
+    box: Box
+    tensor: DcpTensor
+    item: ItemInfo
+
+
 @dataclass(slots=True)
 class ReadStats:
     """What a reader's ``read_data`` calls fetched since the last ``reset``/``read_metadata``
@@ -338,7 +353,8 @@ class StorageReader(tdcp.StorageReader):
         self.max_concurrency = max_concurrency
         self.stats = ReadStats()
         self._storage: Storage | None = None
-        self._pieces: dict[str, list[_Piece]] = {}
+        self._pieces: dict[str, list[_Piece | _Unlocated]] = {}
+        self._parsed: dict[bytes, Any] = {}  # DCP item headers parsed so far (formats.dcpitem)
         self._values: dict[str, Any] = {}
         self._unloadable: dict[str, str] = {}
         self._failed: CheckpointError | None = None
@@ -351,6 +367,7 @@ class StorageReader(tdcp.StorageReader):
             self.uri = os.fspath(checkpoint_id)
         self.stats = ReadStats()
         self._pieces, self._values, self._unloadable, self._failed = {}, {}, {}, None
+        self._parsed = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -366,12 +383,20 @@ class StorageReader(tdcp.StorageReader):
         self.stats = ReadStats()
         self._failed = None
         try:
-            manifest = read_manifest(self._open())
+            return self._read_metadata(self._open())
         except CheckpointError as e:
             self._close()
             self._failed = e
             return Metadata(state_dict_metadata={})
-        return self._metadata_of(manifest)
+
+    def _read_metadata(self, storage: Storage) -> Metadata:
+        """A DCP checkpoint from its ``.metadata`` alone: each rank locates only the items it
+        reads (``_locate``); on 4 ranks of a checkpoint saved by 4, a quarter of them."""
+        if storage.entry is None and read_native_manifest(storage) is None and read_hf_manifest(storage) is None:
+            md = _dcp_metadata(storage)
+            if md is not None:
+                return self._metadata_of_dcp(storage, md)
+        return self._metadata_of(read_manifest(storage))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._failed is not None:
@@ -395,7 +420,8 @@ class StorageReader(tdcp.StorageReader):
                     planner.load_bytes(req, self._value_bytes(req.storage_index.fqn))
                 else:
                     tensors.append(req)
-            tensors.sort(key=lambda r: self._piece(r).shard.byte_offset)
+            self._locate(tensors)
+            tensors.sort(key=lambda r: (self._piece(r).shard.file, self._piece(r).shard.byte_offset))
             for batch in self._batches(tensors):
                 self._read_batch(batch, planner)
         finally:
@@ -410,6 +436,7 @@ class StorageReader(tdcp.StorageReader):
     def _metadata_of(self, manifest: mf.Manifest) -> Metadata:
         sdm: dict[str, Any] = {}
         self._pieces = {}
+        self._parsed = {}
         for key, t in manifest.tensors.items():
             pieces = [p for s in t.shards for p in _pieces_of(key, s, t.dtype)]
             self._pieces[key] = pieces
@@ -419,10 +446,50 @@ class StorageReader(tdcp.StorageReader):
                                              size=torch.Size(t.shape), chunks=chunks)
         self._values = _dcp_values(manifest.values)
         self._unloadable = dict(manifest.metadata.get("unloadable_reasons") or {})
-        for key in [*self._values, *self._unloadable]:
+        for key in [*_value_order(manifest.values), *self._unloadable]:
             sdm.setdefault(key, BytesStorageMetadata())
-        return Metadata(state_dict_metadata=sdm, storage_data={},
+        paths = _planner_paths(manifest.tree, manifest.tensors, manifest.values, sdm)
+        return Metadata(state_dict_metadata=sdm, planner_data=paths, storage_data={},
                         storage_meta=StorageMeta(checkpoint_id=self.uri))
+
+    def _metadata_of_dcp(self, storage: Storage, md: DcpMetadata) -> Metadata:
+        """DCP ``Metadata`` from a parsed ``.metadata``; tensor items stay unlocated, values read."""
+        sdm: dict[str, Any] = {}
+        self._pieces = {}
+        self._parsed = {}
+        for key, t in md.tensors.items():
+            pieces = [_Unlocated(key, Box(tuple(o), tuple(z)), t, item) for o, z, item in t.chunks]
+            self._pieces[key] = list(pieces)
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(p.box.offset), sizes=torch.Size(p.box.shape))
+                      for p in pieces]
+            sdm[key] = TensorStorageMetadata(properties=TensorProperties(dtype=dtypes.to_torch(t.dtype)),
+                                             size=torch.Size(t.shape), chunks=chunks)
+        values, self._unloadable = _dcp_item_values(RangeCache(storage), storage, md)
+        self._values = _dcp_values(values)
+        for key in [*_value_order(values), *self._unloadable]:
+            sdm.setdefault(key, BytesStorageMetadata())
+        tree = trees.from_paths(md.paths, md.tensors, values) if md.paths else None
+        return Metadata(state_dict_metadata=sdm, planner_data=_planner_paths(tree, md.tensors, values, sdm),
+                        storage_data={}, storage_meta=StorageMeta(checkpoint_id=self.uri))
+
+    def _locate(self, reqs: Sequence[ReadItem]) -> None:
+        """Find the tensor bytes of the DCP items these reads need (their ``torch.save``
+        records' headers, a few small range reads per item, fetched together)."""
+        todo: dict[tuple[str, tuple[int, ...]], _Unlocated] = {}
+        for req in reqs:
+            p = self._entry(req)
+            if isinstance(p, _Unlocated):
+                todo[(p.key, p.box.offset)] = p
+        if not todo:
+            return
+        storage = self._open()
+        cache = RangeCache(storage)
+        cache.prefetch([w for p in todo.values() for w in item_windows(p.item)])
+        for p in todo.values():
+            shard, _ = located_shard(cache, storage, p.key, p.tensor, p.box.offset, p.box.shape, p.item,
+                                     self._parsed)
+            pieces = self._pieces[p.key]
+            pieces[pieces.index(p)] = _Piece(p.key, shard, shard.box, 0, p.tensor.dtype)
 
     def _value_bytes(self, fqn: str) -> io.BytesIO:
         if fqn not in self._values:
@@ -436,6 +503,12 @@ class StorageReader(tdcp.StorageReader):
         return buf
 
     def _piece(self, req: ReadItem) -> _Piece:
+        p = self._entry(req)
+        if isinstance(p, _Unlocated):  # pragma: no cover - read_data locates every item first
+            raise CheckpointError(f"{p.key}: internal error, item at {list(p.box.offset)} read before located")
+        return p
+
+    def _entry(self, req: ReadItem) -> _Piece | _Unlocated:
         idx = req.storage_index
         pieces = self._pieces.get(idx.fqn)
         if not pieces:
@@ -463,47 +536,58 @@ class StorageReader(tdcp.StorageReader):
         return out
 
     def _read_batch(self, reqs: list[ReadItem], planner: LoadPlanner) -> None:
-        """Fetch the units covering every item's runs, then copy each item into its target."""
-        storage = self._open()
-        wanted: dict[tuple[str, int], list[tuple[int, int]]] = {}
-        shards: dict[tuple[str, int], mf.Shard] = {}
-        itemsizes: dict[tuple[str, int], int] = {}
-        item_runs = []
-        for req in reqs:
-            p = self._piece(req)
-            sub = Box(tuple(o + s for o, s in zip(p.box.offset, req.storage_offsets)), tuple(req.lengths))
-            byte_runs = [(p.raw_base + s * p.itemsize, n * p.itemsize) for s, n in runs(p.box, sub)]
-            ident = (p.shard.file, p.shard.byte_offset)
-            shards[ident] = p.shard
-            itemsizes[ident] = p.itemsize
-            wanted.setdefault(ident, []).extend((a, a + n) for a, n in byte_runs)
-            item_runs.append((req, p, ident, byte_runs))
-        units = {ident: _units(shards[ident], itemsizes[ident], spans) for ident, spans in wanted.items()}
-        flat = [u for us in units.values() for u in us]
-        bufs = [bytearray(u.read.length) for u in flat]
-        self.stats.requests += storage.read_into([u.read for u in flat], [memoryview(b) for b in bufs]).result()
-        self.stats.bytes_read += sum(len(b) for b in bufs)
-        for u, b in zip(flat, bufs):
-            u.data = _decode(u, b, storage)
-        for req, p, ident, byte_runs in item_runs:
-            self._deliver(req, p, units[ident], byte_runs, planner)
+        """Fetch the units covering every item's runs, then copy each item into its target.
 
-    def _deliver(self, req: ReadItem, p: _Piece, units: list[_Unit], byte_runs: list[tuple[int, int]],
-                 planner: LoadPlanner) -> None:
-        nbytes = sum(n for _, n in byte_runs)
-        staged = bytearray(nbytes)
-        pos = 0
-        starts = [u.raw_lo for u in units]
-        for a, n in byte_runs:
-            u = units[bisect.bisect_right(starts, a) - 1]
-            staged[pos:pos + n] = u.data[a - u.raw_lo:a - u.raw_lo + n]
-            pos += n
-        dtype = dtypes.to_torch(p.dtype)
-        target = planner.resolve_tensor(req).detach()
-        if nbytes:
-            src = torch.frombuffer(staged, dtype=torch.uint8).view(dtype).reshape(tuple(req.lengths))
-            target.copy_(src)
-        planner.commit_tensor(req, target)
+        A unit whose items each need one contiguous run into a contiguous target of the
+        stored dtype (a whole tensor, a ``Shard(0)`` row block) is read straight into those
+        targets, the bytes between them into scratch: no staging copy."""
+        storage = self._open()
+        by_shard: dict[tuple[str, int], list[_Want]] = {}
+        shards: dict[tuple[str, int], mf.Shard] = {}
+        for req in reqs:
+            want = _want(req, self._piece(req), planner)
+            ident = (want.piece.shard.file, want.piece.shard.byte_offset)
+            shards[ident] = want.piece.shard
+            by_shard.setdefault(ident, []).append(want)
+        units: dict[tuple[str, int], list[_Unit]] = {}
+        reads, bufs, staged = [], [], []
+        for ident, wants in by_shard.items():
+            spans = [(a, a + n) for w in wants for a, n in w.runs]
+            units[ident] = _units(shards[ident], wants[0].piece.itemsize, spans)
+            for u in units[ident]:
+                landing = _landing(u, wants)
+                buf = landing if landing is not None else bytearray(u.read.length)
+                if landing is None:
+                    staged.append((u, buf))
+                reads.append(u.read)
+                bufs.append(buf if landing is not None else memoryview(buf))
+        self.stats.requests += storage.read_into(reads, bufs).result()
+        self.stats.bytes_read += sum(r.length for r in reads)
+        for u, b in staged:
+            u.data = _decode(u, b, storage)
+        for ident, wants in by_shard.items():
+            for w in wants:
+                self._deliver(w, units[ident], planner)
+
+    def _deliver(self, w: _Want, units: list[_Unit], planner: LoadPlanner) -> None:
+        nbytes = sum(n for _, n in w.runs)
+        if not w.landed and nbytes:
+            starts = [u.raw_lo for u in units]
+            if len(w.runs) == 1:  # one run: no staging, a view of the fetched bytes
+                a, n = w.runs[0]
+                u = units[bisect.bisect_right(starts, a) - 1]
+                staged: Any = u.data[a - u.raw_lo:a - u.raw_lo + n]
+            else:
+                staged = bytearray(nbytes)
+                pos = 0
+                for a, n in w.runs:
+                    u = units[bisect.bisect_right(starts, a) - 1]
+                    staged[pos:pos + n] = u.data[a - u.raw_lo:a - u.raw_lo + n]
+                    pos += n
+            dtype = dtypes.to_torch(w.piece.dtype)
+            src = torch.frombuffer(staged, dtype=torch.uint8).view(dtype).reshape(tuple(w.req.lengths))
+            w.target.copy_(src)
+        planner.commit_tensor(w.req, w.target)
         self.stats.bytes_needed += nbytes
         self.stats.items += 1
 
@@ -527,6 +611,58 @@ def _pieces_of(key: str, shard: mf.Shard, dtype: str) -> list[_Piece]:
     lo, hi = shard.flat_range
     size = dtypes.itemsize(dtype)
     return [_Piece(key, shard, box, (start - lo) * size, dtype) for start, box in flat_range_boxes(shard.box, lo, hi)]
+
+
+@dataclass(slots=True)
+class _Want:
+    """One read item: its stored piece, the raw byte runs of its sub-box, its target."""
+
+    req: ReadItem
+    piece: _Piece
+    runs: list[tuple[int, int]]  # (raw start, length) in the piece's shard
+    target: torch.Tensor
+    landed: bool = False  # read straight into ``target``
+
+
+def _want(req: ReadItem, p: _Piece, planner: LoadPlanner) -> _Want:
+    sub = Box(tuple(o + s for o, s in zip(p.box.offset, req.storage_offsets)), tuple(req.lengths))
+    byte_runs = [(p.raw_base + s * p.itemsize, n * p.itemsize) for s, n in runs(p.box, sub) if n]
+    return _Want(req, p, byte_runs, planner.resolve_tensor(req).detach())
+
+
+def _direct(w: _Want) -> memoryview | None:
+    """The target's memory, when the item's one run can land in it as stored."""
+    t = w.target
+    if len(w.runs) != 1 or t.device.type != "cpu" or not t.is_contiguous() or \
+            t.dtype != dtypes.to_torch(w.piece.dtype) or t.numel() * t.element_size() != w.runs[0][1]:
+        return None
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _landing(u: _Unit, wants: list[_Want]) -> Landing | None:
+    """The unit's bytes straight into its items' targets (scratch between them), when every
+    item inside it can take its bytes directly and none overlaps another; else None."""
+    if u.frames:
+        return None
+    inside = sorted((w for w in wants if w.runs and u.raw_lo <= w.runs[0][0] < u.raw_hi), key=lambda w: w.runs[0][0])
+    mems = [_direct(w) for w in inside]
+    if not inside or any(m is None for m in mems):
+        return None
+    parts: list[memoryview] = []
+    pos = u.raw_lo
+    for w, mem in zip(inside, mems):
+        a, n = w.runs[0]
+        if a < pos or a + n > u.raw_hi:
+            return None
+        if a > pos:
+            parts.append(memoryview(bytearray(a - pos)))
+        parts.append(mem)
+        pos = a + n
+    if pos < u.raw_hi:
+        parts.append(memoryview(bytearray(u.raw_hi - pos)))
+    for w in inside:
+        w.landed = True
+    return Landing(parts)
 
 
 def _merge(spans: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
@@ -591,3 +727,89 @@ def _dcp_values(values: dict[str, Any]) -> dict[str, Any]:
         for k, v in flat.items():
             out.setdefault(k, v)
     return out
+
+
+def _value_order(values: dict[str, Any]) -> list[str]:
+    """Value keys for DCP's metadata: each value's flattened aliases (see ``_dcp_values``)
+    before the value itself, so that a planner rebuilding the state from the metadata in
+    order (``_EmptyStateDictLoadPlanner``) ends with the whole value in its place."""
+    out: list[str] = []
+    for key, value in values.items():
+        flat, _ = flatten_state_dict({key: value})
+        out += [k for k in flat if k != key] + [key]
+    return out
+
+
+def _dcp_metadata(storage: Storage) -> DcpMetadata | None:
+    """The parsed ``.metadata`` at the prefix (one GET, no pickle code run), or None."""
+    try:
+        raw = storage.read_bytes(METADATA_NAME, max_bytes=MAX_METADATA_BYTES)
+    except CheckpointNotFoundError:
+        return None
+    return parse_metadata(raw, where=storage.describe(METADATA_NAME))
+
+
+def _dcp_item_values(cache: RangeCache, storage: Storage, md: DcpMetadata) -> tuple[dict[str, Any], dict[str, str]]:
+    """The non-tensor items restorable as plain data (read whole, builtins only), and why
+    the others are not (as ``formats.dcp`` reports them)."""
+    cache.prefetch([(it.file, it.offset, it.offset + it.length) for it in md.values.values()
+                    if it.length <= MAX_VALUE_ITEM_BYTES])
+    values: dict[str, Any] = {}
+    unloadable: dict[str, str] = {}
+    for fqn, item in md.values.items():
+        if item.length > MAX_VALUE_ITEM_BYTES:
+            unloadable[fqn] = f"{item.length}-byte value is larger than the {MAX_VALUE_ITEM_BYTES}-byte limit"
+            continue
+        where = f"{storage.describe(item.file)} [{item.offset}, {item.offset + item.length}) ({fqn!r})"
+        try:
+            value = read_value(cache, item, where=where)
+        except CorruptCheckpointError as e:
+            unloadable[fqn] = f"not restorable without running pickle code: {e}"
+            continue
+        why = unrestorable(value)
+        if why is None:
+            values[fqn] = value
+        else:
+            unloadable[fqn] = f"{why} is not JSON-safe nor made of restorable types ({RESTORABLE})"
+    return values, unloadable
+
+
+def _planner_paths(tree: Any, tensors: Any, values: dict[str, Any],
+                   keys: Sequence[str]) -> dict[str, tuple[str | int, ...]]:
+    """Every key's path in the saved state's nesting, as DCP's default planner records it in
+    ``Metadata.planner_data`` (``_EmptyStateDictLoadPlanner``, hence ``dcp_to_torch_save``, and
+    ``load_sharded_optimizer_state_dict`` rebuild the nesting from it); a key the tree does not
+    place (a checkpoint without one) stays at the top level under its dotted name."""
+    tree = tree if tree is not None else trees.flat(tensors, values)
+    paths = dict(_tree_paths(tree, ()))
+    for key, value in values.items():  # the flattened aliases of _dcp_values
+        flat, mapping = flatten_state_dict({key: value})
+        base = paths.get(key, (key,))
+        for k in flat:
+            paths.setdefault(k, base + tuple(mapping[k][1:]))
+    return {k: paths.get(k, (k,)) for k in keys}
+
+
+def _tree_paths(node: Any, path: tuple[str | int, ...]) -> Iterator[tuple[str, tuple[str | int, ...]]]:
+    """(stored key, path) of every leaf of a (checked) tree document, see ``core.tree``."""
+    if isinstance(node, list):
+        for i, child in enumerate(node):
+            if child is not None:
+                yield from _tree_paths(child, path + (i,))
+        return
+    if not isinstance(node, dict):
+        return
+    if len(node) == 1:
+        kind, inner = next(iter(node.items()))
+        if kind in (trees.TENSOR, trees.VALUE) and isinstance(inner, str):
+            yield inner, path
+            return
+        if kind == trees.TUPLE:
+            yield from _tree_paths(inner, path)
+            return
+        if kind == trees.ITEMS:
+            for name, child in inner:  # a dict key is a string in DCP's paths (it flattens with str(key))
+                yield from _tree_paths(child, path + (str(name),))
+            return
+    for name, child in node.items():
+        yield from _tree_paths(child, path + (name,))

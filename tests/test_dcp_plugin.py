@@ -5,8 +5,10 @@ StorageWriter / StorageReader, on moto over HTTP and real gloo ranks.
   state again with ``dcp.async_save``); 3 ranks read it back with ``dcp.load`` through
   our reader and with ``sc.load``, exact; a save where one rank fails commits nothing.
 * 4 ranks ``dcp.load`` a DTensor ``Shard(0)`` from our writer's checkpoint and from one
-  DCP's own ``FileSystemWriter`` left: each rank reads exactly its quarter of the bytes.
-* One process: a Hugging Face directory; errors (missing checkpoint, a flipped data
+  DCP's own ``FileSystemWriter`` left: each rank reads exactly its quarter of the bytes;
+  ``Shard(1)`` columns of the latter, exact (the small gaps between rows read through).
+* One process: a Hugging Face directory; a nested state of DCP's own layout and the
+  ``planner_data`` that rebuilds it (as DCP's reader gives it); errors (missing checkpoint, a flipped data
   byte) arrive as streamckpt classes inside DCP's ``CheckpointException``.
 """
 
@@ -136,7 +138,16 @@ def shard0_load(rank: int, world: int, ours: str, theirs: str, opts: dict[str, A
                     "requests": reader.stats.requests}
         return run
 
-    return run_scenarios(rank, world, [("ours", case(ours)), ("theirs", case(theirs))])
+    def columns(rank: int, world: int) -> dict[str, Any]:  # Shard(1): a run per row, staged, not landed
+        w, want_w = dtensor(original("w", (ROWS, COLS), torch.float32), mesh, [Shard(1)], fill=False)
+        sd = {"w": w}
+        reader = StorageReader(theirs, storage_options=opts)
+        dcp.load(sd, storage_reader=reader)
+        check_equal("w", sd["w"].to_local(), want_w)
+        return {"read": reader.stats.bytes_read, "needed": reader.stats.bytes_needed,
+                "requests": reader.stats.requests}
+
+    return run_scenarios(rank, world, [("ours", case(ours)), ("theirs", case(theirs)), ("columns", columns)])
 
 
 def test_shard0_load_reads_a_quarter_per_rank(tmp_path: Path, s3_uri: str, s3_opts: dict[str, Any]) -> None:
@@ -163,6 +174,10 @@ def test_shard0_load_reads_a_quarter_per_rank(tmp_path: Path, s3_uri: str, s3_op
             assert v["needed"] == quarter, (name, v)
             assert v["read"] == quarter + extra[name], (name, v)
             assert v["requests"] == 2, (name, v)
+    row = COLS * 4  # columns: each rank's 1 KiB per 4 KiB row; the 3 KiB gaps are read through, one range
+    for v in res.values("columns"):
+        assert v["needed"] == ROWS * row // 4 and v["read"] == (ROWS - 1) * row + row // 4, v
+        assert v["requests"] == 1, v
 
 
 # ------------------------------------------------------------- one process: HF, errors
@@ -217,6 +232,75 @@ def test_dcp_load_of_writer_checkpoint_with_values_and_zstd(s3_uri: str, s3_opts
     with pytest.raises(CheckpointException) as ei:  # committed: a second save must ask to overwrite
         _quiet_save(saved, StorageWriter(s3_uri, storage_options=s3_opts))
     assert "CheckpointExistsError" in {type(e).__name__ for e in _originals(ei.value)}
+
+
+def _nested(w: torch.Tensor, scale: float) -> dict[str, Any]:
+    moments = {0: {"exp_avg": w * 2 * scale, "step": torch.tensor(3.0 * scale)}}
+    groups = [{"lr": 0.1 * scale, "params": [0]}]
+    return {"model": {"w": w * scale}, "optim": {"state": moments, "param_groups": groups},
+            "extra": [w + scale, {"k": int(5 * scale)}]}
+
+
+def _rebuilt(reader: Any) -> dict[str, Any]:
+    """The state rebuilt from the checkpoint alone, as ``dcp_to_torch_save`` does it."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd: dict[str, Any] = {}
+    _load_state_dict(sd, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return sd
+
+
+def _same_tree(got: Any, want: Any, path: str = "") -> None:
+    assert type(got) is type(want), (path, type(got), type(want))
+    if isinstance(want, dict):
+        assert set(got) == set(want), (path, list(got), list(want))  # the order is tensors first, then values
+        for k in want:
+            _same_tree(got[k], want[k], f"{path}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            _same_tree(g, w, f"{path}[{i}]")
+    elif isinstance(want, torch.Tensor):
+        check_equal(path, got, want)
+    else:
+        assert got == want, (path, got, want)
+
+
+def test_nested_state_of_a_dcp_checkpoint_and_its_planner_data(s3_uri: str, s3_opts: dict[str, Any],
+                                                                tmp_path: Path) -> None:
+    """DCP's own layout, nested state: ``dcp.load`` fills it exactly, and the metadata's
+    ``planner_data`` equals DCP's, so a state rebuilt from the checkpoint alone nests as with
+    DCP's ``FileSystemReader``."""
+    w = original("w", (12, 8), torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_nested(w, 1.0), storage_writer=dcp.FileSystemWriter(str(tmp_path)))
+    fs = fsspec.filesystem("s3", **s3_opts)
+    for p in sorted(tmp_path.iterdir()):
+        fs.put_file(str(p), f"{s3_uri}/{p.name}")
+    got = _nested(w, 0.0)
+    _quiet_load(got, StorageReader(s3_uri, storage_options=s3_opts))
+    _same_tree(got, _nested(w, 1.0))
+    theirs = dcp.FileSystemReader(str(tmp_path))
+    want_paths = theirs.read_metadata().planner_data
+    assert StorageReader(s3_uri, storage_options=s3_opts).read_metadata().planner_data == want_paths
+    assert want_paths["optim.state.0.exp_avg"] == ("optim", "state", "0", "exp_avg")
+    assert want_paths["extra.1.k"] == ("extra", 1, "k")
+    _same_tree(_rebuilt(StorageReader(s3_uri, storage_options=s3_opts)), _rebuilt(theirs))
+
+
+def test_state_rebuilt_from_a_native_checkpoint_keeps_whole_values(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """``sc.save`` keeps ``groups`` whole (DCP is also answered its flattened keys): rebuilt from
+    the metadata alone, the state holds it whole, int dict keys as DCP's strings."""
+    w = original("w", (6, 4), torch.float32)
+    sc.save({"m": {"w": w}, "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}], "step": 3, "opt": {"state": {0: {"e": w}}}},
+            s3_uri, storage_options=s3_opts)
+    paths = StorageReader(s3_uri, storage_options=s3_opts).read_metadata().planner_data
+    assert paths == {"m.w": ("m", "w"), "opt.state.0.e": ("opt", "state", "0", "e"), "groups.0.lr": ("groups", 0, "lr"),
+                     "groups.0.betas": ("groups", 0, "betas"), "groups": ("groups",), "step": ("step",)}
+    want = {"m": {"w": w}, "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}], "step": 3, "opt": {"state": {"0": {"e": w}}}}
+    _same_tree(_rebuilt(StorageReader(s3_uri, storage_options=s3_opts)), want)
 
 
 def test_missing_checkpoint_is_not_found(s3_uri: str, s3_opts: dict[str, Any]) -> None:
