@@ -23,15 +23,13 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import weakref
 from pathlib import Path
 from typing import Any
 
-from .s3server import free_port
+from .childserver import ChildServer, urlopen
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +40,6 @@ ACCOUNT = "devstoreaccount1"
 # Azurite's documented development key: public, the same on every machine, never a real secret.
 ACCOUNT_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="  # noqa: S105
 API_VERSION = "2023-11-03"
-_START_TIMEOUT = 30.0
-_START_TRIES = 3  # a free port can be taken between choosing it and the server binding it
 _INSTALL_TIMEOUT = 600.0
 
 
@@ -119,95 +115,29 @@ def options_for(blob_endpoint: str) -> dict[str, Any]:
     return {"connection_string": connection_string(blob_endpoint)}
 
 
-class LocalAzure:
+class LocalAzure(ChildServer):
     """Azurite's Blob service on 127.0.0.1 (a child process); use as a context manager.
 
     ``storage_options`` is what to pass as ``storage_options=`` to streamckpt (and adlfs)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.host = host
-        self._requested_port = port
-        self.port = 0
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._logdir: tempfile.TemporaryDirectory[str] | None = None
-        self._reaper: weakref.finalize | None = None
+    name = "azurite"
+    start_timeout = 30.0
 
-    # ------------------------------------------------------------ lifecycle
+    def _binary(self) -> str:
+        return find_binary()  # installs Azurite on first use
 
-    def start(self) -> "LocalAzure":
-        """Start the server (idempotent; installs Azurite on first use) and wait until it answers."""
-        if self._proc is not None:
-            return self
-        binary = find_binary()
-        self._logdir = tempfile.TemporaryDirectory(prefix="streamckpt-azurite-")
-        tries = 1 if self._requested_port else _START_TRIES
-        for attempt in range(1, tries + 1):
-            port = self._requested_port or free_port(self.host)
-            if self._launch(binary, port, Path(self._logdir.name)):
-                self.port = port
-                self._reaper = weakref.finalize(self, _end_process, self._proc)
-                log.debug("local Azure blob server at %s", self.blob_endpoint)
-                return self
-            log.debug("azurite did not start on port %d (attempt %d)", port, attempt)
-        why = self._log_tail()
-        self.stop()
-        raise RuntimeError(f"azurite did not start on {self.host}: {why}")
+    def _argv(self, binary: str, port: int) -> list[str]:
+        return [binary, "--silent", "--disableTelemetry", "--inMemoryPersistence", "--blobHost", self.host,
+                "--blobPort", str(port), "--skipApiVersionCheck", "--loose"]
 
-    def _launch(self, binary: str, port: int, workdir: Path) -> bool:
-        """Run Azurite on ``port``; True once it answers, False if it exited."""
-        logfile = open(workdir / "server.log", "ab")  # noqa: SIM115 - the child holds it from here
+    def _answers(self, port: int) -> bool:
         try:
-            self._proc = subprocess.Popen(
-                [binary, "--silent", "--disableTelemetry", "--inMemoryPersistence", "--blobHost", self.host,
-                 "--blobPort", str(port), "--skipApiVersionCheck", "--loose"],
-                stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT, cwd=str(workdir),
-            )
-        finally:
-            logfile.close()
-        url = f"http://{self.host}:{port}/{ACCOUNT}?comp=list"
-        deadline = time.monotonic() + _START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                self._proc = None
-                return False
-            try:
-                with _urlopen(url, timeout=2):
-                    return True
-            except urllib.error.HTTPError:
-                return True  # it answers (an unsigned list is refused): up
-            except OSError:
-                pass
-            time.sleep(0.1)
-        self._terminate()
-        return False
-
-    def stop(self) -> None:
-        """Stop the server (its containers live in its memory and are gone)."""
-        self._terminate()
-        if self._logdir is not None:
-            self._logdir.cleanup()
-            self._logdir = None
-
-    def _terminate(self) -> None:
-        proc, self._proc = self._proc, None
-        if self._reaper is not None:
-            self._reaper.detach()
-            self._reaper = None
-        if proc is not None:
-            _end_process(proc)
-
-    def _log_tail(self) -> str:
-        if self._logdir is None:
-            return "(no log)"
-        path = Path(self._logdir.name) / "server.log"
-        text = path.read_bytes()[-2000:].decode(errors="replace") if path.exists() else ""
-        return text.strip() or "(empty log)"
-
-    def __enter__(self) -> "LocalAzure":
-        return self.start()
-
-    def __exit__(self, *_: Any) -> None:
-        self.stop()
+            with urlopen(f"http://{self.host}:{port}/{ACCOUNT}?comp=list", timeout=2):
+                return True
+        except urllib.error.HTTPError:
+            return True  # it answers (an unsigned list is refused): up
+        except OSError:
+            return False
 
     def __repr__(self) -> str:
         return f"LocalAzure({self.blob_endpoint if self._proc is not None else 'stopped'})"
@@ -258,7 +188,7 @@ class LocalAzure:
     remove_bucket = remove_container
 
     def _request(self, method: str, path_query: str) -> None:
-        with _urlopen(signed_request(method, self.blob_endpoint + path_query), timeout=30):
+        with urlopen(signed_request(method, self.blob_endpoint + path_query), timeout=30):
             pass
 
 
@@ -275,23 +205,6 @@ def signed_request(method: str, url: str, account: str = ACCOUNT, key: str = ACC
     headers["Authorization"] = f"SharedKey {account}:{sig}"
     headers["Content-Length"] = "0"
     return urllib.request.Request(url, method=method, headers=headers)  # no data: urllib would add a Content-Type
-
-
-def _urlopen(req: "str | urllib.request.Request", timeout: float) -> Any:
-    """urlopen that never goes through an ``http_proxy`` from the environment (the server is local)."""
-    return urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=timeout)
-
-
-def _end_process(proc: "subprocess.Popen[bytes]") -> None:
-    """Terminate the server process (its own PID) and wait for it (kill it if it lingers)."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5)
 
 
 def main() -> None:

@@ -24,26 +24,19 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import weakref
-from pathlib import Path
 from typing import Any
 
-from .s3server import free_port
+from .childserver import ChildServer, urlopen
 
 log = logging.getLogger(__name__)
 
 HNS_ENV = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
 BINARY_ENV = "STREAMCKPT_FAKE_GCS_SERVER"  # path of a fake-gcs-server binary to use instead of the bundled one
 PROJECT = "test"
-_START_TIMEOUT = 20.0
-_START_TRIES = 3  # a free port can be taken between choosing it and the server binding it
 
 
 def find_binary() -> str:
@@ -84,98 +77,30 @@ def disable_hns_probe() -> None:
         )
 
 
-class LocalGCS:
+class LocalGCS(ChildServer):
     """fake-gcs-server on 127.0.0.1 (a child process); use as a context manager.
 
     ``storage_options`` is what to pass as ``storage_options=`` to streamckpt
     (and fsspec/gcsfs) to reach it.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.host = host
-        self._requested_port = port
-        self.port = 0
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._logdir: tempfile.TemporaryDirectory[str] | None = None
-        self._reaper: weakref.finalize | None = None
+    name = "fake-gcs-server"
+    start_timeout = 20.0
 
-    # ------------------------------------------------------------ lifecycle
-
-    def start(self) -> "LocalGCS":
-        """Start the server (idempotent) and wait until it answers."""
-        if self._proc is not None:
-            return self
+    def _binary(self) -> str:
         disable_hns_probe()
-        binary = find_binary()
-        self._logdir = tempfile.TemporaryDirectory(prefix="streamckpt-gcs-")
-        tries = 1 if self._requested_port else _START_TRIES
-        for attempt in range(1, tries + 1):
-            port = self._requested_port or free_port(self.host)
-            if self._launch(binary, port, Path(self._logdir.name) / "server.log"):
-                self.port = port
-                # A server that is never stopped still ends with this object or this interpreter.
-                self._reaper = weakref.finalize(self, _end_process, self._proc)
-                log.debug("local GCS server at %s", self.endpoint_url)
-                return self
-            log.debug("fake-gcs-server did not start on port %d (attempt %d)", port, attempt)
-        why = self._log_tail()
-        self.stop()
-        raise RuntimeError(f"fake-gcs-server did not start on {self.host}: {why}")
+        return find_binary()
 
-    def _launch(self, binary: str, port: int, log_path: Path) -> bool:
-        """Run the binary on ``port``; True once it answers, False if it exited."""
-        logfile = open(log_path, "ab")  # noqa: SIM115 - the child holds it from here
-        url = f"http://{self.host}:{port}"
+    def _argv(self, binary: str, port: int) -> list[str]:
+        return [binary, "-scheme", "http", "-backend", "memory", "-host", self.host, "-port", str(port),
+                "-external-url", f"http://{self.host}:{port}", "-log-level", "warn"]
+
+    def _answers(self, port: int) -> bool:
         try:
-            self._proc = subprocess.Popen(
-                [binary, "-scheme", "http", "-backend", "memory", "-host", self.host, "-port", str(port),
-                 "-external-url", url, "-log-level", "warn"],
-                stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
-            )
-        finally:
-            logfile.close()
-        deadline = time.monotonic() + _START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                self._proc = None
-                return False
-            try:
-                with _urlopen(f"{url}/storage/v1/b?project={PROJECT}", timeout=2) as resp:
-                    if resp.status == 200:
-                        return True
-            except OSError:
-                pass
-            time.sleep(0.05)
-        self._terminate()
-        return False
-
-    def stop(self) -> None:
-        """Stop the server (its buckets live in its memory and are gone)."""
-        self._terminate()
-        if self._logdir is not None:
-            self._logdir.cleanup()
-            self._logdir = None
-
-    def _terminate(self) -> None:
-        proc, self._proc = self._proc, None
-        if self._reaper is not None:
-            self._reaper.detach()
-            self._reaper = None
-        if proc is not None:
-            _end_process(proc)
-
-    def _log_tail(self) -> str:
-        if self._logdir is None:
-            return "(no log)"
-        path = Path(self._logdir.name) / "server.log"
-        text = path.read_bytes()[-2000:].decode(errors="replace") if path.exists() else ""
-        return text.strip() or "(empty log)"
-
-    def __enter__(self) -> "LocalGCS":
-        return self.start()
-
-    def __exit__(self, *_: Any) -> None:
-        self.stop()
+            with urlopen(f"http://{self.host}:{port}/storage/v1/b?project={PROJECT}", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
 
     def __repr__(self) -> str:
         state = self.endpoint_url if self._proc is not None else "stopped"
@@ -207,7 +132,7 @@ class LocalGCS:
             headers={"Content-Type": "application/json"},
         )
         try:
-            with _urlopen(req, timeout=30):
+            with urlopen(req, timeout=30):
                 pass
         except urllib.error.HTTPError as e:
             if e.code != 409:  # 409: it exists already
@@ -231,7 +156,7 @@ class LocalGCS:
         token = ""
         while True:
             query = "?maxResults=1000" + (f"&pageToken={urllib.parse.quote(token)}" if token else "")
-            with _urlopen(f"{base}/o{query}", timeout=30) as resp:
+            with urlopen(f"{base}/o{query}", timeout=30) as resp:
                 page = json.load(resp)
             names += [item["name"] for item in page.get("items", [])]
             token = page.get("nextPageToken") or ""
@@ -240,25 +165,8 @@ class LocalGCS:
 
     @staticmethod
     def _delete(url: str) -> None:
-        with _urlopen(urllib.request.Request(url, method="DELETE"), timeout=30):
+        with urlopen(urllib.request.Request(url, method="DELETE"), timeout=30):
             pass
-
-
-def _urlopen(req: "str | urllib.request.Request", timeout: float) -> Any:
-    """urlopen that never goes through an ``http_proxy`` from the environment (the server is local)."""
-    return urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=timeout)
-
-
-def _end_process(proc: "subprocess.Popen[bytes]") -> None:
-    """Terminate a server process and wait for it (kill it if it lingers)."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5)
 
 
 def options_for(endpoint_url: str) -> dict[str, Any]:
