@@ -346,21 +346,8 @@ class AzureBackend(ObstoreBackend):
         if self.config.get("token") or self.config.get("client_secret"):
             return await super().get_whole(path, max_bytes)
         bucket, _, key = path.partition("/")
-
-        def call() -> tuple[bytes, str | None]:
-            try:
-                url = self._signed_url(bucket, key)
-                return _get_whole(url, bucket, max_bytes, self.request_timeout)
-            except BackendError:
-                raise
-            except Exception as e:  # noqa: BLE001 - classified
-                raise self.translate(e, bucket) from None
-            except BaseException as e:  # a Rust panic is a BaseException: never let it out
-                if endpoint.is_panic(e):
-                    raise Permanent(f"{self.client_label} failed: {str(e).splitlines()[0]}") from None
-                raise
-
-        return await self.threads.run(call)
+        return await self.in_thread(
+            bucket, lambda: _get_whole(self._signed_url(bucket, key), bucket, max_bytes, self.request_timeout))
 
     def _signed_url(self, container: str, key: str) -> str:
         import obstore

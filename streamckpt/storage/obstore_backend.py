@@ -192,10 +192,14 @@ class ObstoreBackend(Backend):
 
     async def _run(self, path: str, fn: Any, *args: Any) -> Any:
         bucket, _, key = path.partition("/")
+        return await self.in_thread(bucket, lambda: fn(self.store(bucket), key, *args))
+
+    async def in_thread(self, bucket: str, thunk: Any) -> Any:
+        """``thunk()`` on a worker thread, its errors (a Rust panic too) as the policy's kinds."""
 
         def call() -> Any:
             try:
-                return fn(self.store(bucket), key, *args)
+                return thunk()
             except BackendError:
                 raise
             except Exception as e:  # noqa: BLE001 - classified
