@@ -365,7 +365,7 @@ class StorageReader(tdcp.StorageReader):
         self._parsed: dict[bytes, Any] = {}  # DCP item headers parsed so far (formats.dcpitem)
         self._dcp: DcpMetadata | None = None  # a DCP checkpoint's parsed .metadata
         self._checks: list[spec.Head] = []  # the predicted item heads to verify (formats.speculation)
-        self._verified: set[str] = set()  # names of the checks read and found as predicted
+        self._verified: set[tuple[str, str]] = set()  # parts of checks read and found as predicted (_parts)
         self._values: dict[str, Any] = {}
         self._unloadable: dict[str, str] = {}
         self._failed: CheckpointError | None = None
@@ -616,7 +616,7 @@ class StorageReader(tdcp.StorageReader):
         bad = spec.first_mismatch(checked, lambda t: t)
         if bad is not None:
             return bad
-        self._verified.update(c.head.name for c in checked)
+        self._verified.update(part for c in checked for part in _parts(c))
         for u, b in staged:
             u.data = _decode(u, b, storage)
         for ident, wants in by_shard.items():
@@ -625,13 +625,15 @@ class StorageReader(tdcp.StorageReader):
         return None
 
     def _checks_of(self, wants: list[_Want]) -> list[spec.Checked]:
-        """The predicted heads, not verified yet, that cover a chunk these items read from."""
+        """The checks covering a chunk these items read from, unless every part of a check that
+        covers one of them (its head, its tail) was verified in an earlier batch."""
         if not self._checks:
             return []
         targets = [TargetSpec(w.piece.key, w.piece.dtype, (), tuple(o + s for o, s in zip(w.piece.box.offset,
                               w.req.storage_offsets)), tuple(w.req.lengths)) for w in wants]
-        heads = [h for h in spec.covering(self._checks, {t.key for t in targets}) if h.name not in self._verified]
-        return spec.head_targets(heads, targets, False, lambda n: torch.empty(n, dtype=torch.uint8))
+        heads = spec.covering(self._checks, {t.key for t in targets})
+        checked = spec.head_targets(heads, targets, False, lambda n: torch.empty(n, dtype=torch.uint8))
+        return [c for c in checked if not _parts(c) <= self._verified]
 
     def _deliver(self, w: _Want, units: list[_Unit], planner: LoadPlanner) -> None:
         nbytes = sum(n for _, n in w.runs)
@@ -727,6 +729,12 @@ def _landing(u: _Unit, wants: list[_Want]) -> Landing | None:
     for w in inside:
         w.landed = True
     return Landing(parts)
+
+
+def _parts(c: spec.Checked) -> set[tuple[str, str]]:
+    """The parts of a check this batch compares: its head (its chunk is read), its tail (the
+    previous chunk is read). A part verified for one chunk says nothing of the other's."""
+    return {(c.head.name, part) for part, on in (("head", c.check_head), ("tail", c.check_tail)) if on}
 
 
 @dataclass(slots=True)
