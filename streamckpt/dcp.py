@@ -401,8 +401,9 @@ class StorageReader(tdcp.StorageReader):
             return Metadata(state_dict_metadata={})
 
     def _read_metadata(self, storage: Storage) -> Metadata:
-        """A DCP checkpoint from its ``.metadata`` alone: each rank locates only the items it
-        reads (``_locate``); on 4 ranks of a checkpoint saved by 4, a quarter of them."""
+        """A DCP checkpoint from its ``.metadata`` and one item located exactly (the others'
+        offsets predicted, ``_metadata_of_dcp``); without a usable template, or after a wrong
+        prediction, each rank locates only the items it reads (``_locate``)."""
         if storage.entry is None and read_native_manifest(storage) is None and read_hf_manifest(storage) is None:
             md = _dcp_metadata(storage)
             if md is not None:
@@ -596,7 +597,8 @@ class StorageReader(tdcp.StorageReader):
         spans: list[_Span] = [_Span(c.head.file, c.head.start, c.head.start + c.head.length,
                                     [memoryview(c.target.tensor.numpy())]) for c in checked]
         for ident, wants in by_shard.items():
-            units[ident] = _units(shards[ident], wants[0].piece.itemsize, [(a, a + n) for w in wants for a, n in w.runs])
+            runs_of = [(a, a + n) for w in wants for a, n in w.runs]
+            units[ident] = _units(shards[ident], wants[0].piece.itemsize, runs_of)
             for u in units[ident]:
                 landing = _landing(u, wants)
                 if landing is None:
