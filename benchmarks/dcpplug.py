@@ -236,9 +236,9 @@ def _installed(name: str) -> bool:
     return NEEDS.get(name) is None or find_spec(NEEDS[name]) is not None
 
 
-def _spawn_and_collect(h: "Harness", spec: dict[str, Any], world: int, tag: str, timeout: float
-                       ) -> tuple[list[dict[str, Any]], list[str]]:
-    errors = h._spawn("dcpplug", spec, world, tag, timeout)
+def _spawn_and_collect(h: "Harness", spec: dict[str, Any], world: int, tag: str, timeout: float,
+                       wrap0: list[str] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    errors = h._spawn("dcpplug", spec, world, tag, timeout, wrap0)
     results = []
     for r in range(world):
         p = Path(f"{h._last_spec['out']}.{r}.json")
@@ -256,7 +256,24 @@ def _outcome(results: list[dict[str, Any]], errors: list[str], world: int) -> Pl
     return s
 
 
-def measure_load(h: "Harness", case: str, loader: str, rep: int) -> PlugSample:
+def profile_load(h: "Harness", case: str) -> None:
+    """An extra, unmeasured load of ``case`` through our reader with rank 0 under py-spy
+    (``--profile p3``): its summary goes to ``h.profiles``."""
+    from .run import summarize_pyspy
+
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        h.notes.append("--profile: py-spy not installed; no profile")
+        return
+    prof = h.root / f"pyspy-{case}.txt"
+    prof.unlink(missing_ok=True)
+    measure_load(h, case, "ours", -1, wrap0=[spy, "record", "-r", "250", "-f", "raw", "--threads", "-o", str(prof),
+                                             "--"])
+    if prof.is_file():
+        h.profiles[case] = summarize_pyspy(prof)
+
+
+def measure_load(h: "Harness", case: str, loader: str, rep: int, wrap0: list[str] | None = None) -> PlugSample:
     lc = LOAD_CASES[case]
     spec = {"kind": "load", "loader": loader, "world": lc.world, "dataset": lc.dataset, "layout": lc.layout,
             "endpoint": h.server.endpoint, "model": data.spec_to_json(h.model),
@@ -264,7 +281,7 @@ def measure_load(h: "Harness", case: str, loader: str, rep: int) -> PlugSample:
     load_avg = os.getloadavg()[0]
     h.server.reset()
     timeout = 90 if h.args.quick else max(180.0, 60 + 3 * lc.world * h.size / (50 << 20))
-    results, errors = _spawn_and_collect(h, spec, lc.world, f"{case}-{loader}-{rep}", timeout)
+    results, errors = _spawn_and_collect(h, spec, lc.world, f"{case}-{loader}-{rep}", timeout, wrap0)
     stats = h.server.stats()
     s = _outcome(results, errors, lc.world)
     s.load_avg = load_avg
@@ -341,6 +358,8 @@ def run_plug_scenario(h: "Harness") -> None:
             for n in readers:
                 res[n] = [PlugSample(na=f"dataset {lc.dataset} was not prepared")] * h.args.reps
             continue
+        if case in h.args.profile and "ours" in readers:  # e.g. --profile p3
+            profile_load(h, case)
         _loop(readers, h.args.reps, lambda n, rep, case=case: measure_load(h, case, n, rep), res, case)
     shutil.rmtree(h.bucket_dir / PLUG_SAVES, ignore_errors=True)
     writers = _wanted(h, list(WRITERS))

@@ -21,7 +21,12 @@ DCP keeps its job: its planner deduplicates replicas and runs the plan's collect
 
 ``StorageReader`` reads a native, Hugging Face or DCP checkpoint at ``uri`` and fetches
 only the byte ranges of each ``ReadItem``'s sub-box (checksummed checkpoints: the chunks
-covering it, verified), under streamckpt's retries and timeouts. Non-tensor values are
+covering it, verified), under streamckpt's retries and timeouts. Of a DCP checkpoint it
+locates one item exactly and predicts where the others' tensor bytes start, as ``sc.load``
+does (``formats.dcpguess``); the predicted item heads it relies on are read with the data
+(adjacent ranges of a file are one request) and compared before any item is handed to DCP
+(``formats.speculation``); on a difference it locates the items exactly and reads again.
+Non-tensor values are
 answered as ``torch.save``'d bytes, DCP's format for ``BYTE_IO`` items.
 ``reader.stats`` counts what the last load fetched (``bytes_read``, ``bytes_needed``,
 ``requests``). Errors are ``streamckpt.CheckpointError`` subclasses; DCP wraps them in a
@@ -60,8 +65,9 @@ from .core.targets import TargetSpec
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleStateDictError
 from .core.values import RESTORABLE, unrestorable
 from .errors import CheckpointNotFoundError
-from .formats import read_hf_manifest, read_manifest, read_native_manifest
-from .formats.dcp import MAX_METADATA_BYTES, METADATA_NAME
+from .formats import read_hf_manifest, read_manifest, read_native_manifest, speculation as spec
+from .formats.dcp import MAX_METADATA_BYTES, METADATA_NAME, SPECULATION_KEY
+from .formats.dcpguess import guess_tensors
 from .formats.dcpitem import (MAX_VALUE_ITEM_BYTES, RangeCache, item_windows, located_shard, read_value,
                               value_from_record)
 from .formats.dcpmeta import DcpMetadata, DcpTensor, ItemInfo, parse_metadata
@@ -316,13 +322,15 @@ class _Unlocated:
 @dataclass(slots=True)
 class ReadStats:
     """What a reader's ``read_data`` calls fetched since the last ``reset``/``read_metadata``
-    (tensor data only; the manifest and DCP item headers are not counted)."""
+    (tensor data, with the gaps read through and the predicted DCP item heads verified with
+    it; the manifest and the items located before the data are not counted)."""
 
     bytes_read: int = 0  # from storage
     bytes_needed: int = 0  # into the read items' targets
     requests: int = 0
     items: int = 0
     seconds: float = 0.0
+    fallbacks: int = 0  # predicted DCP layouts found wrong: items located exactly, batch read again
 
 
 @dataclass(slots=True)
@@ -355,6 +363,9 @@ class StorageReader(tdcp.StorageReader):
         self._storage: Storage | None = None
         self._pieces: dict[str, list[_Piece | _Unlocated]] = {}
         self._parsed: dict[bytes, Any] = {}  # DCP item headers parsed so far (formats.dcpitem)
+        self._dcp: DcpMetadata | None = None  # a DCP checkpoint's parsed .metadata
+        self._checks: list[spec.Head] = []  # the predicted item heads to verify (formats.speculation)
+        self._verified: set[tuple[str, str]] = set()  # parts of checks read and found as predicted (_parts)
         self._values: dict[str, Any] = {}
         self._unloadable: dict[str, str] = {}
         self._failed: CheckpointError | None = None
@@ -367,7 +378,7 @@ class StorageReader(tdcp.StorageReader):
             self.uri = os.fspath(checkpoint_id)
         self.stats = ReadStats()
         self._pieces, self._values, self._unloadable, self._failed = {}, {}, {}, None
-        self._parsed = {}
+        self._parsed, self._dcp, self._checks, self._verified = {}, None, [], set()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -390,8 +401,9 @@ class StorageReader(tdcp.StorageReader):
             return Metadata(state_dict_metadata={})
 
     def _read_metadata(self, storage: Storage) -> Metadata:
-        """A DCP checkpoint from its ``.metadata`` alone: each rank locates only the items it
-        reads (``_locate``); on 4 ranks of a checkpoint saved by 4, a quarter of them."""
+        """A DCP checkpoint from its ``.metadata`` and one item located exactly (the others'
+        offsets predicted, ``_metadata_of_dcp``); without a usable template, or after a wrong
+        prediction, each rank locates only the items it reads (``_locate``)."""
         if storage.entry is None and read_native_manifest(storage) is None and read_hf_manifest(storage) is None:
             md = _dcp_metadata(storage)
             if md is not None:
@@ -411,7 +423,8 @@ class StorageReader(tdcp.StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Values from the manifest; tensors by the ranges of their sub-boxes, in batches
-        of at most ``memory_budget`` fetched bytes."""
+        of at most ``memory_budget`` fetched bytes. A batch whose predicted DCP heads differ
+        is read again once the items are located exactly; nothing of it was committed."""
         t0 = time.perf_counter()
         try:
             tensors = []
@@ -420,10 +433,18 @@ class StorageReader(tdcp.StorageReader):
                     planner.load_bytes(req, self._value_bytes(req.storage_index.fqn))
                 else:
                     tensors.append(req)
-            self._locate(tensors)
-            tensors.sort(key=lambda r: (self._piece(r).shard.file, self._piece(r).shard.byte_offset))
-            for batch in self._batches(tensors):
-                self._read_batch(batch, planner)
+            batches = self._planned(tensors)
+            i = 0
+            while i < len(batches):
+                bad = self._read_batch(batches[i], planner)
+                if bad is None:
+                    i += 1
+                    continue
+                log.info("streamckpt DCP load %s: a DCP item's layout is not the predicted one (first: %s); "
+                         "locating the items exactly and reading again", self._open().describe(""), bad)
+                self.stats.fallbacks += 1
+                self._unpredict()
+                batches = batches[:i] + self._planned([r for b in batches[i:] for r in b])
         finally:
             self._close()
         self.stats.seconds += time.perf_counter() - t0
@@ -436,7 +457,7 @@ class StorageReader(tdcp.StorageReader):
     def _metadata_of(self, manifest: mf.Manifest) -> Metadata:
         sdm: dict[str, Any] = {}
         self._pieces = {}
-        self._parsed = {}
+        self._parsed, self._dcp, self._checks, self._verified = {}, None, [], set()
         for key, t in manifest.tensors.items():
             pieces = [p for s in t.shards for p in _pieces_of(key, s, t.dtype)]
             self._pieces[key] = pieces
@@ -453,18 +474,23 @@ class StorageReader(tdcp.StorageReader):
                         storage_meta=StorageMeta(checkpoint_id=self.uri))
 
     def _metadata_of_dcp(self, storage: Storage, md: DcpMetadata) -> Metadata:
-        """DCP ``Metadata`` from a parsed ``.metadata``; tensor items stay unlocated, values read."""
+        """DCP ``Metadata`` from a parsed ``.metadata``: one item located exactly and the others'
+        offsets predicted from it (with the value items, one batch of small reads); when the
+        template is not torch's plain layout the tensor items stay unlocated (``_locate``)."""
         sdm: dict[str, Any] = {}
-        self._pieces = {}
-        self._parsed = {}
+        self._parsed, self._dcp, self._verified = {}, md, set()
+        cache = RangeCache(storage)
+        guessed = guess_tensors(cache, storage, md, self._parsed, meanwhile=lambda: None)
+        self._pieces = _dcp_pieces(md, guessed[0] if guessed is not None else None)
+        self._checks = [] if guessed is None else spec.all_checks(
+            mf.Manifest(tensors=guessed[0], files={}, metadata={SPECULATION_KEY: guessed[1]}))
         for key, t in md.tensors.items():
-            pieces = [_Unlocated(key, Box(tuple(o), tuple(z)), t, item) for o, z, item in t.chunks]
-            self._pieces[key] = list(pieces)
+            pieces = self._pieces[key]
             chunks = [ChunkStorageMetadata(offsets=torch.Size(p.box.offset), sizes=torch.Size(p.box.shape))
                       for p in pieces]
             sdm[key] = TensorStorageMetadata(properties=TensorProperties(dtype=dtypes.to_torch(t.dtype)),
                                              size=torch.Size(t.shape), chunks=chunks)
-        values, self._unloadable = _dcp_item_values(RangeCache(storage), storage, md)
+        values, self._unloadable = _dcp_item_values(cache, storage, md)
         self._values = _dcp_values(values)
         for key in [*_value_order(values), *self._unloadable]:
             sdm.setdefault(key, BytesStorageMetadata())
@@ -490,6 +516,18 @@ class StorageReader(tdcp.StorageReader):
                                      self._parsed)
             pieces = self._pieces[p.key]
             pieces[pieces.index(p)] = _Piece(p.key, shard, shard.box, 0, p.tensor.dtype)
+
+    def _unpredict(self) -> None:
+        """Forget every predicted offset: each item is located exactly when next read."""
+        if self._dcp is not None:
+            self._pieces = _dcp_pieces(self._dcp, None)
+        self._checks, self._verified = [], set()
+
+    def _planned(self, reqs: list[ReadItem]) -> list[list[ReadItem]]:
+        """The reads located, in file order, cut into batches."""
+        self._locate(reqs)
+        reqs = sorted(reqs, key=lambda r: (self._piece(r).shard.file, self._piece(r).shard.byte_offset))
+        return self._batches(reqs)
 
     def _value_bytes(self, fqn: str) -> io.BytesIO:
         if fqn not in self._values:
@@ -535,12 +573,14 @@ class StorageReader(tdcp.StorageReader):
             total += n
         return out
 
-    def _read_batch(self, reqs: list[ReadItem], planner: LoadPlanner) -> None:
-        """Fetch the units covering every item's runs, then copy each item into its target.
+    def _read_batch(self, reqs: list[ReadItem], planner: LoadPlanner) -> str | None:
+        """Fetch the units covering every item's runs, then copy each item into its target;
+        the first predicted DCP head found wrong instead (nothing delivered nor committed).
 
         A unit whose items each need one contiguous run into a contiguous target of the
         stored dtype (a whole tensor, a ``Shard(0)`` row block) is read straight into those
-        targets, the bytes between them into scratch: no staging copy."""
+        targets, the bytes between them into scratch: no staging copy. Unchecked units and
+        the heads to verify that lie close together in a file are one request."""
         storage = self._open()
         by_shard: dict[tuple[str, int], list[_Want]] = {}
         shards: dict[tuple[str, int], mf.Shard] = {}
@@ -549,25 +589,53 @@ class StorageReader(tdcp.StorageReader):
             ident = (want.piece.shard.file, want.piece.shard.byte_offset)
             shards[ident] = want.piece.shard
             by_shard.setdefault(ident, []).append(want)
+        checked = self._checks_of([w for ws in by_shard.values() for w in ws])
         units: dict[tuple[str, int], list[_Unit]] = {}
-        reads, bufs, staged = [], [], []
+        reads: list[RangeRead] = []
+        bufs: list[Any] = []
+        staged: list[tuple[_Unit, bytearray]] = []
+        spans: list[_Span] = [_Span(c.head.file, c.head.start, c.head.start + c.head.length,
+                                    [memoryview(c.target.tensor.numpy())]) for c in checked]
         for ident, wants in by_shard.items():
-            spans = [(a, a + n) for w in wants for a, n in w.runs]
-            units[ident] = _units(shards[ident], wants[0].piece.itemsize, spans)
+            runs_of = [(a, a + n) for w in wants for a, n in w.runs]
+            units[ident] = _units(shards[ident], wants[0].piece.itemsize, runs_of)
             for u in units[ident]:
                 landing = _landing(u, wants)
-                buf = landing if landing is not None else bytearray(u.read.length)
                 if landing is None:
+                    buf = bytearray(u.read.length)
                     staged.append((u, buf))
-                reads.append(u.read)
-                bufs.append(buf if landing is not None else memoryview(buf))
+                    landing = Landing([memoryview(buf)])
+                if u.read.checks:
+                    reads.append(u.read)
+                    bufs.append(landing)
+                else:
+                    spans.append(_Span(u.read.name, u.read.start, u.read.stop, landing.parts))
+        for sp in _joined(spans, GAP_BYTES):
+            reads.append(RangeRead(sp.name, sp.start, sp.stop))
+            bufs.append(Landing(sp.parts))
         self.stats.requests += storage.read_into(reads, bufs).result()
         self.stats.bytes_read += sum(r.length for r in reads)
+        bad = spec.first_mismatch(checked, lambda t: t)
+        if bad is not None:
+            return bad
+        self._verified.update(part for c in checked for part in _parts(c))
         for u, b in staged:
             u.data = _decode(u, b, storage)
         for ident, wants in by_shard.items():
             for w in wants:
                 self._deliver(w, units[ident], planner)
+        return None
+
+    def _checks_of(self, wants: list[_Want]) -> list[spec.Checked]:
+        """The checks covering a chunk these items read from, unless every part of a check that
+        covers one of them (its head, its tail) was verified in an earlier batch."""
+        if not self._checks:
+            return []
+        targets = [TargetSpec(w.piece.key, w.piece.dtype, (), tuple(o + s for o, s in zip(w.piece.box.offset,
+                              w.req.storage_offsets)), tuple(w.req.lengths)) for w in wants]
+        heads = spec.covering(self._checks, {t.key for t in targets})
+        checked = spec.head_targets(heads, targets, False, lambda n: torch.empty(n, dtype=torch.uint8))
+        return [c for c in checked if not _parts(c) <= self._verified]
 
     def _deliver(self, w: _Want, units: list[_Unit], planner: LoadPlanner) -> None:
         nbytes = sum(n for _, n in w.runs)
@@ -663,6 +731,50 @@ def _landing(u: _Unit, wants: list[_Want]) -> Landing | None:
     for w in inside:
         w.landed = True
     return Landing(parts)
+
+
+def _parts(c: spec.Checked) -> set[tuple[str, str]]:
+    """The parts of a check this batch compares: its head (its chunk is read), its tail (the
+    previous chunk is read). A part verified for one chunk says nothing of the other's."""
+    return {(c.head.name, part) for part, on in (("head", c.check_head), ("tail", c.check_tail)) if on}
+
+
+@dataclass(slots=True)
+class _Span:
+    """Bytes ``[start, stop)`` of file ``name`` and the buffers that take them, in order."""
+
+    name: str
+    start: int
+    stop: int
+    parts: list[memoryview]
+
+
+def _joined(spans: list[_Span], gap: int) -> list[_Span]:
+    """Spans of one file that follow each other within ``gap`` bytes as one (scratch for the
+    gaps); overlapping ones stay apart. A span at byte 0 is not extended: a read from 0 may
+    be the whole object and is then one request, not parallel pieces (``storage.reads``)."""
+    out: list[_Span] = []
+    for sp in sorted(spans, key=lambda x: (x.name, x.start)):
+        last = out[-1] if out else None
+        if last is None or last.name != sp.name or last.start == 0 or not 0 <= sp.start - last.stop <= gap:
+            out.append(_Span(sp.name, sp.start, sp.stop, list(sp.parts)))
+            continue
+        if sp.start > last.stop:
+            last.parts.append(memoryview(bytearray(sp.start - last.stop)))
+        last.parts.extend(sp.parts)
+        last.stop = sp.stop
+    return out
+
+
+def _dcp_pieces(md: DcpMetadata, guessed: dict[str, mf.TensorMeta] | None) -> dict[str, list[_Piece | _Unlocated]]:
+    """Each DCP tensor's chunks: at their predicted (or exactly located) shards, else unlocated."""
+    out: dict[str, list[_Piece | _Unlocated]] = {}
+    for key, t in md.tensors.items():
+        if guessed is not None:  # guess_tensors keeps the order of the chunks
+            out[key] = [_Piece(key, sh, sh.box, 0, t.dtype) for sh in guessed[key].shards]
+        else:
+            out[key] = [_Unlocated(key, Box(tuple(o), tuple(z)), t, item) for o, z, item in t.chunks]
+    return out
 
 
 def _merge(spans: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:

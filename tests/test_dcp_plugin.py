@@ -14,6 +14,7 @@ StorageWriter / StorageReader, on moto over HTTP and real gloo ranks.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import streamckpt as sc
-from streamckpt.dcp import StorageReader, StorageWriter
+from streamckpt.dcp import MEMORY_BUDGET, StorageReader, StorageWriter
 from streamckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from streamckpt.formats import dcp as dcpfmt, speculation
+from streamckpt.storage import Storage
 
 from distributed import check_equal, dtensor, original, run_ranks, run_scenarios
 from fsdp_job import differences, example, full
@@ -166,17 +169,24 @@ def test_shard0_load_reads_a_quarter_per_rank(tmp_path: Path, s3_uri: str, s3_op
     res = ScenarioResults(run_ranks(4, shard0_load, kwargs={"ours": ours, "theirs": theirs, "opts": s3_opts},
                                     timeout=150))
     quarter = (ROWS * COLS + ROWS) * 4 // 4
+    # DCP's layout: w's predicted offset is verified by its tail (its ZIP directory), read with
+    # b's head right after it: one check, read by every rank with its quarter of b (the rows of b
+    # before it read through); rank 3's rows of w end where the check starts: one request.
+    check, = speculation.heads_of(dcpfmt.read_dcp_manifest(Storage(theirs, s3_opts), speculative=True))
+    assert (check.tail.key, check.key) == ("w", "b") and check.length < 2048, check
+    for rank, v in enumerate(res.values("theirs")):
+        assert v["needed"] == quarter, v
+        assert v["read"] == quarter + check.length + rank * ROWS // 4 * 4, (rank, v)
+        assert v["requests"] == (2 if rank < 3 else 1), (rank, v)
     # ours: w's quarter is 64 whole 4 KiB checksum chunks; b's 512-byte shard is one chunk, read
-    # (and verified) whole for the rank's 256 bytes of it. DCP's layout: exact sub-ranges.
-    extra = {"ours": ROWS // 2 * 4 - ROWS // 4 * 4, "theirs": 0}
-    for name in ("ours", "theirs"):
-        for v in res.values(name):
-            assert v["needed"] == quarter, (name, v)
-            assert v["read"] == quarter + extra[name], (name, v)
-            assert v["requests"] == 2, (name, v)
-    row = COLS * 4  # columns: each rank's 1 KiB per 4 KiB row; the 3 KiB gaps are read through, one range
-    for v in res.values("columns"):
-        assert v["needed"] == ROWS * row // 4 and v["read"] == (ROWS - 1) * row + row // 4, v
+    # (and verified) whole for the rank's 256 bytes of it.
+    for v in res.values("ours"):
+        assert v["needed"] == quarter and v["read"] == quarter + ROWS // 2 * 4 - ROWS // 4 * 4, v
+        assert v["requests"] == 2, v
+    row = COLS * 4  # columns: each rank's 1 KiB per 4 KiB row; the 3 KiB gaps (and w's tail) read through
+    for rank, v in enumerate(res.values("columns")):
+        assert v["needed"] == ROWS * row // 4, v
+        assert v["read"] == (ROWS - 1) * row + row // 4 + (3 - rank) * row // 4 + check.length, (rank, v)
         assert v["requests"] == 1, v
 
 
@@ -323,3 +333,100 @@ def test_flipped_data_byte_is_corrupt(s3_uri: str, s3_opts: dict[str, Any]) -> N
         _quiet_load({"w": torch.zeros_like(w)}, StorageReader(s3_uri, storage_options=s3_opts))
     errs = _originals(ei.value)
     assert errs and all(isinstance(e, CorruptCheckpointError) for e in errs), errs
+
+
+# ------------------------------------------- DCP checkpoints: predicted item layouts
+
+
+def _dcp_dir(tmp_path: Path, uri: str, opts: dict[str, Any], model: dict[str, torch.Tensor],
+             relaid: str | None = None) -> None:
+    from test_dcp_fast import _dcp_save, _put_dir, _relayout_last_item
+
+    _dcp_save(model, tmp_path / "ck")
+    if relaid is not None:
+        _relayout_last_item(tmp_path / "ck", relaid)
+    _put_dir(tmp_path / "ck", uri, opts)
+
+
+def test_dcp_load_makes_as_few_requests_as_sc_load(tmp_path: Path, s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """A full load of DCP's own layout: one item located exactly (with the value items, one
+    read), the others' offsets predicted; the data and every check are one range read, as
+    ``sc.load`` reads it."""
+    from streamckpt.testing import FaultProxy
+    from test_dcp_speculative import _spread_model
+
+    model = _spread_model()
+    _dcp_dir(tmp_path, s3_uri, s3_opts, {**model, "step": 7})
+    guessed = dcpfmt.read_dcp_manifest(Storage(s3_uri, s3_opts), speculative=True)
+    heads = speculation.heads_of(guessed)
+    shards = [s for t in guessed.tensors.values() for s in t.shards]
+    first, last = min(s.byte_offset for s in shards), max(s.byte_offset + s.byte_length for s in shards)
+    with FaultProxy(s3_opts["endpoint_url"], rate=0.0) as proxy:  # counts requests, injects nothing
+        opts = proxy.storage_options
+        full = {k: torch.empty_like(v) for k, v in model.items()} | {"step": 0}
+        reader = StorageReader(s3_uri, storage_options=opts)
+        _quiet_load(full, reader)
+        ours = proxy.requests
+        for k, v in model.items():
+            assert torch.equal(full[k], v), k
+        assert full["step"] == 7
+        assert (reader.stats.requests, reader.stats.bytes_read, reader.stats.fallbacks) == (1, last - first, 0)
+        assert reader.stats.bytes_needed == sum(v.numel() * v.element_size() for v in model.values())
+        # manifest.json and a listing for *.safetensors (absent), .metadata, template and value, the data
+        res = sc.load({k: torch.empty_like(v) for k, v in model.items()}, s3_uri, storage_options=opts, strict=False)
+        theirs = proxy.requests - ours
+        # sc.load: the same reads, and a HEAD for the data file's size
+        assert res.requests == 1 and theirs == ours + 1, proxy.history
+
+
+@pytest.mark.parametrize("budget", [MEMORY_BUDGET, 1], ids=["one-batch", "batch-per-item"])
+def test_a_wrong_prediction_falls_back_exactly(tmp_path: Path, s3_uri: str, s3_opts: dict[str, Any],
+                                               caplog: pytest.LogCaptureFixture, budget: int) -> None:
+    """An item rewritten by Python's zipfile (no padding, another order): its predicted head
+    differs, the reader says so, locates the items exactly and reads the batch again; the
+    values are exact (earlier batches kept, nothing from the wrong offsets delivered). A load
+    of another tensor reads no check of that item and needs no fallback."""
+    from test_dcp_fast import _model
+
+    model = _model()
+    _dcp_dir(tmp_path, s3_uri, s3_opts, model, relaid="l1.wq")
+    full = {k: torch.empty_like(v).fill_(-1) for k, v in model.items()}
+    reader = StorageReader(s3_uri, storage_options=s3_opts, memory_budget=budget)
+    with caplog.at_level(logging.INFO, logger="streamckpt.dcp"):
+        _quiet_load(full, reader)
+    for k, v in model.items():
+        check_equal(k, full[k], v)
+    assert "'l1.wq' chunk at [0, 0]" in caplog.text and "locating the items exactly" in caplog.text
+    assert reader.stats.fallbacks == 1
+    assert reader.stats.bytes_needed == sum(v.numel() * v.element_size() for v in model.values())
+    caplog.clear()
+    part = {"l0.wq": torch.empty(48, 48)}
+    reader = StorageReader(s3_uri, storage_options=s3_opts, memory_budget=budget)
+    with caplog.at_level(logging.INFO, logger="streamckpt.dcp"):
+        _quiet_load(part, reader)
+    check_equal("l0.wq", part["l0.wq"], model["l0.wq"])
+    assert reader.stats.fallbacks == 0 and "locating" not in caplog.text
+
+
+def test_a_transposed_item_checked_by_its_tail_is_refused(tmp_path: Path, s3_uri: str, s3_opts: dict[str, Any],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A square tensor saved transposed: its predicted contiguous record differs only in
+    data.pkl, caught by its tail (read with the next item's head); the reader falls back and
+    exact locating refuses the view, as a CorruptCheckpointError through DCP. The next item
+    alone reads its two checks with its data, one request, and needs no fallback."""
+    t = torch.arange(16.0).reshape(4, 4)
+    other = torch.randn(4, 4)
+    _dcp_dir(tmp_path, s3_uri, s3_opts, {"t": t.t(), "b": other, "tiny": torch.randn(1)})
+    with pytest.raises(CheckpointException) as ei:
+        _quiet_load({"t": torch.empty(4, 4), "b": torch.empty(4, 4)}, StorageReader(s3_uri, storage_options=s3_opts))
+    err, = _originals(ei.value)
+    assert isinstance(err, CorruptCheckpointError) and "'t'" in str(err) and "not a row-major" in str(err), err
+    got = {"b": torch.empty(4, 4)}
+    reader = StorageReader(s3_uri, storage_options=s3_opts)
+    with caplog.at_level(logging.INFO, logger="streamckpt.dcp"):
+        _quiet_load(got, reader)
+    check_equal("b", got["b"], other)
+    around = speculation.heads_of(dcpfmt.read_dcp_manifest(Storage(s3_uri, s3_opts), speculative=True), {"b"})
+    assert [(h.tail.key, h.key) for h in around] == [("t", "b"), ("b", "tiny")]
+    assert (reader.stats.requests, reader.stats.fallbacks) == (1, 0) and "locating" not in caplog.text
+    assert reader.stats.bytes_read == sum(h.length for h in around) + 4 * 4 * 4

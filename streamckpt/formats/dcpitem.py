@@ -173,8 +173,8 @@ class RangeCache:
 
     def prefetch(self, wanted: list[tuple[str, int, int]], meanwhile: Callable[[], None] | None = None) -> None:
         """Fetch the windows ``wanted`` (coalesced) in one batch; ``meanwhile`` runs while
-        it is in flight, and its error, if any, is the one raised."""
-        reads = _coalesce(wanted)
+        it is in flight, and its error, if any, is the one raised. Windows already held cost nothing."""
+        reads = _coalesce([w for w in wanted if not self._held(*w)])
         bufs = [bytearray(r.length) for r in reads]
         fut = self.storage.read_into(reads, [memoryview(b) for b in bufs]) if reads else None
         first: CheckpointError | None = None
@@ -194,13 +194,16 @@ class RangeCache:
             self._keep(r.name, r.start, bytes(b))
             self.bytes_read += r.length
 
-    def get(self, name: str, start: int, stop: int) -> bytes:
+    def _held(self, name: str, start: int, stop: int) -> bool:
         starts = self._starts.get(name, [])
         i = bisect.bisect_right(starts, start) - 1
-        if i >= 0:
-            data = self._data[name][i]
-            if stop <= starts[i] + len(data):
-                return data[start - starts[i]:stop - starts[i]]
+        return i >= 0 and stop <= starts[i] + len(self._data[name][i])
+
+    def get(self, name: str, start: int, stop: int) -> bytes:
+        if self._held(name, start, stop):
+            starts = self._starts[name]
+            i = bisect.bisect_right(starts, start) - 1
+            return self._data[name][i][start - starts[i]:stop - starts[i]]
         data = self.storage.read_bytes(name, start, stop)
         self.requests += 1
         self.bytes_read += stop - start
