@@ -62,14 +62,12 @@ from torch.futures import Future
 from .core import dtypes, manifest as mf, tree as trees, values as vals
 from .core.regions import Box, flat_range_boxes, runs
 from .core.targets import TargetSpec
-from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleStateDictError
-from .core.values import RESTORABLE, unrestorable
-from .errors import CheckpointNotFoundError
+from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+                     IncompatibleStateDictError)
 from .formats import read_hf_manifest, read_manifest, read_native_manifest, speculation as spec
-from .formats.dcp import MAX_METADATA_BYTES, METADATA_NAME, SPECULATION_KEY
+from .formats.dcp import MAX_METADATA_BYTES, METADATA_NAME, SPECULATION_KEY, restorable_values
 from .formats.dcpguess import guess_tensors
-from .formats.dcpitem import (MAX_VALUE_ITEM_BYTES, RangeCache, item_windows, located_shard, read_value,
-                              value_from_record)
+from .formats.dcpitem import MAX_VALUE_ITEM_BYTES, RangeCache, item_windows, located_shard, value_from_record
 from .formats.dcpmeta import DcpMetadata, DcpTensor, ItemInfo, parse_metadata
 from .saving import writeplan
 from .saving.writer import OBJECT_BYTES, ShardToWrite, write_data_files
@@ -552,7 +550,8 @@ class StorageReader(tdcp.StorageReader):
         if not pieces:
             raise IncompatibleStateDictError(f"{self._open().describe('')}: no tensor {idx.fqn!r}")
         offset = tuple(idx.offset) if idx.offset is not None else None
-        if idx.index is not None and idx.index < len(pieces) and (offset is None or pieces[idx.index].box.offset == offset):
+        if idx.index is not None and idx.index < len(pieces) and (
+                offset is None or pieces[idx.index].box.offset == offset):
             return pieces[idx.index]
         for p in pieces:
             if p.box.offset == offset:
@@ -862,28 +861,10 @@ def _dcp_metadata(storage: Storage) -> DcpMetadata | None:
 
 
 def _dcp_item_values(cache: RangeCache, storage: Storage, md: DcpMetadata) -> tuple[dict[str, Any], dict[str, str]]:
-    """The non-tensor items restorable as plain data (read whole, builtins only), and why
-    the others are not (as ``formats.dcp`` reports them)."""
+    """``formats.dcp.restorable_values``, their bytes fetched together first."""
     cache.prefetch([(it.file, it.offset, it.offset + it.length) for it in md.values.values()
                     if it.length <= MAX_VALUE_ITEM_BYTES])
-    values: dict[str, Any] = {}
-    unloadable: dict[str, str] = {}
-    for fqn, item in md.values.items():
-        if item.length > MAX_VALUE_ITEM_BYTES:
-            unloadable[fqn] = f"{item.length}-byte value is larger than the {MAX_VALUE_ITEM_BYTES}-byte limit"
-            continue
-        where = f"{storage.describe(item.file)} [{item.offset}, {item.offset + item.length}) ({fqn!r})"
-        try:
-            value = read_value(cache, item, where=where)
-        except CorruptCheckpointError as e:
-            unloadable[fqn] = f"not restorable without running pickle code: {e}"
-            continue
-        why = unrestorable(value)
-        if why is None:
-            values[fqn] = value
-        else:
-            unloadable[fqn] = f"{why} is not JSON-safe nor made of restorable types ({RESTORABLE})"
-    return values, unloadable
+    return restorable_values(cache, storage, md)
 
 
 def _planner_paths(tree: Any, tensors: Any, values: dict[str, Any],

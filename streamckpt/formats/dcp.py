@@ -95,7 +95,7 @@ def read_dcp_manifest(storage: Storage, *, speculative: bool = False) -> Manifes
         tensors = {fqn: _tensor_meta(cache, storage, fqn, t, parsed) for fqn, t in md.tensors.items()}
     else:
         tensors, metadata[SPECULATION_KEY] = guessed
-    values, unloadable = _values(cache, storage, md)
+    values, unloadable = restorable_values(cache, storage, md)
     if unloadable:
         metadata["unloadable_keys"] = sorted(unloadable)
         metadata["unloadable_reasons"] = unloadable
@@ -116,7 +116,9 @@ def _tensor_meta(cache: RangeCache, storage: Storage, fqn: str, t: DcpTensor,
 
 
 
-def _values(cache: RangeCache, storage: Storage, md: DcpMetadata) -> tuple[dict[str, Any], dict[str, str]]:
+def restorable_values(cache: RangeCache, storage: Storage, md: DcpMetadata) -> tuple[dict[str, Any], dict[str, str]]:
+    """The non-tensor items restorable as plain data (read whole, builtins only), and why
+    the others are not."""
     values: dict[str, Any] = {}
     unloadable: dict[str, str] = {}
     for fqn, item in md.values.items():
