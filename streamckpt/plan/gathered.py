@@ -27,8 +27,8 @@ class Distinct:
     """The distinct target specs (ids in first-seen order) and the ranks holding each."""
 
     specs: Sequence[TargetSpec]  # a list, or ``LazySpecs`` from gathered pieces
-    needers: list[list[int]]  # ascending; one shared list per rank for its single-holder ids, equal lists shared
-    rank_targets: list[list[int]]  # per rank: the id of each of its specs
+    needers: Sequence[list[int]]  # ascending; one shared list per rank for its single-holder ids, equal lists shared
+    rank_targets: Sequence[list[int]]  # per rank: the id of each of its specs (``RankTargets`` from pieces)
     several: list[int]  # ids held by more than one rank
     kinds: Kinds | None = None  # from gathered pieces: each id's (key, dtype, global shape), numbered
 
@@ -208,10 +208,7 @@ class _Numbering:
         entry_rank = np.repeat(np.arange(self.world, dtype=np.int64), self.lens)
         needers, several = self._needers(order, new, entry_rank, by_uid)
         specs = LazySpecs(self, first[by_uid])
-        flat_uids = uid.tolist()
-        bounds = self.starts.tolist()
-        rank_targets = [flat_uids[a:b] for a, b in zip(bounds, bounds[1:])]
-        return Distinct(specs, needers, rank_targets, several, self._kinds(first[by_uid]))
+        return Distinct(specs, needers, RankTargets(uid, self.starts), several, self._kinds(first[by_uid]))
 
     def _kinds(self, first: np.ndarray) -> Kinds:
         kind_of: dict[tuple, int] = {}
@@ -230,21 +227,14 @@ class _Numbering:
         start = np.zeros(len(count) + 1, dtype=np.int64)
         np.cumsum(count, out=start[1:])
         count, start = count[by_uid], start[:-1][by_uid]  # by uid
-        out = np.empty(len(by_uid), dtype=object)
-        one = np.nonzero(count == 1)[0]
-        alone = np.empty(self.world, dtype=object)
-        for r in range(self.world):
-            alone[r] = [r]
-        out[one] = alone[held[start[one]]]
+        out: dict[int, list[int]] = {}
         several = np.nonzero(count > 1)[0]
         for c in unique(count[several])[0].tolist():  # equal holder lists: one object each
             mine = several[count[several] == c]
             rows, which = _equal_rows(held[start[mine][:, None] + np.arange(c)])
-            lists = np.empty(len(rows), dtype=object)
-            for i, row in enumerate(rows.tolist()):
-                lists[i] = row
-            out[mine] = lists[which.reshape(-1)]
-        return out.tolist(), several.tolist()
+            lists = [row for row in rows.tolist()]
+            out.update(zip(mine.tolist(), map(lists.__getitem__, which.reshape(-1).tolist())))
+        return Needers(held[start], out, self.world), several.tolist()
 
     def specs(self, first: np.ndarray) -> list[TargetSpec]:
         """Each uid's spec (``first``: its first entry): a layout's own object, or a
@@ -264,6 +254,110 @@ class _Numbering:
         """The five fields of every value id, by column (a spec's own fields for whole specs)."""
         protos = self.protos.tolist()
         return [np.fromiter((p[i] for p in protos), dtype=object, count=len(protos)) for i in range(5)]
+
+
+class RankTargets(Sequence[list[int]]):
+    """Each rank's target ids (``Distinct.rank_targets``), a rank's list made when asked for.
+
+    A one-rank plan reads the lists of its own component's ranks; making all of
+    them (1.48M ids at 16,384 ranks) cost more than numbering them. Iterating
+    makes every list.
+    """
+
+    def __init__(self, uid: np.ndarray, starts: np.ndarray) -> None:
+        self._uid = uid
+        self._starts = starts
+        self._lists: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._starts) - 1
+
+    @overload
+    def __getitem__(self, r: int) -> list[int]: ...
+    @overload
+    def __getitem__(self, r: slice) -> list[list[int]]: ...
+
+    def __getitem__(self, r: int | slice) -> Any:
+        if isinstance(r, slice):
+            return [self[i] for i in range(*r.indices(len(self)))]
+        r = range(len(self))[r]
+        got = self._lists.get(r)
+        if got is None:
+            got = self._lists[r] = self._uid[self._starts[r]:self._starts[r + 1]].tolist()
+        return got
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (self[r] for r in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(other) == len(self) and all(mine == list(theirs) for mine, theirs in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RankTargets({len(self)} ranks)"
+
+
+class Needers(Sequence[list[int]]):
+    """Each target's holders (``Distinct.needers``), made when asked for.
+
+    The targets one rank alone holds (at 16,384 ranks 575k of 619k: ZeRO slices)
+    share one list per rank, made on first use; equal lists of several ranks are
+    one object each, made with the numbering (``several``).
+    """
+
+    def __init__(self, first: np.ndarray, several: dict[int, list[int]], world: int) -> None:
+        self._first = first  # per target: its first (for single holders: only) holder
+        self._several = several
+        self._alone: list[list[int] | None] = [None] * world
+
+    def __len__(self) -> int:
+        return len(self._first)
+
+    @overload
+    def __getitem__(self, u: int) -> list[int]: ...
+    @overload
+    def __getitem__(self, u: slice) -> list[list[int]]: ...
+
+    def __getitem__(self, u: int | slice) -> Any:
+        if isinstance(u, slice):
+            return self.materialize()[u]
+        if u < 0:
+            u += len(self._first)
+        got = self._several.get(u)
+        if got is None:
+            r = int(self._first[u])
+            got = self._alone[r]
+            if got is None:
+                got = self._alone[r] = [r]
+        return got
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.materialize())
+
+    def materialize(self) -> list[list[int]]:
+        """Every target's list (the all-ranks plan iterates them), with numpy."""
+        alone = np.empty(len(self._alone), dtype=object)
+        for r, got in enumerate(self._alone):
+            if got is None:
+                got = self._alone[r] = [r]
+            alone[r] = got
+        out = alone[self._first]
+        for u, got in self._several.items():
+            out[u] = got
+        return out.tolist()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(other) == len(self) and all(mine == list(theirs) for mine, theirs in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Needers({len(self)} targets, {len(self._several)} held by several ranks)"
 
 
 class LazySpecs(Sequence[TargetSpec]):
