@@ -28,7 +28,7 @@ import numpy as np
 
 from ..core.manifest import Manifest
 from ..errors import IncompatibleStateDictError, TransformError
-from .gathered import Distinct, Kinds, distinct as number_targets, unique
+from .gathered import Distinct, Kinds, distinct as number_targets, stable_order, unique
 from .needs import Need, PlanContext, coalesce_needs, fresh_copy, group_needs, make_read
 from .data import (
     ALIGN,
@@ -235,7 +235,7 @@ def _census_of_kinds(distinct: Distinct, kinds: Kinds, view: ViewLike) -> _Censu
     keys = list(key_ids)
     alive = np.array([k in tensors for k in keys], dtype=bool)
     key_of_uid = key_of_kind[kinds.of_uid]
-    grouped = np.argsort(key_of_uid, kind="stable").tolist()
+    grouped = stable_order(key_of_uid).tolist()
     bounds = np.cumsum(np.bincount(key_of_uid, minlength=len(keys))).tolist()
     by_key = {k: grouped[a:b] for k, a, b, live in zip(keys, [0] + bounds, bounds, alive.tolist()) if live}
     dead = np.nonzero(~alive[key_of_uid])[0].tolist()
