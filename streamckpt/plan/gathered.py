@@ -306,6 +306,11 @@ class RankTargets(Sequence[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         return (self[r] for r in range(len(self)))
 
+    def ids_of(self, ranks: Sequence[int]) -> np.ndarray:
+        """The target ids of ``ranks``, one array, without making their lists."""
+        s, uid = self._starts, self._uid
+        return np.concatenate([uid[s[r]:s[r + 1]] for r in ranks]) if ranks else uid[:0]
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
             return NotImplemented
