@@ -180,6 +180,8 @@ class _Numbering:
         n = int(self.starts[-1])
         # every rank's entries gathered from its layout's by index, not copied rank by rank
         self.value = _cat(ids)[_spans(_bounds(_lengths(ids))[:-1][lay], self.lens)]
+        where_first = _bounds(_lengths(wheres))[:-1][lay]  # per rank: its layout's flat places in _cat(wheres)
+        flat_first = _bounds(np.array([len(f) for f in flats], dtype=np.int64))[:-1][fl]  # its ranges in ``ranges``
         # flat ranges numbered by value in first-seen order (equal ranges of different blobs alike)
         ranges = list(chain.from_iterable(flats))
         pairs = np.fromiter(chain.from_iterable(ranges), dtype=np.int64, count=2 * len(ranges)).reshape(-1, 2)
@@ -197,10 +199,9 @@ class _Numbering:
         self.range_pairs = pairs[firsts[seen]]  # the same ranges as integers
         self.range_of = np.full(n, -1, dtype=np.int64)
         where_len = _lengths(wheres)[lay]
-        inner = _spans(_bounds(_lengths(wheres))[:-1][lay], where_len)
+        inner = _spans(where_first, where_len)
         at = _cat(wheres)[inner] + np.repeat(self.starts[:-1], where_len)
-        flat_first = _bounds(np.array([len(f) for f in flats], dtype=np.int64))[:-1]
-        self.range_of[at] = numbered[inner - np.repeat(_bounds(_lengths(wheres))[:-1][lay] - flat_first[fl], where_len)]
+        self.range_of[at] = numbered[inner + np.repeat(flat_first - where_first, where_len)]
         canon = self.range_objs
         # one integer per entry: equal integers are equal specs (values and ranges number at most n
         # each, and n·(n + 1) fits in 63 bits for any n below 3·10⁹ entries)
