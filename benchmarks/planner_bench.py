@@ -215,6 +215,14 @@ def _encoded(specs: list[Any]) -> tuple[Any, bytes]:
     return enc, enc.header()
 
 
+def _route(wire: Any, heads: list[bytes]) -> Any:
+    """The routing a rank computes from the gathered headers, as ``specwire.exchange`` does
+    (a reference tree from before ``route_headers``: parse each header, then route)."""
+    if hasattr(wire, "route_headers"):
+        return wire.route_headers(heads)
+    return wire.route([wire.parse_header(h, r) for r, h in enumerate(heads)])
+
+
 def _specwire_path(targets: list[list[Any]], rank: int) -> tuple[list[list[Any]], dict[str, Any]]:
     """specwire: headers, then each distinct section once, split over its holders."""
     from streamckpt.plan import specwire as sw
@@ -223,7 +231,7 @@ def _specwire_path(targets: list[list[Any]], rank: int) -> tuple[list[list[Any]]
     heads = [e.header() for e in encs]
     (mine, _), enc = _cpu(lambda: _encoded(targets[rank]))
     got_heads, n1, g1 = _received(heads)
-    routing, route = _cpu(lambda: sw.route([sw.parse_header(h, r) for r, h in enumerate(got_heads)]))
+    routing, route = _cpu(lambda: _route(sw, got_heads))
     payloads = [sw.payload(routing, r, e) for r, e in enumerate(encs)]
     _, pay = _cpu(lambda: sw.payload(routing, rank, mine))
     got, n2, g2 = _received(payloads)
@@ -281,7 +289,7 @@ def compare(ranks: int, against: Any, reps: int = 5, layers: int = LAYERS) -> li
         for name, plan, wire in (("reference", against, ref_wire), ("this tree", this_plan, this_wire)):
             encs = [wire.encode(t) for t in targets]
             heads = [e.header() for e in encs]
-            routing = wire.route([wire.parse_header(h, r) for r, h in enumerate(heads)])
+            routing = _route(wire, heads)
             payloads = [wire.payload(routing, r, e) for r, e in enumerate(encs)]
             for rank in (0, ranks // 2 + 1):
                 gc.collect()
@@ -289,7 +297,7 @@ def compare(ranks: int, against: Any, reps: int = 5, layers: int = LAYERS) -> li
                 got.setdefault((name, f"plan rank {rank} s"), []).append(t)
 
             def received(wire: Any = wire, heads: list[bytes] = heads, payloads: list[bytes] = payloads) -> Any:
-                routing = wire.route([wire.parse_header(h, r) for r, h in enumerate(heads)])
+                routing = _route(wire, heads)
                 return wire.decode_all(routing, wire.assemble(routing, payloads))
 
             gc.collect()

@@ -134,3 +134,45 @@ def test_unique_is_numpy_unique(values):
     want = np.unique(arr, return_index=True, return_inverse=True)
     for g, w in zip(got, want):
         assert g.tolist() == w.reshape(-1).tolist()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts(), st.randoms())
+def test_route_headers_equals_route_of_parsed_headers(lists, rnd):
+    if rnd.random() < 0.3:  # a rank whose sections are equal blobs (empty names, boxes, flats alike)
+        lists.append([])
+    heads = [specwire.encode(s).header() for s in lists]
+    want = specwire.route([specwire.parse_header(h, r) for r, h in enumerate(heads)])
+    got = specwire.route_headers(heads)
+    assert (got.blobs, got.of_rank, got.parts, got.sends) == (want.blobs, want.of_rank, want.parts, want.sends)
+    assert all(type(p) is specwire.Part for ps in got.parts for p in ps)
+    assert got.width == want.width
+
+
+def test_route_headers_names_the_rank_of_a_bad_header():
+    import pytest
+
+    heads = [specwire.encode([TargetSpec("a", "F32", (4,), (0,), (4,))]).header()] * 3
+    with pytest.raises(specwire.SpecWireError, match="header of rank 2") as short:
+        specwire.route_headers(heads[:2] + [heads[2][:-1]])
+    assert "61 bytes, expected 62" in str(short.value)
+    with pytest.raises(specwire.SpecWireError, match="header of rank 1.*version 9"):
+        specwire.route_headers([heads[0], heads[1][:1] + bytes([9]) + heads[1][2:], heads[2]])
+    assert specwire.route_headers([]) == specwire.route([])
+
+
+def test_lazy_holder_lists_are_the_iterated_ones():
+    from benchmarks.planner_bench import build_targets
+
+    targets = build_targets(128, layers=3)
+    (got,), _, _ = simulate(targets, ranks=(0,))
+    d = got.distinct()
+    some = [0, 5, len(d.needers) - 1, -1, 17]
+    picked = [d.needers[u] for u in some]  # made one by one, before any iteration
+    every = list(d.needers)
+    assert all(x is every[u] for x, u in zip(picked, some))
+    assert d.needers[0:3] == every[0:3] and len(d.needers) == len(every)
+    mine = d.rank_targets[3]
+    assert mine is d.rank_targets[3] and mine == list(d.rank_targets)[3] == dedupe(targets).rank_targets[3]
+    assert d.rank_targets[-1] == dedupe(targets).rank_targets[-1]
+    assert sorted(d.rank_targets.ids_of([3, 1]).tolist()) == sorted(d.rank_targets[3] + d.rank_targets[1])

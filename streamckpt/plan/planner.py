@@ -28,7 +28,7 @@ import numpy as np
 
 from ..core.manifest import Manifest
 from ..errors import IncompatibleStateDictError, TransformError
-from .gathered import Distinct, Kinds, distinct as number_targets, unique
+from .gathered import Distinct, Kinds, RankTargets, distinct as number_targets, stable_order, unique
 from .needs import Need, PlanContext, coalesce_needs, fresh_copy, group_needs, make_read
 from .data import (
     ALIGN,
@@ -181,6 +181,14 @@ class _Census:
         names = self.key_names
         return {names[i] for i in set(self.key_ids[live].tolist())}
 
+    def keys_of_ranks(self, rank_targets: Sequence[Sequence[int]], ranks: list[int]) -> set[str]:
+        """The keys of the targets of ``ranks``: for a component's walk, many ranks at once."""
+        if self.key_ids is None or not isinstance(rank_targets, RankTargets):
+            return set().union(*(self.keys_of(rank_targets[r]) for r in ranks))
+        ids = rank_targets.ids_of(ranks)
+        names = self.key_names
+        return {names[i] for i in unique(self.key_ids[ids[ids >= 0]])[0].tolist()}
+
     def uids(self, keys: Iterable[str]) -> list[int]:
         """The live targets of ``keys``, ascending."""
         by_key = self.by_key
@@ -235,7 +243,7 @@ def _census_of_kinds(distinct: Distinct, kinds: Kinds, view: ViewLike) -> _Censu
     keys = list(key_ids)
     alive = np.array([k in tensors for k in keys], dtype=bool)
     key_of_uid = key_of_kind[kinds.of_uid]
-    grouped = np.argsort(key_of_uid, kind="stable").tolist()
+    grouped = stable_order(key_of_uid).tolist()
     bounds = np.cumsum(np.bincount(key_of_uid, minlength=len(keys))).tolist()
     by_key = {k: grouped[a:b] for k, a, b, live in zip(keys, [0] + bounds, bounds, alive.tolist()) if live}
     dead = np.nonzero(~alive[key_of_uid])[0].tolist()
@@ -459,7 +467,8 @@ def _component_of(
     todo_ranks = [rank]
     joined: set[int] = set()
     while todo_ranks:
-        todo_keys = [k for k in census.keys_of(rank_targets[todo_ranks.pop()]) if k in shared and k not in found]
+        batch, todo_ranks = todo_ranks, []  # the order of the walk does not change what it finds
+        todo_keys = [k for k in census.keys_of_ranks(rank_targets, batch) if k in shared and k not in found]
         while todo_keys:
             k = todo_keys.pop()
             if k in found:
