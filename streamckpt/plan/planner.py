@@ -57,6 +57,7 @@ from .data import (
 from ..core.targets import TargetSpec
 from .private import absorb_small_shared, closure, edge_tag, plan_private
 from .rounds import RoundPacker, reachable
+from .ranksets import RankSets
 
 __all__ = [  # the plan's data lives in plan.data; importers may take it from here
     "ALIGN", "ChunkRun", "Copy", "IdentityView", "LoadPlan", "PlanOptions", "Read", "Segment", "Target", "ViewLike",
@@ -399,49 +400,19 @@ def _components(
     transforms a target's bytes may come from any tensor: one component."""
     if not isinstance(ctx.view, IdentityView):
         return [_Component(list(keys), {x for k in keys for u in census.by_key[k] for x in needers[u]})]
-    parent = list(range(world))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    def union(a: int, b: int) -> None:
-        a, b = find(a), find(b)
-        if a != b:
-            parent[max(a, b)] = min(a, b)
-
-    joined: set[int] = set()
-    head: dict[str, int] = {}
-    for k in keys:
-        last: list[int] | None = None
-        h = -1
-        for u in census.by_key[k]:
-            held = needers[u]
-            if held is last:
-                continue
-            last = held
-            if id(held) not in joined:  # equal holder lists are one object (gathered.distinct)
-                joined.add(id(held))
-                for x in held[1:]:
-                    union(held[0], x)
-            if h < 0:
-                h = held[0]
-            else:
-                union(h, held[0])
-        head[k] = h
+    sets = RankSets(world)
+    head = {k: sets.join_holders(needers[u] for u in census.by_key[k]) for k in keys}
     for a, b in _overlapping(ctx.manifest, keys):
-        union(head[a], head[b])
+        sets.union(head[a], head[b])
     comps: dict[int, _Component] = {}
     for k in keys:
-        root = find(head[k])
+        root = sets.find(head[k])
         comp = comps.get(root)
         if comp is None:
             comp = comps[root] = _Component([], set())
         comp.keys.append(k)
     for x in range(world):
-        comp = comps.get(find(x))
+        comp = comps.get(sets.find(x))
         if comp is not None:
             comp.ranks.add(x)
     return list(comps.values())

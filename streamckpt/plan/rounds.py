@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 
 from .data import Read, Target, costs_of, is_packed, message_layout, read_cost
 from .needs import Group
+from .ranksets import RankSets
 
 SHIFT = 64  # a rank's round sits above its bytes used (used < 2**63)
 USED = (1 << SHIFT) - 1
@@ -140,37 +141,7 @@ def reachable(groups: list[Group], rank: int, world: int, targets: Sequence[Targ
     another stage's files). Holder lists are compared by identity: ``gathered.distinct`` gives
     equal lists of several ranks one object.
     """
-    parent = list(range(world))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    def union(a: int, b: int) -> None:
-        a, b = find(a), find(b)
-        if a != b:
-            parent[max(a, b)] = min(a, b)
-
-    joined: set[int] = set()
-    heads: list[int] = []
-    for _, _, _, members, _ in groups:
-        last: list[int] | None = None
-        head = -1
-        for n in members:
-            held = targets[n.copy.target].needers
-            if held is last:
-                continue
-            last = held
-            if id(held) not in joined:
-                joined.add(id(held))
-                for x in held[1:]:
-                    union(held[0], x)
-            if head < 0:
-                head = held[0]
-            else:
-                union(head, held[0])
-        heads.append(head)
-    mine = find(rank)
-    return [find(h) == mine for h in heads]
+    sets = RankSets(world)
+    heads = [sets.join_holders(targets[n.copy.target].needers for n in members) for _, _, _, members, _ in groups]
+    mine = sets.find(rank)
+    return [sets.find(h) == mine for h in heads]
