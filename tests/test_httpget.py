@@ -57,7 +57,7 @@ def test_reads_are_byte_exact_and_one_get_per_piece(
     uri, data = stored
     proxy = proxy_factory(rate=0.0)
     st = _http(monkeypatch, uri, proxy.storage_options)
-    piece = st.piece_size
+    st.piece_size = piece = 2 * MiB  # below the batch's spread: every long read is cut in pieces of this
     rng = random.Random(2)
     reads = [RangeRead(NAME, a, min(len(data), a + rng.choice([1, 3, 4 * KiB, 300 * KiB, MiB])))
              for a in (rng.randrange(len(data) - 1) for _ in range(40))]
@@ -70,6 +70,24 @@ def test_reads_are_byte_exact_and_one_get_per_piece(
     # the long read from byte 7 is three pieces, the empty read none
     assert n == _gets(proxy) == 40 + 1 + 3
     assert st.read_bytes(NAME) == data
+
+
+@pytest.mark.parametrize("concurrency, gets", [(32, 3), (8, 3), (2, 1)])
+def test_request_size_grows_with_the_batch_up_to_the_piece_size(
+    monkeypatch: pytest.MonkeyPatch, stored: tuple[str, bytes], proxy_factory: Any, concurrency: int, gets: int
+) -> None:
+    """A batch is cut into requests that fill half of ``max_concurrency`` and are at least
+    4 MiB (issue 28: fewer, larger requests cost less CPU on both ends) and at most the
+    backend's piece size (16 MiB): 9 MiB over 16 or 4 slots is three 4 MiB-or-less GETs,
+    over one slot one GET; the bytes are the same."""
+    uri, data = stored
+    proxy = proxy_factory(rate=0.0)
+    st = _http(monkeypatch, uri, proxy.storage_options, max_concurrency=concurrency)
+    assert st.piece_size == 16 * MiB
+    buf = bytearray(len(data) - 1)
+    n = st.read_into([RangeRead(NAME, 1, len(data))], [memoryview(buf)]).result(timeout=120)
+    assert bytes(buf) == data[1:]
+    assert n == _gets(proxy) == gets
 
 
 def test_heads_go_over_http_and_agree_with_obstore(

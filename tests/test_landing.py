@@ -224,24 +224,3 @@ def test_stop_returns_once_no_read_writes_any_more(
     time.sleep(0.8)  # past the stall: a read still running would write now
     assert bytes(buf) == after
     assert fut.done()
-
-
-def test_huge_page_advice_covers_whole_2mib_blocks_only() -> None:
-    import ctypes
-    import mmap
-    import sys
-
-    from streamckpt.loading.landing import HUGE, advise_huge
-
-    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
-        pytest.skip("MADV_HUGEPAGE is Linux-only")
-    mem = mmap.mmap(-1, 8 * HUGE)
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(mem))
-    assert advise_huge([(addr + 1, HUGE)]) == 0  # no whole aligned block inside
-    # two touching spans are one: together they hold whole blocks
-    assert advise_huge([(addr, 3 * HUGE), (addr + 3 * HUGE, 3 * HUGE)]) == 1
-    view = memoryview(mem)
-    view[:] = b"\1" * len(view)  # advised memory is ordinary memory
-    assert view[5 * HUGE] == 1
-    view.release()
-    mem.close()

@@ -174,7 +174,7 @@ def test_bodies_in_flight_are_reserved_from_the_memory_budget(
     monkeypatch: pytest.MonkeyPatch, s3_uri: str, s3_opts: dict[str, Any]
 ) -> None:
     fast = _storage(monkeypatch, "obstore", s3_uri, s3_opts)
-    assert (fast.piece_size, fast.inflight_bytes) == (4 * MiB, 16 * MiB)  # no budget told
+    assert (fast.piece_size, fast.inflight_bytes) == (16 * MiB, 16 * MiB)  # no budget told
     assert fast.reserve_inflight(256 * MiB) == 192 * MiB and fast.inflight_bytes == 64 * MiB
     assert fast.reserve_inflight(1024 * MiB) == 960 * MiB and fast.inflight_bytes == 64 * MiB
     assert fast.reserve_inflight(8 * MiB) == 4 * MiB and fast.inflight_bytes == 4 * MiB  # one piece at a time

@@ -35,7 +35,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..plan.data import Copy, LoadPlan, Read, is_packed, message_size
 from ..storage import Landing, RangeRead, Storage
 from .direct import DirectBatch
-from .landing import advise_huge, plan_landings
+from .landing import plan_landings
 from .scatter import Destinations, message_pieces, pack_message, source_view, unpack_message
 from .schedule import Layout, LocalRound, Message, layout, local_schedule
 
@@ -138,9 +138,6 @@ class Executor:
             self.setup_error = _rank_error(e, self.rank)
             self.stage = HostStage([0, 0])
         self.arenas = self.stage.arenas
-        host_arenas = [(a.data_ptr(), a.numel()) for a in self.arenas] if placement.device is None else []
-        if self.setup_error is None:
-            advise_huge([m for land in self.landings.values() for m in land.memory] + host_arenas)
         self.views = [memoryview(a.numpy()) if a.numel() else memoryview(b"") for a in self.arenas]
         self.dctx = zstandard.ZstdDecompressor()
         # On the host path each read is decoded and scattered as soon as it is verified, while

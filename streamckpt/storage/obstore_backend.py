@@ -36,7 +36,7 @@ from .backend import (Backend, BackendError, Fetched, NotFound, ObjectInfo, Part
 
 log = logging.getLogger(__name__)
 
-PIECE = 4 << 20  # reads larger than this become concurrent GETs
+PIECE = 16 << 20  # reads larger than this become concurrent GETs (smaller for small batches: Reader.piece_for)
 
 BACKEND_ENV = "STREAMCKPT_S3_BACKEND"
 BACKENDS = ("auto", "http", "obstore", "s3fs")

@@ -29,6 +29,7 @@ from .policy import (Attempts, ChecksumMismatch, Describer, Mismatches, RetryPol
                      retryable)
 
 T = TypeVar("T")
+MIN_PIECE = 4 << 20  # a batch is never cut into requests smaller than this (``Reader.piece_for``)
 CRC_OFFLOAD = 1 << 20  # a read with at least this many checked bytes is verified in a worker thread
 
 
@@ -190,11 +191,31 @@ class Reader:
         limit = (inflight_bytes or self.inflight_bytes) if self.backend.holds_bodies else 1 << 62
         gate = Gate(self.max_concurrency, limit)
         counter = [0]
+        piece = self.piece_for(sum(max(0, r.length) for r in reads), limit)
         await all_or_cancel([
-            asyncio.ensure_future(self._landed(i, self._read_one(r, as_landing(b), gate, counter), on_landed))
+            asyncio.ensure_future(self._landed(i, self._read_one(r, as_landing(b), gate, counter, piece), on_landed))
             for i, (r, b) in enumerate(zip(reads, buffers)) if r.length > 0
         ])
         return counter[0]
+
+    def piece_for(self, total: int, held: int = 1 << 62) -> int | None:
+        """The request size for a batch of ``total`` bytes: as large as the backend allows
+        (``piece_size``: fewer requests, less CPU per byte on both ends), but small enough
+        that the batch still spreads over half of ``max_concurrency`` requests, and that
+        four bodies fit in ``held`` (what a body-holding client may hold), never below
+        ``MIN_PIECE`` (nor above ``piece_size``). None: reads are never split.
+
+        Measured (issue 28, 1 GiB full load on loopback, fresh process per load): pieces of
+        4 → 8 → 16 MiB took 1.43 → 1.23 → 1.16 s, the client's user CPU 0.40 → 0.30 → 0.22 s;
+        at 256 MiB 8 → 16 MiB took 0.34 → 0.30 s. A small load keeps enough requests in
+        flight for a store whose connections are each slower than the link (S3).
+        """
+        top = self.piece_size
+        if not top:
+            return None
+        top = min(top, max(MIN_PIECE, held // 4))
+        spread = -(-total // max(1, self.max_concurrency // 2))
+        return max(min(top, MIN_PIECE), min(top, spread))
 
     @staticmethod
     async def _landed(i: int, read: Awaitable[None], on_landed: Callable[[int], None] | None) -> None:
@@ -202,13 +223,14 @@ class Reader:
         if on_landed is not None:
             on_landed(i)
 
-    async def _read_one(self, r: RangeRead, buf: Landing, gate: Gate, counter: list[int]) -> None:
+    async def _read_one(self, r: RangeRead, buf: Landing, gate: Gate, counter: list[int],
+                        piece: int | None) -> None:
         obj = self.describe.name(r.name)
         path = self.path(r.name)
         # A read that may be a whole object without checksums of its own is checked against
         # the ETag, which cannot say which piece was bad: keep it one request.
         whole = not r.checks and r.start == 0
-        step = r.length if whole or not self.piece_size else max(1, self.piece_size)
+        step = r.length if whole or not piece else max(1, piece)
         pieces = [(a, min(r.stop, a + step)) for a in range(r.start, r.stop, step)]
         tries = Attempts(self.policy, self.rng, f"reading {obj} bytes [{r.start}, {r.stop})", self.describe)
         wrong = Mismatches(self.policy)

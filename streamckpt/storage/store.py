@@ -31,7 +31,7 @@ from .fsspec_backend import FsspecBackend
 from .local_backend import LocalBackend
 from .obstore_backend import ObstoreBackend
 from .policy import Describer, RetryPolicy, not_found_message
-from .reads import Buffer, RangeRead, Reader
+from .reads import MIN_PIECE, Buffer, RangeRead, Reader
 from .s3fs_backend import S3fsBackend, s3fs_options
 from .uploads import ObjectQueue, Upload
 
@@ -246,7 +246,7 @@ class Storage:
         """
         if not self._reader.backend.holds_bodies:
             return memory_budget
-        piece = self.piece_size or INFLIGHT
+        piece = min(self.piece_size or INFLIGHT, MIN_PIECE)
         self.inflight_bytes = min(INFLIGHT_MAX, max(piece, memory_budget // 4))
         return max(memory_budget - self.inflight_bytes, memory_budget // 2)
 
