@@ -4,7 +4,10 @@ It reads each safetensors file's header (8 bytes, then the JSON), then the byte 
 of the tensors (or, in (b), of this TP rank's rows) coalesced across neighbours into
 requests of at most 8 MiB (S3's own guidance is 8–16 MiB), all issued at once, and
 copies each body into preallocated targets. Two clients: s3fs ``cat_ranges`` and
-obstore ``get_ranges`` (Rust). No checksums, no retries beyond the client's, no
+obstore (Rust): one ``get_range_async`` per request, 32 in flight, each body copied as it
+comes (obstore's own ``get_ranges`` merges neighbouring ranges back into one request per
+file and returns only when all are in: a full 1 GiB load took 2.1–3.7 s that way against
+1.75 s this way, and held every body at once). No checksums, no retries beyond the client's, no
 resharding: a peer for (a) and (b) only, which is what such loaders are used for.
 """
 
@@ -19,6 +22,7 @@ from . import data
 from .server import BUCKET, KEY, REGION, SECRET
 
 PIECE = 8 << 20  # bytes per request, at most
+CONCURRENCY = 32  # requests in flight (obstore): as streamckpt's default max_concurrency
 DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
 
 
@@ -120,17 +124,25 @@ def load_s3fs(spec: dict[str, Any], targets: dict[str, Any], clock: Any) -> dict
 
 
 def load_obstore(spec: dict[str, Any], targets: dict[str, Any], clock: Any) -> dict[str, Any]:
+    import asyncio
+
     import obstore
     from obstore.store import S3Store
+
+    async def fetch_all(store: Any, reqs: list[tuple[str, int, int, list[Need]]]) -> int:
+        slots = asyncio.Semaphore(CONCURRENCY)
+
+        async def one(r: tuple[str, int, int, list[Need]]) -> int:
+            async with slots:
+                body = await obstore.get_range_async(store, r[0], start=r[1], end=r[2])
+            return land([r], [body])  # each body copied as it comes, while the others are in flight
+
+        return sum(await asyncio.gather(*(one(r) for r in reqs)))
 
     with clock:
         store = S3Store(BUCKET, endpoint=spec["endpoint"], access_key_id=KEY, secret_access_key=SECRET,
                         region=REGION, virtual_hosted_style_request=False, client_options={"allow_http": True})
         needs = plan(lambda p, s, e: bytes(obstore.get_range(store, p, start=s, end=e)), spec["scenario"], targets)
         reqs = coalesce(needs)
-        bodies: list[Any] = []
-        for f in sorted({r[0] for r in reqs}):  # one object at a time, as ceiling.obstore does; reqs are sorted
-            mine = [r for r in reqs if r[0] == f]
-            bodies += obstore.get_ranges(store, f, starts=[r[1] for r in mine], ends=[r[2] for r in mine])
-        n = land(reqs, bodies)
+        n = asyncio.run(fetch_all(store, reqs))
     return {"bytes_read": n, "requests": len(reqs) + 2 * len(data.hf_file_names())}

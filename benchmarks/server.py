@@ -9,7 +9,8 @@ bytes read and request counts for every loader, peers included, from the
 server's side. A total bandwidth cap (``--bandwidth-cap 200MB/s``, or at run time
 ``POST /__bench__/cap`` with ``{"bytes_per_s": N or null}``) paces GET and PUT bodies of
 all connections together through one token bucket (benchmarks/throttle.py); with no
-cap, bodies go out exactly as before.
+cap, bodies go out exactly as before. ``--latency 0.03`` holds each GET's response
+30 ms, as a remote store's time to first byte (requests in flight wait side by side).
 
 Fallback (``localbucket`` not installed, e.g. in the package's own venv): moto's
 threaded server via ``streamckpt.testing``; it has no counters and slices the
@@ -59,6 +60,7 @@ class BenchServer:
     kind: str = "auto"  # "localbucket" | "moto" | "auto"
     port: int = 0
     bandwidth_cap: float | None = None  # bytes/s for all connections together; None: no cap
+    latency: float = 0.0  # seconds before each GET's response (S3's time to first byte is 10-50 ms)
     _proc: subprocess.Popen | None = None
     _moto: Any = None
     notes: list[str] = field(default_factory=list)
@@ -101,6 +103,8 @@ class BenchServer:
         cmd = [sys.executable, "-m", "benchmarks.server", "--root", str(self.root), "--port", str(self.port)]
         if self.bandwidth_cap:
             cmd += ["--bandwidth-cap", f"{self.bandwidth_cap:.0f}"]
+        if self.latency:
+            cmd += ["--latency", f"{self.latency:g}"]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -221,7 +225,7 @@ class _PacedReader:
         return line
 
 
-def _make_handler(bandwidth_cap: float | None = None):
+def _make_handler(bandwidth_cap: float | None = None, latency: float = 0.0):
     import localbucket
 
     # the cap in force: replaced whole by POST /__bench__/cap, read once per request
@@ -285,6 +289,8 @@ def _make_handler(bandwidth_cap: float | None = None):
             return body
 
         def _send_file(self, status, file, start, length, headers, include_body):  # noqa: ANN001
+            if latency:
+                time.sleep(latency)  # a store's time to first byte (threads: requests wait side by side)
             self._send_headers(status, length, headers)
             if not include_body:
                 return
@@ -313,12 +319,12 @@ def _make_handler(bandwidth_cap: float | None = None):
     return Handler
 
 
-def serve(root: Path, port: int, bandwidth_cap: float | None = None) -> None:
+def serve(root: Path, port: int, bandwidth_cap: float | None = None, latency: float = 0.0) -> None:
     from http.server import ThreadingHTTPServer
 
     root = root.resolve()
     (root / BUCKET).mkdir(parents=True, exist_ok=True)
-    Handler = _make_handler(bandwidth_cap)
+    Handler = _make_handler(bandwidth_cap, latency)
     Handler.data_root = root
     class Server(ThreadingHTTPServer):
         # socketserver's default listen backlog is 5: a burst of 32 concurrent connects
@@ -340,8 +346,10 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--bandwidth-cap", default="off",
                     help="total body bandwidth of all connections: 200MB/s, 100MiB/s, 200000000 (B/s); default off")
+    ap.add_argument("--latency", type=float, default=0.0,
+                    help="seconds each GET waits before its response (a store's time to first byte); default 0")
     args = ap.parse_args()
-    serve(args.root, args.port, parse_rate(args.bandwidth_cap))
+    serve(args.root, args.port, parse_rate(args.bandwidth_cap), args.latency)
 
 
 if __name__ == "__main__":
