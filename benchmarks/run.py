@@ -792,8 +792,9 @@ def render(h: Harness, argv: list[str], wall: float) -> str:
         "`streamckpt.dcp` is `sc.load` reading the DCP checkpoint `dcp_full` in place (the peers' own input).",
         "- `rangereader.s3fs` / `rangereader.obstore` (`benchmarks/rangereader.py`): a hand-rolled loader as a user "
         "who tunes their own would write it, for (a) and (b): each safetensors header, then the needed tensor (or "
-        "row) ranges coalesced into requests of at most 8 MiB, all issued at once (s3fs `cat_ranges`, obstore "
-        "`get_ranges`), copied into preallocated targets; no checksums. `*.resident` rows load into targets "
+        "row) ranges coalesced into requests of at most 8 MiB (s3fs: all at once through `cat_ranges`, then "
+        "copied; obstore: one `get_range_async` each, 32 in flight, each body copied as it comes), into "
+        "preallocated targets; no checksums. `*.resident` rows load into targets "
         "written once before the clock (a resume into live parameters: no page faults left); the page-fault floor "
         "is the CPU time that writing took.",
         "- read ampl.: body bytes the server sent (its own counter) ÷ the unique bytes needed; requests: every request "

@@ -10,6 +10,7 @@ from .errors import (
     IncompatibleStateDictError,
     MissingKeysError,
     PeerError,
+    StagingMemoryError,
     StorageError,
     TransformError,
     UnsupportedVersionError,
@@ -23,7 +24,7 @@ __all__ = [
     "save", "async_save", "SaveHandle", "load", "load_full", "load_state", "merge", "inspect", "latest",
     "ShardedTensor", "LoadResult", "SaveResult", "CheckpointInfo", "TensorInfo",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
-    "IncompatibleStateDictError", "MissingKeysError", "PeerError", "StorageError", "TransformError",
+    "IncompatibleStateDictError", "MissingKeysError", "PeerError", "StagingMemoryError", "StorageError", "TransformError",
     "UnsupportedVersionError",
 ]
 

@@ -97,3 +97,14 @@ def test_a_bad_staging_budget_is_named(s3_uri: str, s3_opts: dict[str, Any], bud
     with pytest.raises(sc.CheckpointError, match=f"^staging_budget must be a positive number of bytes or None, "
                                                  f"got {budget!r}$"):
         sc.async_save({"w": torch.ones(3)}, s3_uri, storage_options=s3_opts, staging_budget=budget)
+
+
+def test_every_error_class_is_catchable_from_the_top_level() -> None:
+    """``except sc.StagingMemoryError`` works without importing ``streamckpt.errors``; every
+    exported error is a ``CheckpointError``."""
+    import streamckpt.errors as errors
+
+    names = [n for n in sc.__all__ if n.endswith("Error")]
+    assert "StagingMemoryError" in names and "PeerError" in names
+    for n in names:
+        assert getattr(sc, n) is getattr(errors, n) and issubclass(getattr(sc, n), sc.CheckpointError), n
