@@ -10,7 +10,7 @@ permute or strided write) lands in staging and is copied as before. Reads that f
 other ranks or need decompression are staged whole. No I/O.
 
 Target memory is left to the kernel's default pages: asking for transparent huge pages
-(``MADV_HUGEPAGE``, tried through stop 31) made fresh-target loads slower on this
+(``MADV_HUGEPAGE``, which loads asked for until December 2026) made fresh-target loads slower on this
 project's machines (1 GiB: 2.36 vs 1.65 s, sys 2.27 vs 1.56 s; 256 MiB: 0.74 vs 0.54 s;
 finding 2 MiB blocks costs more than the faults it saves there). Where THP is ``always``
 the kernel does it anyway.
