@@ -2,12 +2,12 @@
 
 It reads each safetensors file's header (8 bytes, then the JSON), then the byte ranges
 of the tensors (or, in (b), of this TP rank's rows) coalesced across neighbours into
-requests of at most 8 MiB (S3's own guidance is 8–16 MiB), all issued at once, and
-copies each body into preallocated targets. Two clients: s3fs ``cat_ranges`` and
+requests of at most 8 MiB (S3's own guidance is 8–16 MiB), and copies each body into
+preallocated targets. Two clients: s3fs ``cat_ranges`` (every request at once) and
 obstore (Rust): one ``get_range_async`` per request, 32 in flight, each body copied as it
 comes (obstore's own ``get_ranges`` merges neighbouring ranges back into one request per
 file and returns only when all are in: a full 1 GiB load took 2.1–3.7 s that way against
-1.75 s this way, and held every body at once). No checksums, no retries beyond the client's, no
+1.57–1.75 s this way, and held every body at once). No checksums, no retries beyond the client's, no
 resharding: a peer for (a) and (b) only, which is what such loaders are used for.
 """
 

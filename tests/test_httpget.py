@@ -90,6 +90,22 @@ def test_request_size_grows_with_the_batch_up_to_the_piece_size(
     assert n == _gets(proxy) == gets
 
 
+def test_a_body_holding_client_keeps_four_requests_within_what_it_may_hold(
+    monkeypatch: pytest.MonkeyPatch, stored: tuple[str, bytes], proxy_factory: Any
+) -> None:
+    """obstore holds each body before its copy: with no memory budget told it may hold
+    16 MiB, so its requests are at most 4 MiB however few slots there are (the http path
+    makes the same 9 MiB read one GET over 2 slots, above)."""
+    uri, data = stored
+    proxy = proxy_factory(rate=0.0)
+    st = storage_on(monkeypatch, "obstore", uri, proxy.storage_options, max_concurrency=2)
+    assert (st.read_backend, st.piece_size, st.inflight_bytes) == ("obstore", 16 * MiB, 16 * MiB)
+    buf = bytearray(len(data) - 1)
+    n = st.read_into([RangeRead(NAME, 1, len(data))], [memoryview(buf)]).result(timeout=120)
+    assert bytes(buf) == data[1:]
+    assert n == _gets(proxy) == 3
+
+
 def test_heads_go_over_http_and_agree_with_obstore(
     monkeypatch: pytest.MonkeyPatch, stored: tuple[str, bytes], proxy_factory: Any, s3_opts: dict[str, Any]
 ) -> None:

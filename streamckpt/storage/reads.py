@@ -205,9 +205,9 @@ class Reader:
         four bodies fit in ``held`` (what a body-holding client may hold), never below
         ``MIN_PIECE`` (nor above ``piece_size``). None: reads are never split.
 
-        Measured (issue 28, 1 GiB full load on loopback, fresh process per load): pieces of
-        4 → 8 → 16 MiB took 1.43 → 1.23 → 1.16 s, the client's user CPU 0.40 → 0.30 → 0.22 s;
-        at 256 MiB 8 → 16 MiB took 0.34 → 0.30 s. A small load keeps enough requests in
+        Measured (issue 28, 1 GiB full load into resident targets on loopback, a fresh
+        process per load): pieces of 4 → 8 → 16 MiB took 0.95 → 0.76 → 0.66 s, the client's
+        user CPU 0.40 → 0.27 → 0.19 s; at 256 MiB (fresh targets) 8 → 16 MiB took 0.34 → 0.30 s. A small load keeps enough requests in
         flight for a store whose connections are each slower than the link (S3).
         """
         top = self.piece_size
