@@ -20,9 +20,15 @@ staged, as buffers free up behind the upload — it then blocks for about the ti
 takes to upload ``share - staging_budget`` bytes. Uploads hold their own buffers
 besides: ``writer.UploadShape`` (4 × 8 MiB by default).
 
-A process that exits with a save in flight cancels it (an ``atexit`` hook): nothing is
-committed, and the uploader is stopped before the interpreter shuts down (a thread killed
-inside a native call at shutdown aborts the process).
+Exit: the uploader is an ordinary (non-daemon) thread, so the interpreter waits for it
+before it finalizes. A daemon thread still running then is stopped by CPython with
+``pthread_exit`` the moment it next takes the GIL; inside torch that happens in a C++
+destructor (pybind11's GIL release guard), and the forced unwind through a ``noexcept``
+frame is ``std::terminate``: "terminate called without an active exception", SIGABRT,
+after the checkpoint was already durable (the uploader was still closing its clients and
+dropping the staged tensors). A process that exits with a save still in flight (the end of
+the script, or Ctrl-C) cancels it first, from a hook that runs before the thread pools shut
+down (``threading._register_atexit``): nothing is committed and what it uploaded is deleted.
 
 Process state: creating a process group is itself a collective, so the save group made
 for a training group is kept for the next save (``_SESSIONS``, keyed by that group), with
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import logging
 import os
 import threading
@@ -50,10 +57,12 @@ from ..errors import CheckpointError
 from ..results import SaveResult
 from ..storage import Storage
 from . import writeplan
-from .saver import Prepared, prepare, write_and_commit
+from .saver import CANCELLED, Prepared, prepare, write_and_commit
 from .staging import StagingArea, copy_all
 
 log = logging.getLogger(__name__)
+
+EXIT_WAIT_SECONDS = 60.0  # how long an exiting process waits for a cancelled save to stop
 
 
 class SaveHandle:
@@ -257,28 +266,35 @@ def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, area: S
            cuda: CudaApi | None, release: Callable[[], None]) -> SaveHandle:
     shards = [StagedShard(it.spec) for it in prep.items]
     future: cf.Future[SaveResult] = cf.Future()
+    cancelled = threading.Event()
 
     def released(i: int) -> None:
         shards[i].drop()
         area.release()
 
     def background() -> None:
+        outcome: SaveResult | BaseException
         try:
-            result = write_and_commit(comm, storage, prep, shards,  # type: ignore[arg-type]
-                                      on_written=released, cuda=cuda)
-            future.set_result(result)
+            outcome = write_and_commit(comm, storage, prep, shards,  # type: ignore[arg-type]
+                                       on_written=released, cuda=cuda, cancelled=cancelled.is_set)
         except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
             area.fail()
-            future.set_exception(e)
+            outcome = e
         finally:
-            storage.close()
+            storage.close()  # before the handle says done: result() returning means the clients are closed
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
     def cancel() -> None:
+        cancelled.set()
         area.fail()
         for shard in shards:
-            shard.fail(CheckpointError("the save was cancelled (the process is exiting); nothing was committed"))
+            shard.fail(CheckpointError(CANCELLED))
 
-    uploader = threading.Thread(target=background, name="streamckpt-async-save", daemon=True)
+    # Not a daemon: the interpreter joins it before finalizing (see the module doc).
+    uploader = threading.Thread(target=background, name="streamckpt-async-save", daemon=False)
     tensors = {t.spec: t.tensor for t in prep.local}
     pieces = [writeplan.piece_of(item, tensors[item.source]) for item in prep.items]
     try:
@@ -338,13 +354,29 @@ def _fail_from(shards: list[StagedShard], k: int, error: BaseException) -> None:
         rest.fail(error)
 
 
-@atexit.register
 def _cancel_at_exit() -> None:
-    """A process ending with a save in flight cancels it (its checkpoint stays uncommitted)
-    and waits a little for the uploader to stop: a thread killed inside a native call at
-    interpreter shutdown aborts the process."""
+    """A process ending with a save in flight cancels it (its checkpoint stays uncommitted,
+    what it uploaded is deleted) and waits for the uploader to stop. Runs at the start of
+    interpreter shutdown, before ``concurrent.futures`` refuses new work and before non-daemon
+    threads are joined (``threading._register_atexit``)."""
     with _SESSIONS_LOCK:
         pending = [s.last for s in _SESSIONS.values() if s.last is not None and not s.last.done()]
     for handle in pending:
-        log.warning("cancelling the save to %s in flight at exit; call result() to wait for it", handle.uri)
-        handle.cancel(timeout=60.0)
+        log.warning("the process is exiting with the save to %s in flight: cancelling it, nothing is "
+                    "committed (call result() on its handle before exiting to keep it)", handle.uri)
+        if not handle.cancel(timeout=EXIT_WAIT_SECONDS):
+            log.warning("the save to %s did not stop within %.0f s; waiting for it to end", handle.uri,
+                        EXIT_WAIT_SECONDS)
+
+
+def _at_shutdown(hook: Callable[[], None]) -> None:
+    """Run ``hook`` when the interpreter starts to shut down, before thread pools refuse work
+    and non-daemon threads are joined (``atexit`` would run after both)."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - CPython has had it since 3.9
+        atexit.register(hook)
+    else:
+        register(hook)
+
+
+_at_shutdown(_cancel_at_exit)

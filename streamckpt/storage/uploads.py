@@ -13,7 +13,7 @@ import asyncio
 import collections
 import concurrent.futures as cf
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
 from .backend import NotFound, PartSink
@@ -207,11 +207,7 @@ class ObjectQueue:
                 pass
         self._sending.clear()
         self._free.clear()
-        for name in self._written:
-            try:
-                self._delete(name)
-            except Exception as e:  # noqa: BLE001 - best effort on an already failing path
-                log.warning("could not delete %s after a failed save: %s", name, e)
+        delete_written(self._delete, self._written, "the save")
         self._written.clear()
 
     def _wait_oldest(self) -> None:
@@ -225,3 +221,19 @@ class ObjectQueue:
             raise StorageError(f"writing {name} failed: {type(e).__name__}: {e}") from None
         self._written.append(name)
         self._free.append(buf)
+
+
+def delete_written(delete: Callable[[str], None], names: Sequence[str], where: str) -> None:
+    """Best effort: delete the objects a failed save wrote. A store that cannot be reached
+    fails every delete; one line then says how many are left for garbage collection."""
+    failed: list[str] = []
+    error: BaseException | None = None
+    for name in names:
+        try:
+            delete(name)
+        except Exception as e:  # noqa: BLE001 - best effort on an already failing path
+            failed.append(name)
+            error = error or e
+    if failed:
+        log.warning("could not delete %d of the %d objects %s wrote before failing (%s, ...): %s; they are "
+                    "left for garbage collection", len(failed), len(names), where, failed[0], error)
