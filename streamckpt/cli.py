@@ -21,7 +21,7 @@ import re
 import sys
 from typing import Any, Sequence
 
-from .errors import CheckpointError
+from .errors import CLI, CheckpointError
 from .loading.verify import verify_checkpoint
 from .results import human_bytes as human
 from .results import plural
@@ -496,7 +496,7 @@ def _run(argv: Sequence[str] | None) -> int:
     try:
         return int(args.func(args) or 0)
     except CheckpointError as e:
-        print(f"streamckpt {args.command}: error: {e}", file=sys.stderr)
+        print(f"streamckpt {args.command}: error: {e.render(CLI)}", file=sys.stderr)
         return EXIT_CHECKPOINT_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -12,8 +12,27 @@ import sys
 import tomllib
 import warnings
 from pathlib import Path
+from typing import Any
+
+import pytest
+
+import streamckpt as sc
+from conftest import BUCKET
+from streamckpt.errors import CLI
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The ``streamckpt`` command in its own process, as a user runs it."""
+    env = dict(os.environ if env is None else env, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "streamckpt.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def s3_flags(opts: dict[str, Any]) -> list[str]:
+    return ["--endpoint-url", opts["endpoint_url"], "--storage-option", f"key={opts['key']}",
+            "--storage-option", f"secret={opts['secret']}"]
 
 
 # ------------------------------------------------------------------ packaging
@@ -52,3 +71,45 @@ def test_the_s3server_module_runs_without_a_runtime_warning() -> None:
         out, err = proc.communicate(timeout=60)
     assert re.fullmatch(r"endpoint_url=http://127\.0\.0\.1:\d+ key=\S+ secret=\S+\n", line), (line, out, err)
     assert "RuntimeWarning" not in err and "Traceback" not in err, err
+
+
+# ----------------------------------------------------------- no credentials
+
+
+NO_KEYS_PY = ("no credentials found: pass storage_options={'key': ..., 'secret': ...}, set AWS_ACCESS_KEY_ID and "
+              "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or anon=True for a public bucket")
+NO_KEYS_CLI = ("no credentials found: pass --storage-option key=... --storage-option secret=..., set AWS_ACCESS_KEY_ID "
+               "and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or --storage-option anon=true for a public bucket")
+
+
+def no_aws_credentials(home: Path) -> dict[str, str]:
+    """An environment where botocore finds no credentials: no AWS_* keys, no ~/.aws, no instance metadata."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("AWS_ACCESS", "AWS_SECRET", "AWS_SESSION", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
+                                "AWS_CONTAINER", "AWS_WEB_IDENTITY", "AWS_ROLE"))}
+    env.update(HOME=str(home), AWS_SHARED_CREDENTIALS_FILE=str(home / "none"), AWS_CONFIG_FILE=str(home / "none"),
+               AWS_EC2_METADATA_DISABLED="true")
+    return env
+
+
+def test_the_cli_without_credentials_names_its_own_flags(tmp_path: Path, s3_opts: dict[str, Any]) -> None:
+    uri = f"s3://{BUCKET}/x"
+    r = cli("inspect", uri, "--storage-option", f"endpoint_url={s3_opts['endpoint_url']}",
+            env=no_aws_credentials(tmp_path))
+    assert r.returncode == 2, r
+    assert r.stderr.startswith(f"streamckpt inspect: error: reading {uri}/manifest.json failed after 1 attempt(s): ")
+    assert r.stderr.endswith(f": {NO_KEYS_CLI}\n"), r.stderr
+    assert "storage_options" not in r.stderr and "anon=True" not in r.stderr
+
+
+def test_the_api_without_credentials_names_storage_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                            s3_opts: dict[str, Any]) -> None:
+    for var in set(os.environ) - set(no_aws_credentials(tmp_path)):
+        monkeypatch.delenv(var)
+    for var, value in no_aws_credentials(tmp_path).items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(sc.StorageError) as e:
+        sc.inspect(f"s3://{BUCKET}/x", storage_options={"endpoint_url": s3_opts["endpoint_url"]})
+    assert str(e.value).endswith(f": {NO_KEYS_PY}"), str(e.value)
+    assert e.value.render(CLI).endswith(f": {NO_KEYS_CLI}")  # what the CLI prints, from the same error
+    assert e.value.render(CLI).removesuffix(NO_KEYS_CLI) == str(e.value).removesuffix(NO_KEYS_PY)
