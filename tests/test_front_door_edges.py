@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import streamckpt as sc
 from conftest import BUCKET
@@ -113,3 +114,52 @@ def test_the_api_without_credentials_names_storage_options(monkeypatch: pytest.M
     assert str(e.value).endswith(f": {NO_KEYS_PY}"), str(e.value)
     assert e.value.render(CLI).endswith(f": {NO_KEYS_CLI}")  # what the CLI prints, from the same error
     assert e.value.render(CLI).removesuffix(NO_KEYS_CLI) == str(e.value).removesuffix(NO_KEYS_PY)
+
+
+# ---------------------------------------------------------- a run's prefix
+
+
+@pytest.fixture
+def run(s3_uri: str, s3_opts: dict[str, Any]) -> str:
+    """A run's root holding two committed checkpoints and an uncommitted one."""
+    for step in (3, 6):
+        sc.save({"w": torch.full((4,), float(step))}, f"{s3_uri}/step-{step}", storage_options=s3_opts)
+    sc.save({"w": torch.ones(2)}, f"{s3_uri}/step-9", storage_options=s3_opts)
+    from streamckpt.storage import Storage
+
+    st = Storage(f"{s3_uri}/step-9", s3_opts)
+    try:
+        st.delete("manifest.json")  # step-9 is a save that never committed
+    finally:
+        st.close()
+    return s3_uri
+
+
+def test_the_cli_says_a_run_prefix_is_one_and_how_to_find_its_newest(run: str, s3_opts: dict[str, Any]) -> None:
+    for given in (run, run + "/"):
+        r = cli("inspect", given, *s3_flags(s3_opts))
+        assert (r.returncode, r.stdout) == (2, ""), r
+        assert r.stderr == (f"streamckpt inspect: error: no checkpoint at {run}/: it is a run prefix holding 2 "
+                            f"checkpoints (step-3, step-6; newest: {run}/step-6): give the URI of one of them "
+                            f"('streamckpt latest {run}' prints the newest)\n"), r.stderr
+    r = cli("latest", run, *s3_flags(s3_opts))  # the command it names
+    assert (r.returncode, r.stdout) == (0, f"{run}/step-6\n"), r
+    r = cli("inspect", f"{run}/step-6", *s3_flags(s3_opts))
+    assert r.returncode == 0 and "w" in r.stdout, r
+
+
+def test_the_api_says_a_run_prefix_is_one_and_names_sc_latest(run: str, s3_opts: dict[str, Any]) -> None:
+    with pytest.raises(sc.CheckpointNotFoundError) as e:
+        sc.inspect(run, storage_options=s3_opts)
+    assert str(e.value) == (f"no checkpoint at {run}/: it is a run prefix holding 2 checkpoints (step-3, step-6; "
+                            f"newest: {run}/step-6): give the URI of one of them (sc.latest({run!r}) returns the "
+                            f"newest)")
+    assert sc.latest(run, storage_options=s3_opts) == f"{run}/step-6"
+    with pytest.raises(sc.CheckpointNotFoundError, match="it is a run prefix holding 2 checkpoints"):
+        sc.load({"w": torch.zeros(4)}, run, storage_options=s3_opts)
+
+
+def test_an_empty_prefix_is_still_just_no_checkpoint(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    with pytest.raises(sc.CheckpointNotFoundError) as e:
+        sc.inspect(s3_uri, storage_options=s3_opts)
+    assert str(e.value).startswith(f"no checkpoint at {s3_uri}/: expected manifest.json (streamckpt)")
