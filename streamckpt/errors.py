@@ -91,6 +91,17 @@ class StorageError(CheckpointError):
     """Storage kept failing after retries (names object and byte range)."""
 
 
+class StorageOptionError(StorageError):
+    """A storage option that the URI's client does not take (a misspelt name, most often):
+    names the option, the URI and the option it was likely meant to be."""
+
+    def __init__(self, message: str, option: str = "", suggestions: Iterable[str] = (),
+                 hint: Hint | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.option = option
+        self.suggestions = list(suggestions)
+
+
 class TransformError(CheckpointError):
     """A transform rule is invalid or does not fit the checkpoint (names the rule)."""
 
@@ -110,6 +121,7 @@ class PeerError(CheckpointError):
 
 __all__ = [
     "CheckpointError",
+    "StorageOptionError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "UnsupportedVersionError",

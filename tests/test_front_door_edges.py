@@ -20,8 +20,10 @@ import torch
 import streamckpt as sc
 from conftest import BUCKET
 from streamckpt.errors import CLI
+from streamckpt.storage.obstore_backend import BACKEND_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
+S3_BACKENDS = ("auto", "http", "obstore", "s3fs")
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -163,3 +165,79 @@ def test_an_empty_prefix_is_still_just_no_checkpoint(s3_uri: str, s3_opts: dict[
     with pytest.raises(sc.CheckpointNotFoundError) as e:
         sc.inspect(s3_uri, storage_options=s3_opts)
     assert str(e.value).startswith(f"no checkpoint at {s3_uri}/: expected manifest.json (streamckpt)")
+
+
+# -------------------------------------------------------- misspelt options
+
+
+@pytest.mark.parametrize("backend", S3_BACKENDS)
+@pytest.mark.parametrize("wrong, meant", [("endpoint", "endpoint_url"), ("enpoint_url", "endpoint_url"),
+                                          ("secrte", "secret")])
+def test_a_misspelt_s3_option_starts_with_the_one_meant(backend: str, wrong: str, meant: str, s3_uri: str,
+                                                        s3_opts: dict[str, Any],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BACKEND_ENV, backend)
+    opts = {**s3_opts, wrong: s3_opts[meant]}
+    del opts[meant]
+    with pytest.raises(sc.StorageOptionError) as e:
+        sc.inspect(s3_uri, storage_options=opts)
+    assert str(e.value) == (f"unknown storage option {wrong!r} for {s3_uri}: did you mean {meant!r}? "
+                            f"(s3:// options go to s3fs.S3FileSystem)")
+    assert isinstance(e.value, sc.StorageError) and (e.value.option, e.value.suggestions) == (wrong, [meant])
+    assert "TypeError" not in str(e.value)
+
+
+def test_the_cli_names_a_misspelt_option_first(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    r = cli("inspect", s3_uri, "--storage-option", f"enpoint_url={s3_opts['endpoint_url']}",
+            "--storage-option", f"key={s3_opts['key']}", "--storage-option", f"secret={s3_opts['secret']}")
+    assert (r.returncode, r.stderr) == (2, f"streamckpt inspect: error: unknown storage option 'enpoint_url' for "
+                                           f"{s3_uri}: did you mean 'endpoint_url'? (s3:// options go to "
+                                           f"s3fs.S3FileSystem)\n"), r
+
+
+def test_a_botocore_argument_at_the_top_is_shown_where_it_goes(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    with pytest.raises(sc.StorageOptionError) as e:
+        sc.inspect(s3_uri, storage_options={**s3_opts, "region_name": "us-east-1"})
+    head = f"unknown storage option 'region_name' for {s3_uri}: did you mean "
+    tail = "? (s3fs hands client_kwargs to botocore, which takes 'region_name' there)"
+    assert str(e.value) == f"{head}storage_options={{..., 'client_kwargs': {{'region_name': ...}}}}{tail}"
+    r = cli("inspect", s3_uri, *s3_flags(s3_opts), "--storage-option", "region_name=us-east-1")
+    assert (r.returncode, r.stderr) == (2, f"streamckpt inspect: error: {head}--storage-option "
+                                           f"client_kwargs.region_name=...{tail}\n"), r
+
+
+def test_an_unknown_option_with_nothing_close_lists_the_options(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    with pytest.raises(sc.StorageOptionError) as e:
+        sc.inspect(s3_uri, storage_options={**s3_opts, "flavour": "vanilla"})
+    assert str(e.value).startswith(f"unknown storage option 'flavour' for {s3_uri}: s3:// options go to "
+                                   f"s3fs.S3FileSystem, which takes none by that name (its options: anon, "
+                                   f"endpoint_url, key, secret, token, ")
+
+
+@pytest.mark.parametrize("uri, opts, message", [
+    ("gs://b/x", {"token": "anon", "endpoint_urll": "http://127.0.0.1:9"},
+     "unknown storage option 'endpoint_urll' for gs://b/x: did you mean 'endpoint_url'? (gs:// options go to "
+     "gcsfs.GCSFileSystem)"),
+    ("az://c/x", {"acount_name": "devstoreaccount1", "anon": True},
+     "unknown storage option 'acount_name' for az://c/x: did you mean 'account_name'? (az:// options go to "
+     "adlfs.AzureBlobFileSystem)"),
+])
+def test_a_misspelt_gcs_or_azure_option_is_refused_not_dropped(uri: str, opts: dict[str, Any], message: str) -> None:
+    """gcsfs and adlfs drop names they do not know: the typo used to reach the real cloud, unseen."""
+    with pytest.raises(sc.StorageOptionError) as e:
+        sc.inspect(uri, storage_options=opts)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("extra", [{"profile": None}, {"skip_instance_cache": True}, {"use_listings_cache": False},
+                                   {"max_concurrency": 8}, {"client_kwargs": {}}])
+def test_the_options_s3fs_takes_still_pass(extra: dict[str, Any], s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    sc.save({"w": torch.arange(3)}, s3_uri, storage_options={**s3_opts, **extra})
+    assert sc.inspect(s3_uri, storage_options={**s3_opts, **extra}).total_bytes == 24
+
+
+def test_boto_key_names_still_reach_obstore(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    sc.save({"w": torch.arange(3)}, s3_uri, storage_options=s3_opts)
+    opts = {"endpoint_url": s3_opts["endpoint_url"], "aws_access_key_id": s3_opts["key"],
+            "aws_secret_access_key": s3_opts["secret"]}
+    assert sc.inspect(s3_uri, storage_options=opts).total_bytes == 24
