@@ -6,8 +6,9 @@ JSON when they can be: ``--storage-option client_kwargs.verify=false``); the
 standard AWS environment variables work through s3fs/botocore. Long operations
 show their progress on stderr unless ``--quiet``: a bar on a terminal, a plain
 line every few seconds elsewhere. A ``CheckpointError`` prints its message on
-stderr and exits with status 2, as does a bad argument (with the command's
-usage). Output into a pipe closed early (``| head``) ends quietly with status 141
+stderr (its hint in this command line's words: ``--storage-option key=...``, not
+``storage_options={...}``) and exits with status 2, as does a bad argument (with
+the command's usage). Output into a pipe closed early (``| head``) ends quietly with status 141
 (128 + SIGPIPE, what a shell reports for a command killed by a closed pipe).
 """
 
