@@ -12,6 +12,7 @@ from .errors import (
     PeerError,
     StagingMemoryError,
     StorageError,
+    StorageOptionError,
     TransformError,
     UnsupportedVersionError,
 )
@@ -24,7 +25,8 @@ __all__ = [
     "save", "async_save", "SaveHandle", "load", "load_full", "load_state", "merge", "inspect", "latest",
     "ShardedTensor", "LoadResult", "SaveResult", "CheckpointInfo", "TensorInfo",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
-    "IncompatibleStateDictError", "MissingKeysError", "PeerError", "StagingMemoryError", "StorageError", "TransformError",
+    "IncompatibleStateDictError", "MissingKeysError", "PeerError", "StagingMemoryError", "StorageError", "StorageOptionError",
+    "TransformError",
     "UnsupportedVersionError",
 ]
 
