@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import contextlib
+import io
+
 import pytest
 import torch
 
 import streamckpt as sc
 from streamckpt.results import human_bytes
+
+from distributed import run_ranks
 
 
 class Recorder:
@@ -136,3 +141,37 @@ def test_progress_true_writes_lines_off_a_terminal(s3_uri: str, s3_opts: dict[st
 def test_progress_of_the_wrong_kind_is_refused(tmp_uri: str) -> None:
     with pytest.raises(sc.CheckpointError, match="progress must be a callable"):
         sc.save({"w": torch.ones(2)}, tmp_uri, progress="yes")  # type: ignore[arg-type]
+
+
+def two_rank_worker(rank: int, world: int, uri: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """Save rows by rank and a replica, load the other rank's rows: each rank's callable
+    sums to its own bytes; ``progress=True`` draws on rank 0 only."""
+    full = torch.arange(64 * 256, dtype=torch.float32).reshape(64, 256)
+    mine = slice(32 * rank, 32 * (rank + 1))
+    state = {"w": sc.ShardedTensor(full[mine].clone(), (64, 256), (32 * rank, 0)), "b": torch.arange(1000.0)}
+    saved: list[int] = []
+    res = sc.save(state, uri, storage_options=opts, progress=saved.append)
+    other = slice(32 * (1 - rank), 32 * (2 - rank))
+    target = {"w": sc.ShardedTensor(torch.zeros(32, 256), (64, 256), (other.start, 0)), "b": torch.zeros(1000)}
+    read: list[int] = []
+    got = sc.load(target, uri, storage_options=opts, progress=read.append)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        sc.load(target, uri, storage_options=opts, progress=True)
+    return {"written": res.bytes_written, "save_calls": saved, "read": got.bytes_read, "load_calls": read,
+            "equal": torch.equal(target["w"].local_tensor, full[other]) and torch.equal(target["b"], state["b"]),
+            "stderr": err.getvalue()}
+
+
+def test_each_rank_reports_its_own_bytes(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    ranks = [r.unwrap() for r in run_ranks(2, two_rank_worker, kwargs={"uri": s3_uri, "opts": s3_opts},
+                                           timeout=180, pg_timeout=60)]
+    for r in ranks:
+        assert r["equal"]
+        assert r["save_calls"] and all(n > 0 for n in r["save_calls"]) and sum(r["save_calls"]) == r["written"]
+        assert r["load_calls"] and all(n > 0 for n in r["load_calls"]) and sum(r["load_calls"]) == r["read"]
+    # read_once: every byte of the checkpoint's tensors was fetched by exactly one rank
+    assert sum(r["read"] for r in ranks) == 64 * 256 * 4 + 1000 * 4
+    assert sum(r["written"] for r in ranks) == sum(sc.inspect(s3_uri, storage_options=s3_opts).files.values()) \
+        + ranks[0]["save_calls"][-1]  # the data files, and rank 0's manifest
+    assert ranks[0]["stderr"].startswith("load (rank 0 of 2): ") and ranks[1]["stderr"] == ""
