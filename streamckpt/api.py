@@ -80,7 +80,7 @@ def save(
         metadata: A JSON-serializable dict stored in the manifest (``sc.inspect(uri).metadata``).
             Default None: an empty dict.
         overwrite: Replace a committed checkpoint at ``uri``. Default False: refuse it.
-        progress: None (default): no report. A callable: called on this rank with the bytes
+        progress: None (default) or False: no report. A callable: called on this rank with the bytes
             this rank has just stored (each data file once uploaded, then the manifest on
             rank 0), so its calls add up to ``SaveResult.bytes_written``; when it has an
             ``add_total(nbytes)`` method, that is called first with the bytes to expect
@@ -249,7 +249,7 @@ def load(
             chunks (1 MiB by default) is exceeded, with a warning. Must be positive.
         max_concurrency: Range requests in flight per rank (default 32); also bounds the
             I/O worker threads of thread-based clients (at most 16). Must be positive.
-        progress: None (default): no report. A callable: called on this rank with the bytes
+        progress: None (default) or False: no report. A callable: called on this rank with the bytes
             just read from storage, so its calls add up to ``LoadResult.bytes_read``; when it
             has an ``add_total(nbytes)`` method, that is called first with the bytes the
             plan will read (again for a retried plan). True: a bar on stderr when it is a
@@ -521,7 +521,7 @@ def merge(
             as ``storage_options`` (the same store), never a default endpoint.
         process_group: The torch.distributed group whose ranks merge together. Default None:
             the default group when initialized, else this process alone.
-        progress: None (default): no report. A callable: called on this rank with the tensor
+        progress: None (default) or False: no report. A callable: called on this rank with the tensor
             bytes it has just written, so its calls add up to this rank's share of the
             tensors' bytes. True: a bar on stderr when it is a terminal, a line every few
             seconds otherwise (rank 0's bytes in a group).
