@@ -163,7 +163,6 @@ def async_save(
     Raises:
         CheckpointExistsError, IncompatibleStateDictError, CheckpointError: from the call,
             as in ``save`` (also for a bad ``staging_budget`` or ``progress``).
-        StagingMemoryError: the staging memory could not be allocated.
         StorageError, PeerError: from ``SaveHandle.result()``, as in ``save``.
 
     Example:
