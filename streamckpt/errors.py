@@ -80,7 +80,8 @@ class IncompatibleStateDictError(CheckpointError):
 
 
 class MissingKeysError(CheckpointError):
-    """``strict=True`` and the checkpoint lacks keys the state_dict asks for."""
+    """``strict=True`` and the checkpoint lacks keys the state_dict asks for (or ``keys=`` of
+    ``load_full``/``load_state`` names what it does not hold). ``missing_keys``: those keys."""
 
     def __init__(self, message: str, missing_keys: list[str] | None = None) -> None:
         super().__init__(message)
@@ -135,12 +136,17 @@ __all__ = [
 ]
 
 
+def near_names(name: str, known: Iterable[str], n: int = 3) -> list[str]:
+    """Up to ``n`` names of ``known`` spelled close to ``name``, closest first."""
+    return difflib.get_close_matches(name, list(known), n=n, cutoff=0.75)
+
+
 def close_to(absent: list[str], known: Iterable[str], *, limit: int = 3) -> str:
     """``" (did you mean 'x'?)"`` for the first absent name with near spellings among ``known``
     (a typo'd key or option is the commonest way to miss one), else ``""``."""
     names = list(known)
     for name in absent[:limit]:
-        near = difflib.get_close_matches(name, names, n=3, cutoff=0.75)
+        near = near_names(name, names)
         if near:
             return f" (did you mean {' or '.join(repr(n) for n in near)} for {name!r}?)"
     return ""

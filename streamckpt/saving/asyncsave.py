@@ -46,7 +46,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -60,14 +60,24 @@ from . import writeplan
 from .saver import CANCELLED, Prepared, prepare, write_and_commit
 from .staging import StagingArea, copy_all
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 log = logging.getLogger(__name__)
 
 EXIT_WAIT_SECONDS = 60.0  # how long an exiting process waits for a cancelled save to stop
 
 
 class SaveHandle:
-    """An ``async_save`` in flight: ``result()`` waits for the commit (or raises the save's
-    error, on every rank); ``done()`` says whether it has finished."""
+    """An ``sc.async_save`` in flight: ``result()`` waits for the commit (or raises the save's
+    error, on every rank); ``done()`` says whether it has finished.
+
+    Made by ``async_save``; its constructor's ``future`` (of the ``SaveResult``), ``cancel``
+    and ``release`` (what ``cancel()`` and ``release_staging()`` call) are internal.
+
+    Attributes:
+        uri: The checkpoint's URI.
+    """
 
     def __init__(self, future: "cf.Future[SaveResult]", uri: str, cancel: Any = None,
                  release: Callable[[], None] | None = None) -> None:
@@ -80,24 +90,51 @@ class SaveHandle:
         """Wait for this save to end, then free the host memory it staged through (page-locked
         for CUDA tensors), which its process group otherwise keeps for the next ``async_save``
         (that one then allocates it again). A no-op while a later save on the group is in flight
-        (its own handle can release it), or when a later save has staged elsewhere."""
+        (its own handle can release it), or when a later save has staged elsewhere.
+
+        Raises nothing: the save's own error is ``result()``'s."""
         self.wait()
         if self._release is not None:
             self._release()
 
     def cancel(self, timeout: float = 60.0) -> bool:
         """Stop the save: no manifest is written (every rank's ``result()`` raises).
-        Returns whether it ended within ``timeout`` seconds."""
+
+        Args:
+            timeout: Seconds to wait for the upload to stop (default 60).
+
+        Returns:
+            bool: whether the save ended within ``timeout`` seconds.
+        """
         if self._cancel is not None and not self.done():
             self._cancel()
         done, _ = cf.wait([self._future], timeout)
         return bool(done)
 
     def result(self, timeout: float | None = None) -> SaveResult:
+        """Wait for the commit and return this rank's ``SaveResult``.
+
+        Args:
+            timeout: Seconds to wait at most. Default None: as long as it takes.
+
+        Returns:
+            SaveResult: as ``sc.save`` returns it.
+
+        Raises:
+            TimeoutError: the save has not ended within ``timeout`` (it goes on).
+            CheckpointError: the save's error (a ``StorageError``, ``PeerError``, ...), the
+                same on every rank; nothing was committed.
+        """
         return self._future.result(timeout)
 
     def done(self) -> bool:
+        """Whether the save has ended (committed or failed); never waits."""
         return self._future.done()
+
+    def add_done_callback(self, fn: Callable[["SaveHandle"], None]) -> None:
+        """Call ``fn(handle)`` once the save has ended (committed or failed), from the upload
+        thread; at once, here, if it has ended already. ``fn`` may call ``result()``."""
+        self._future.add_done_callback(lambda _: fn(self))
 
     def wait(self) -> None:
         """Wait for the save to end, whatever its outcome (its owner sees the error)."""
@@ -207,23 +244,6 @@ def _session_for(process_group: Any) -> _Session:
     return session
 
 
-def async_save(
-    state_dict: Mapping[str, Any],
-    uri: str,
-    *,
-    storage_options: dict[str, Any] | None = None,
-    process_group: Any = None,
-    compression: str | None = None,
-    metadata: dict[str, Any] | None = None,
-    overwrite: bool = False,
-    staging_budget: int | None = None,
-) -> SaveHandle:
-    """Like ``save``, but returns once this rank's share of the state is staged (see the module doc)."""
-    return start_save(state_dict, uri, storage_options=storage_options, process_group=process_group,
-                      compression=compression, metadata=metadata, overwrite=overwrite,
-                      staging_budget=staging_budget)
-
-
 def start_save(
     state_dict: Mapping[str, Any],
     uri: str,
@@ -235,8 +255,11 @@ def start_save(
     overwrite: bool = False,
     staging_budget: int | None = None,
     cuda: CudaApi | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> SaveHandle:
-    """``async_save`` with the CUDA runtime named (``cuda``: a test's stand-in; None: torch's)."""
+    """What ``sc.async_save`` runs (its doc says what each argument does), with the CUDA runtime
+    named (``cuda``: a test's stand-in; None: torch's). ``progress``: a callable, called from
+    the upload thread with each object's size once stored."""
     if staging_budget is not None and (not isinstance(staging_budget, (int, float)) or isinstance(staging_budget, bool)
                                        or not staging_budget > 0):
         raise CheckpointError(f"staging_budget must be a positive number of bytes or None, got {staging_budget!r}")
@@ -257,13 +280,14 @@ def start_save(
     gpu = next((d for d in devices if d.type == "cuda"), None)
     share = StagingArea.needed(it.spec.nbytes for it in prep.items)
     area = session.staging(staging_budget, gpu, share, cuda)
-    handle = _start(session.comm, storage, prep, area, cuda, lambda: session.release(area))
+    handle = _start(session.comm, storage, prep, area, cuda, lambda: session.release(area), progress)
     session.last = handle
     return handle
 
 
 def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, area: StagingArea,
-           cuda: CudaApi | None, release: Callable[[], None]) -> SaveHandle:
+           cuda: CudaApi | None, release: Callable[[], None],
+           progress: Callable[[int], None] | None = None) -> SaveHandle:
     shards = [StagedShard(it.spec) for it in prep.items]
     future: cf.Future[SaveResult] = cf.Future()
     cancelled = threading.Event()
@@ -276,7 +300,8 @@ def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, area: S
         outcome: SaveResult | BaseException
         try:
             outcome = write_and_commit(comm, storage, prep, shards,  # type: ignore[arg-type]
-                                       on_written=released, cuda=cuda, cancelled=cancelled.is_set)
+                                       on_written=released, cuda=cuda, progress=progress,
+                                       cancelled=cancelled.is_set)
         except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
             area.fail()
             outcome = e

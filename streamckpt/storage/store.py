@@ -436,9 +436,11 @@ class Storage:
 
         return asyncio.run_coroutine_threadsafe(put(), self._loop)
 
-    def open_objects(self, *, buffers: int, buffer_bytes: int) -> ObjectQueue:
+    def open_objects(self, *, buffers: int, buffer_bytes: int,
+                     on_uploaded: Callable[[int], None] | None = None) -> ObjectQueue:
         """Whole objects uploaded several at once from ``buffers`` reused buffers (see ``ObjectQueue``)."""
-        return ObjectQueue(self.write_bytes_async, self.delete, buffers=buffers, buffer_bytes=buffer_bytes)
+        return ObjectQueue(self.write_bytes_async, self.delete, buffers=buffers, buffer_bytes=buffer_bytes,
+                           on_uploaded=on_uploaded)
 
     def delete(self, name: str, *, recursive: bool = False) -> None:
         try:

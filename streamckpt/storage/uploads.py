@@ -162,12 +162,16 @@ class ObjectQueue:
     reuses its buffer. Memory: at most ``buffers`` buffers of about ``buffer_bytes``.
     ``finish`` waits for every upload and raises the first failure; after a failure the
     objects already written are deleted (best effort), so a failed save leaves little behind.
+    ``on_uploaded(nbytes)`` is called on the saving thread with each object's size once the
+    store has it (a save's ``progress``).
     """
 
     def __init__(self, put: Callable[[str, memoryview], "cf.Future[Any]"], delete: Callable[[str], None], *,
-                 buffers: int, buffer_bytes: int) -> None:
+                 buffers: int, buffer_bytes: int, on_uploaded: Callable[[int], None] | None = None) -> None:
         self._put = put
         self._delete = delete
+        self._on_uploaded = on_uploaded
+        self._sizes: dict[str, int] = {}
         self.buffers = max(1, buffers)
         self.buffer_bytes = max(1, buffer_bytes)
         self._sending: collections.deque[tuple[str, cf.Future[Any], bytearray]] = collections.deque()
@@ -188,6 +192,7 @@ class ObjectQueue:
 
     def submit(self, name: str, buf: bytearray, nbytes: int) -> None:
         """Upload ``buf[:nbytes]`` as object ``name``; ``buf`` is the queue's until that ends."""
+        self._sizes[name] = nbytes
         self._sending.append((name, self._put(name, memoryview(buf)[:nbytes]), buf))
 
     def finish(self) -> list[str]:
@@ -221,6 +226,9 @@ class ObjectQueue:
             raise StorageError(f"writing {name} failed: {type(e).__name__}: {e}") from None
         self._written.append(name)
         self._free.append(buf)
+        nbytes = self._sizes.pop(name, 0)
+        if self._on_uploaded is not None:
+            self._on_uploaded(nbytes)
 
 
 def delete_written(delete: Callable[[str], None], names: Sequence[str], where: str) -> None:
