@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
+from importlib import resources
 from typing import Any, Mapping, Sequence
 
 import yaml
 
-from ..errors import TransformError
+from ..errors import TransformError, close_to
 from .apply import Step, apply_rule
 from .inverse import inverse_rules
 from .pieces import leaf_tensor
@@ -32,15 +34,15 @@ class Transforms:
     @classmethod
     def from_yaml(cls, path_or_uri: str | os.PathLike[str],
                   storage_options: dict[str, Any] | None = None) -> "Transforms":
-        """Read ``{rules: [...]}`` from a YAML file at a path or fsspec URI."""
-        import fsspec  # local: keep the pure parts importable without touching fsspec
-
+        """Read ``{rules: [...]}`` from a YAML file at a path or fsspec URI, or a preset shipped
+        with the package by its name (``"hf_llama_to_vllm"``: a name without ``/``, ``.`` or
+        ``:``; :func:`presets` lists them)."""
         where = os.fspath(path_or_uri)
-        try:
-            with fsspec.open(where, "rb", **(storage_options or {})) as fh:
-                text = fh.read()
-        except (OSError, ValueError) as exc:
-            raise TransformError(f"cannot read transforms file {where!r}: {exc}") from exc
+        if is_preset_name(where):
+            text = preset_text(where)
+            where = f"preset {where!r}"
+        else:
+            text = _read(where, storage_options)
         try:
             doc = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -88,8 +90,49 @@ class Transforms:
         return view
 
 
+_PRESET_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _presets_dir() -> Any:
+    return resources.files(__package__).joinpath("presets")
+
+
+def presets() -> list[str]:
+    """The names of the rule files shipped in ``streamckpt/transforms/presets/``, sorted."""
+    return sorted(p.name[:-len(".yaml")] for p in _presets_dir().iterdir() if p.name.endswith(".yaml"))
+
+
+def is_preset_name(text: str) -> bool:
+    """A bare name (letters, digits, ``_``, ``-``): a preset, never a path or a URI."""
+    return _PRESET_NAME.fullmatch(text) is not None
+
+
+def preset_text(name: str) -> bytes:
+    """The YAML of preset ``name``; an unknown name is a TransformError listing the presets."""
+    known = presets()
+    if name not in known:
+        raise TransformError(
+            f"no transforms preset named {name!r}{close_to([name], known)}; the presets shipped with "
+            f"streamckpt are {', '.join(known)}; for your own rules pass a YAML path or URI "
+            f"(with a '/' or a '.': './{name}.yaml'), a list of rules or sc.Transforms")
+    return _presets_dir().joinpath(f"{name}.yaml").read_bytes()
+
+
+def _read(where: str, storage_options: dict[str, Any] | None) -> bytes:
+    import fsspec  # local: keep the pure parts importable without touching fsspec
+
+    try:
+        with fsspec.open(where, "rb", **(storage_options or {})) as fh:
+            return fh.read()
+    except (OSError, ValueError) as exc:
+        stem = os.path.basename(where).removesuffix(".yaml")
+        hint = f" (a preset shipped with streamckpt is named {stem!r}: pass just that)" if stem in presets() else ""
+        raise TransformError(f"cannot read transforms file {where!r}: {exc}{hint}") from exc
+
+
 def as_transforms(obj: Any, storage_options: dict[str, Any] | None = None) -> Transforms | None:
-    """None | Transforms | list of rule dicts | ``{rules: [...]}`` | YAML path/URI -> Transforms or None."""
+    """None | Transforms | list of rule dicts | ``{rules: [...]}`` | YAML path/URI | preset name
+    -> Transforms or None."""
     if obj is None:
         return None
     if isinstance(obj, Transforms):
@@ -103,6 +146,6 @@ def as_transforms(obj: Any, storage_options: dict[str, Any] | None = None) -> Tr
     if isinstance(obj, (list, tuple)):
         return Transforms.from_rules(list(obj))
     raise TransformError(
-        f"transforms must be None, sc.Transforms, a list of rules or a YAML path/URI; "
+        f"transforms must be None, sc.Transforms, a list of rules, a YAML path/URI or a preset name; "
         f"got {type(obj).__name__}"
     )
