@@ -238,6 +238,7 @@ def test_readme_runs_in_order(page: list[Block], server: int, workdir: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_readme_runs_in_order_with_its_slow_blocks(page: list[Block], server: int, workdir: Path) -> None:
     """The whole page in order: the blocks above and the slow ones (process groups: load-bench
     and the demo, the torchrun pair where 4 processes save and 2 resume)."""
