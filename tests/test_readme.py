@@ -231,6 +231,24 @@ def test_every_block_is_run_or_skipped_with_a_reason(page: list[Block]) -> None:
     assert sum("slow" in b.marks for b in page) <= 2
 
 
+def test_the_harness_parses_marks_and_reports_a_failing_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "from-the-caller")  # never reaches a block
+    md = tmp_path / "page.md"
+    md.write_text("# t\n\n<!-- prints: port 9000 -->\n```python\nimport os\n"
+                  "print('port 9000', os.environ.get('AWS_ACCESS_KEY_ID'))\n```\n\n"
+                  "```text\nnot code\n```\n<!-- not-run: a reason -->\n\n```bash\necho hi\n"
+                  "false\necho unreachable\n```\n")
+    first, second = blocks(md)
+    assert (first.line, first.lang, first.marks) == (4, "python", {"prints": "port 9000"})
+    assert (second.line, second.lang, second.marks, second.first) == (14, "bash", {"not-run": "a reason"}, "echo hi")
+    (tmp_path / "work").mkdir()
+    ok = run_block(first, 4321, tmp_path / "work")  # the page's port becomes the server's
+    assert (ok.rc, ok.output) == (-998, "expected 'port 9000' in the output\nport 4321 None\n")
+    bad = run_block(second, 4321, tmp_path / "work")
+    assert (bad.rc, bad.output) == (1, "hi\n")  # bash -e: the first failing command ends the block
+    assert bad.report().startswith("README.md:14 (bash, ")
+
+
 def test_readme_runs_in_order(page: list[Block], server: int, workdir: Path) -> None:
     todo = [b for b in page if not {"not-run", "background", "slow"} & set(b.marks)]
     done = _run_in_order(todo, server, workdir)
