@@ -1,7 +1,12 @@
-"""streamckpt: stream sharded PyTorch checkpoints from object storage into any layout."""
+"""streamckpt: stream sharded PyTorch checkpoints from object storage into any layout.
 
-from .api import inspect, latest, load, load_full, load_state, merge, save
-from .saving.asyncsave import SaveHandle, async_save
+See docs/API.md (or ``help()`` of each name in ``__all__``) for the reference.
+"""
+
+from typing import TYPE_CHECKING
+
+from .api import async_save, inspect, latest, load, load_full, load_state, merge, save
+from .saving.asyncsave import SaveHandle
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -12,11 +17,15 @@ from .errors import (
     PeerError,
     StagingMemoryError,
     StorageError,
+    StorageOptionError,
     TransformError,
     UnsupportedVersionError,
 )
 from .core.sharded import ShardedTensor
 from .results import CheckpointInfo, LoadResult, SaveResult, TensorInfo
+
+if TYPE_CHECKING:  # imported on first use (``__getattr__``); type checkers see the class
+    from .transforms import Transforms
 
 __version__ = "0.1.0"
 
@@ -24,7 +33,8 @@ __all__ = [
     "save", "async_save", "SaveHandle", "load", "load_full", "load_state", "merge", "inspect", "latest",
     "ShardedTensor", "LoadResult", "SaveResult", "CheckpointInfo", "TensorInfo",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
-    "IncompatibleStateDictError", "MissingKeysError", "PeerError", "StagingMemoryError", "StorageError", "TransformError",
+    "IncompatibleStateDictError", "MissingKeysError", "PeerError", "StagingMemoryError", "StorageError", "StorageOptionError",
+    "TransformError",
     "UnsupportedVersionError",
 ]
 

@@ -6,8 +6,9 @@ JSON when they can be: ``--storage-option client_kwargs.verify=false``); the
 standard AWS environment variables work through s3fs/botocore. Long operations
 show their progress on stderr unless ``--quiet``: a bar on a terminal, a plain
 line every few seconds elsewhere. A ``CheckpointError`` prints its message on
-stderr and exits with status 2, as does a bad argument (with the command's
-usage). Output into a pipe closed early (``| head``) ends quietly with status 141
+stderr (its hint in this command line's words: ``--storage-option key=...``, not
+``storage_options={...}``) and exits with status 2, as does a bad argument (with
+the command's usage). Output into a pipe closed early (``| head``) ends quietly with status 141
 (128 + SIGPIPE, what a shell reports for a command killed by a closed pipe).
 """
 
@@ -21,7 +22,7 @@ import re
 import sys
 from typing import Any, Sequence
 
-from .errors import CheckpointError
+from .errors import CLI, CheckpointError
 from .loading.verify import verify_checkpoint
 from .results import human_bytes as human
 from .results import plural
@@ -496,7 +497,7 @@ def _run(argv: Sequence[str] | None) -> int:
     try:
         return int(args.func(args) or 0)
     except CheckpointError as e:
-        print(f"streamckpt {args.command}: error: {e}", file=sys.stderr)
+        print(f"streamckpt {args.command}: error: {e.render(CLI)}", file=sys.stderr)
         return EXIT_CHECKPOINT_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -101,10 +101,26 @@ class _Prefix:
 
 
 class StorageWriter(tdcp.StorageWriter):
-    """DCP writes through streamckpt's uploads into a native checkpoint (see module doc).
+    """A ``torch.distributed.checkpoint`` writer that leaves a native streamckpt checkpoint.
 
-    ``compression``: None or ``"zstd"``; ``overwrite``: replace a committed checkpoint;
-    ``metadata``: a JSON dict kept in the manifest.
+    ``dcp.save(state, storage_writer=StorageWriter(uri, storage_options=opts))`` (also
+    ``dcp.async_save``): DCP plans, streamckpt uploads (checksummed data files, the manifest
+    written last by the coordinator, so a failed save commits nothing). Read it back with
+    ``StorageReader``, ``sc.load`` or ``sc.load_state`` (see the module doc).
+
+    Args:
+        uri: The checkpoint's directory: an fsspec URL or local path (DCP's
+            ``checkpoint_id`` replaces it when given).
+        storage_options: Passed to fsspec unchanged. Default None.
+        compression: None (default) or ``"zstd"``, as in ``sc.save``.
+        overwrite: Replace a committed checkpoint at ``uri``. Default False: refuse it
+            (``CheckpointExistsError``, in DCP's ``CheckpointException``).
+        metadata: A JSON-serializable dict kept in the manifest. Default None.
+        object_bytes: The size data files are cut to on upload, one request each
+            (default 8 MiB).
+
+    Raises:
+        CheckpointError: ``compression`` is not None or ``"zstd"``.
     """
 
     def __init__(self, uri: str | os.PathLike, *, storage_options: dict[str, Any] | None = None,
@@ -343,10 +359,24 @@ class _Unit:
 
 
 class StorageReader(tdcp.StorageReader):
-    """DCP reads any checkpoint ``sc.load`` reads, by byte ranges (see module doc).
+    """A ``torch.distributed.checkpoint`` reader of any checkpoint ``sc.load`` reads, by byte ranges.
 
-    ``memory_budget`` bounds the bytes fetched per batch of items; ``max_concurrency``
-    the range requests in flight."""
+    ``dcp.load(state, storage_reader=StorageReader(uri, storage_options=opts))`` on a
+    native, Hugging Face or DCP checkpoint: each ``ReadItem`` costs only the byte ranges
+    of its sub-box (checksummed where the format has checksums). ``stats`` (a
+    ``ReadStats``) counts what the last load fetched: ``bytes_read``, ``bytes_needed``,
+    ``requests``.
+
+    Args:
+        uri: The checkpoint: an fsspec URL or local path (DCP's ``checkpoint_id`` replaces
+            it when given).
+        storage_options: Passed to fsspec unchanged. Default None.
+        memory_budget: Bytes fetched per batch of read items (default 256 MiB).
+        max_concurrency: Range requests in flight (default 32).
+
+    Raises:
+        CheckpointError: ``memory_budget`` or ``max_concurrency`` is not positive.
+    """
 
     def __init__(self, uri: str | os.PathLike, *, storage_options: dict[str, Any] | None = None,
                  memory_budget: int = MEMORY_BUDGET, max_concurrency: int = 32) -> None:

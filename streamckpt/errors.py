@@ -7,11 +7,59 @@ helps, what to do about it.
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+import json
+from typing import Any, Iterable, Mapping, Union
+
+PYTHON = "python"  # the fronts a hint is worded for: the library's calls ...
+CLI = "cli"  # ... and the ``streamckpt`` command line
+
+Phrase = Mapping[str, str]  # one phrase per front ({PYTHON: ..., CLI: ...}); PYTHON is the fallback
+
+
+class Hint:
+    """What to do about an error, kept apart from its message so that each front end words it
+    in its own syntax: ``parts`` are plain text and phrases (``{front: words}``), such as the
+    storage options to pass, ``storage_options={'key': ...}`` in Python and
+    ``--storage-option key=...`` on the command line (``options``)."""
+
+    def __init__(self, *parts: Union[str, Phrase]) -> None:
+        self.parts = parts
+
+    def render(self, front: str = PYTHON) -> str:
+        return "".join(p if isinstance(p, str) else p.get(front, p[PYTHON]) for p in self.parts)
+
+    def __repr__(self) -> str:
+        return f"Hint({self.render()!r})"
+
+
+def options(**values: Any) -> Phrase:
+    """Storage options to pass, as a phrase: ``storage_options={'key': ...}`` /
+    ``--storage-option key=...`` (``...``: a value for the user to fill in)."""
+    py = ", ".join(f"{k!r}: {'...' if v is ... else repr(v)}" for k, v in values.items())
+    cli = " ".join(f"--storage-option {k}={'...' if v is ... else json.dumps(v) if not isinstance(v, str) else v}"
+                   for k, v in values.items())
+    return {PYTHON: f"storage_options={{{py}}}", CLI: cli}
 
 
 class CheckpointError(Exception):
     """Base class of every error streamckpt raises on purpose."""
+
+    hint: Hint | None = None
+
+    def __init__(self, *args: Any, hint: Hint | None = None) -> None:
+        if hint is not None:
+            self.hint, self._head = hint, str(args[0]) if args else ""
+            args = (self._worded(PYTHON), *args[1:])
+        super().__init__(*args)
+
+    def _worded(self, front: str) -> str:
+        assert self.hint is not None
+        return f"{self._head}: {self.hint.render(front)}" if self._head else self.hint.render(front)
+
+    def render(self, front: str = PYTHON) -> str:
+        """The message with its hint worded for ``front`` (``PYTHON``: ``str(self)``; ``CLI``:
+        storage options as ``--storage-option`` flags, calls as ``streamckpt`` commands)."""
+        return str(self) if self.hint is None else self._worded(front)
 
 
 class CheckpointNotFoundError(CheckpointError):
@@ -32,7 +80,8 @@ class IncompatibleStateDictError(CheckpointError):
 
 
 class MissingKeysError(CheckpointError):
-    """``strict=True`` and the checkpoint lacks keys the state_dict asks for."""
+    """``strict=True`` and the checkpoint lacks keys the state_dict asks for (or ``keys=`` of
+    ``load_full``/``load_state`` names what it does not hold). ``missing_keys``: those keys."""
 
     def __init__(self, message: str, missing_keys: list[str] | None = None) -> None:
         super().__init__(message)
@@ -41,6 +90,17 @@ class MissingKeysError(CheckpointError):
 
 class StorageError(CheckpointError):
     """Storage kept failing after retries (names object and byte range)."""
+
+
+class StorageOptionError(StorageError):
+    """A storage option that the URI's client does not take (a misspelt name, most often):
+    names the option, the URI and the option it was likely meant to be."""
+
+    def __init__(self, message: str, option: str = "", suggestions: Iterable[str] = (),
+                 hint: Hint | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.option = option
+        self.suggestions = list(suggestions)
 
 
 class TransformError(CheckpointError):
@@ -62,6 +122,7 @@ class PeerError(CheckpointError):
 
 __all__ = [
     "CheckpointError",
+    "StorageOptionError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "UnsupportedVersionError",
@@ -75,12 +136,17 @@ __all__ = [
 ]
 
 
+def near_names(name: str, known: Iterable[str], n: int = 3) -> list[str]:
+    """Up to ``n`` names of ``known`` spelled close to ``name``, closest first."""
+    return difflib.get_close_matches(name, list(known), n=n, cutoff=0.75)
+
+
 def close_to(absent: list[str], known: Iterable[str], *, limit: int = 3) -> str:
     """``" (did you mean 'x'?)"`` for the first absent name with near spellings among ``known``
     (a typo'd key or option is the commonest way to miss one), else ``""``."""
     names = list(known)
     for name in absent[:limit]:
-        near = difflib.get_close_matches(name, names, n=3, cutoff=0.75)
+        near = near_names(name, names)
         if near:
             return f" (did you mean {' or '.join(repr(n) for n in near)} for {name!r}?)"
     return ""

@@ -84,7 +84,7 @@ from lightning.fabric.plugins import CheckpointIO
 from . import api
 from .core.manifest import MANIFEST_NAME
 from .errors import CheckpointError, IncompatibleStateDictError
-from .saving.asyncsave import SaveHandle, async_save as _async_save
+from .saving.asyncsave import SaveHandle
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -99,11 +99,22 @@ _HINT = ("; Lightning checkpoints hold only tensors and plain data with streamck
 class StreamCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` whose checkpoints are streamckpt checkpoints (see the module doc).
 
-    ``storage_options`` go to fsspec as for ``sc.save``, and become fsspec's defaults for
-    ``fsspec_protocol`` (so that ``ModelCheckpoint``'s own filesystem reaches the same store;
-    ``None``: not); ``compression`` is ``None`` or ``"zstd"``; ``async_save`` uploads in the
-    background (``sc.async_save``), with at most ``staging_budget`` bytes of host staging
-    memory (None: the whole checkpoint)."""
+    ``Trainer(plugins=[StreamCheckpointIO(opts)], default_root_dir="s3://bucket/run")``:
+    each checkpoint path becomes a checkpoint prefix, saved with ``sc.save`` (or
+    ``sc.async_save``) and read back with ``sc.load_state`` (no pickle).
+
+    Args:
+        storage_options: fsspec options, as for ``sc.save``; they also become fsspec's
+            defaults for ``fsspec_protocol``. Default None.
+        compression: None (default) or ``"zstd"``, as in ``sc.save``.
+        async_save: Upload in the background (``sc.async_save``); the next save, a load of
+            the same checkpoint or ``teardown`` waits for it. Default False.
+        staging_budget: Host staging bytes of a background save, as in ``sc.async_save``.
+            Default None: the whole checkpoint.
+        fsspec_protocol: The protocol whose fsspec defaults get ``storage_options``, so
+            that ``ModelCheckpoint``'s own filesystem reaches the same store (default
+            ``"s3"``; None: leave fsspec's defaults alone).
+    """
 
     def __init__(self, storage_options: dict[str, Any] | None = None, *, compression: str | None = None,
                  async_save: bool = False, staging_budget: int | None = None,
@@ -129,7 +140,7 @@ class StreamCheckpointIO(CheckpointIO):
                                       overwrite=True)
         try:
             if self.async_save:
-                handle = _async_save(checkpoint, uri, staging_budget=self.staging_budget, **kwargs)
+                handle = api.async_save(checkpoint, uri, staging_budget=self.staging_budget, **kwargs)
                 self._pending = (uri, handle)
                 log.info("saving the checkpoint to %s in the background", uri)
                 return

@@ -214,7 +214,7 @@ def write_file(manifest: Manifest, storage: Storage, out: Storage, f: OutFile, o
             for t in tensors:
                 up.write(_raw(t))
                 written += t.numel() * t.element_size()
-                if progress is not None:
+                if progress is not None and t.numel():
                     progress(t.numel() * t.element_size())
             del tensors
         expected = len(head) + f.nbytes

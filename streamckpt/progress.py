@@ -1,11 +1,13 @@
-"""Byte progress for long CLI operations, on stderr (or a stream the caller names).
+"""Byte progress of long operations, on stderr (or a stream the caller names).
 
-The library reports progress through a plain ``Callable[[int], None]`` (bytes
-done since the last call); this module turns such calls into a tqdm bar when the
-stream is a terminal, into one plain line every few seconds (and a final one)
-when it is not (a log file, CI, a pipe: no ``\\r``), or into nothing when the
-user asked for quiet. It is CLI wiring, not library code: the library itself
-only calls the callable (and ``add_total`` when the callable has one).
+The library reports progress through a plain ``Callable[[int], None]``: it is called
+with the bytes done *since the previous call* (always positive, so the running sum only
+grows), and ``add_total(nbytes)`` is called too when the callable has such a method
+(the bytes the operation expects to report, once known). This module turns such calls
+into a tqdm bar when the stream is a terminal, into one plain line every few seconds
+(and a final one) when it is not (a log file, CI, a pipe: no ``\\r``), or into nothing
+when the user asked for quiet. ``progress=True`` on a public call (``ByteProgress``
+through ``reporting``/``reporter``) and the CLI both draw it.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any, Callable, TextIO
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TextIO, Union
 
 from .results import human_bytes
 
 LINE_INTERVAL = 5.0  # seconds between two plain lines
+
+Progress = Union[Callable[[int], None], bool, None]
+"""What the public calls take as ``progress=``: a callable, True (draw it) or None/False (nothing)."""
 
 
 def is_terminal(stream: Any) -> bool:
@@ -144,3 +150,38 @@ class ByteProgress:
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         self.close(failed=exc_type is not None)
+
+
+def reporter(progress: Progress, desc: str, *, rank: int = 0, world_size: int = 1,
+             ) -> tuple[Callable[[int], None] | None, ByteProgress | None]:
+    """``progress=`` of a public call as ``(callback to pass down, display to close)``.
+
+    A callable is passed down as it is (every rank calls its own); True makes a
+    ``ByteProgress`` on stderr, on rank 0 only in a group of several ranks (its bytes are
+    rank 0's share: the description says so), which the caller must ``close``; None or
+    False: nothing. Anything else is a ``CheckpointError``."""
+    if progress is None or progress is False:
+        return None, None
+    if progress is True:
+        if rank != 0:
+            return None, None
+        bar = ByteProgress(desc if world_size == 1 else f"{desc} (rank 0 of {world_size})")
+        return bar, bar
+    if callable(progress):
+        return progress, None
+    from .errors import CheckpointError
+
+    raise CheckpointError(f"progress must be a callable taking a byte count, True or None, got {progress!r}")
+
+
+@contextmanager
+def reporting(progress: Progress, desc: str, *, rank: int = 0, world_size: int = 1,
+              ) -> Iterator[Callable[[int], None] | None]:
+    """``reporter`` as a context manager: the display it made (if any) is closed on exit
+    (its final line says how far it got when the block raised)."""
+    callback, bar = reporter(progress, desc, rank=rank, world_size=world_size)
+    if bar is None:
+        yield callback
+        return
+    with bar:
+        yield callback

@@ -31,7 +31,25 @@ def abbreviate(text: str, width: int = ABBREVIATE_AT) -> str:
 
 @dataclass(slots=True)
 class LoadResult:
-    """Per-rank statistics of one ``load`` (and the keys that did not match)."""
+    """What one ``sc.load`` did on this rank: the keys that did not match, and its statistics.
+
+    Attributes:
+        missing_keys: Keys of this rank's state_dict the checkpoint lacks (sorted); with
+            ``strict=False`` they were left as they were.
+        unexpected_keys: Names in the checkpoint (after transforms) that this rank's
+            state_dict does not ask for (sorted).
+        bytes_read: Bytes this rank fetched from storage.
+        bytes_needed: Bytes of this rank's targets that were filled.
+        requests: Range requests this rank made.
+        bytes_sent: Bytes this rank sent to other ranks (``read_once``).
+        bytes_received: Bytes this rank received from other ranks.
+        seconds: Wall time of the call on this rank.
+        rounds: Staging rounds of the plan (each bounded by the memory budget).
+        staging_bytes: Staging buffer bytes this rank allocated.
+        kind: The checkpoint's kind: ``"streamckpt"``, ``"safetensors"`` or ``"dcp"``.
+        bytes_direct: Of ``bytes_read``, the bytes that landed straight in this rank's
+            targets, with no staging copy.
+    """
 
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
@@ -48,6 +66,9 @@ class LoadResult:
 
     @property
     def read_amplification(self) -> float:
+        """``bytes_read / bytes_needed`` (0.0 when nothing was needed): above 1 when reads
+        cover more than the targets (whole checksum chunks, coalesced gaps, bytes read for
+        other ranks)."""
         return self.bytes_read / self.bytes_needed if self.bytes_needed else 0.0
 
     def __str__(self) -> str:
@@ -63,7 +84,15 @@ class LoadResult:
 
 @dataclass(slots=True)
 class SaveResult:
-    """Per-rank statistics of one ``save``."""
+    """What one ``sc.save`` (or an ``sc.async_save``'s ``SaveHandle.result()``) did on this rank.
+
+    Attributes:
+        bytes_written: Bytes this rank stored (its data files, and on rank 0 the manifest).
+        files: The objects this rank wrote, relative to the checkpoint URI
+            (``data/00000-0000.safetensors``, ..., ``manifest.json`` on rank 0).
+        seconds: Wall time from the call until the commit, on this rank.
+        uri: The checkpoint's URI.
+    """
 
     bytes_written: int = 0
     files: list[str] = field(default_factory=list)
@@ -79,6 +108,7 @@ class DtypeName(str):
 
     @property
     def torch(self) -> Any:
+        """The torch dtype of this code."""
         from .core import dtypes
 
         return dtypes.to_torch(str(self))
@@ -108,7 +138,15 @@ class DtypeName(str):
 
 
 class TensorInfo(NamedTuple):
-    """One tensor of a checkpoint: unpacks as ``shape, dtype, shards, bytes``."""
+    """One tensor of a checkpoint, in ``CheckpointInfo.tensors``: unpacks as ``shape, dtype, shards, bytes``.
+
+    Attributes:
+        shape: The global shape.
+        dtype: The stored dtype code (``"BF16"``, ``"F32"``), which also compares equal to
+            the torch dtype (``torch.bfloat16``) and torch's names (``"bfloat16"``).
+        shards: How many stored pieces make up the tensor.
+        bytes: The tensor's size in bytes (uncompressed).
+    """
 
     shape: tuple[int, ...]
     dtype: DtypeName
@@ -118,7 +156,18 @@ class TensorInfo(NamedTuple):
 
 @dataclass(slots=True)
 class CheckpointInfo:
-    """What ``inspect`` reports about a checkpoint, without reading tensor data."""
+    """What ``sc.inspect`` reports about a checkpoint, without reading tensor data;
+    ``str()`` of it is a readable table.
+
+    Attributes:
+        uri: The checkpoint's URI.
+        kind: ``"streamckpt"``, ``"safetensors"`` (Hugging Face) or ``"dcp"`` (PyTorch DCP).
+        tensors: Name to ``TensorInfo`` (shape, dtype, shards, bytes), in stored order.
+        total_bytes: Bytes of tensor data (uncompressed).
+        metadata: The user metadata stored with the checkpoint (``save(metadata=...)``).
+        values: The non-tensor values (dotted name to value).
+        files: Data file name to its stored size in bytes.
+    """
 
     uri: str
     kind: str
@@ -130,9 +179,11 @@ class CheckpointInfo:
 
     @property
     def stored_bytes(self) -> int:
+        """Bytes of the data files as stored (compressed, with headers)."""
         return sum(self.files.values())
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable dict of everything above (shapes as lists, values whole)."""
         return {
             "uri": self.uri,
             "kind": self.kind,

@@ -14,12 +14,31 @@ from .regions import Box
 
 @dataclass(eq=False)
 class ShardedTensor:
-    """A rank's piece of a global tensor, for save and load.
+    """This rank's piece of a global tensor, as a value of a state_dict for ``save`` and ``load``.
 
     Without ``flat_range`` the local tensor is the box ``local_shape`` at
     ``global_offset``. With ``flat_range=(start, stop)`` the local tensor is the
     1-D slice ``[start, stop)`` of the row-major flattening of that box (ZeRO /
-    FSDP flat-parameter shards). Inconsistent geometry raises at construction.
+    FSDP flat-parameter shards). Across the ranks of a save, the distinct pieces must
+    tile the global tensor exactly once (replicas may repeat a piece).
+
+    Args:
+        local_tensor: This rank's elements (CPU or CUDA); a load fills it in place.
+        global_shape: The whole tensor's shape.
+        global_offset: Where the box starts in the whole tensor, one index per dimension.
+        local_shape: The box's shape. Default None: the local tensor's shape (required
+            with ``flat_range``).
+        flat_range: ``(start, stop)``: the local tensor is that 1-D slice of the box's
+            row-major flattening. Default None: the local tensor is the whole box.
+
+    Raises:
+        IncompatibleStateDictError: the geometry is inconsistent (the box leaves the global
+            shape, the ranks differ, the local tensor does not hold the box or the slice).
+
+    Example:
+        >>> import torch, streamckpt as sc
+        >>> rows = sc.ShardedTensor(torch.zeros(2, 4), global_shape=(8, 4), global_offset=(2, 0))
+        >>> flat = sc.ShardedTensor(torch.zeros(3), (8, 4), (0, 0), local_shape=(8, 4), flat_range=(5, 8))
     """
 
     local_tensor: torch.Tensor
@@ -83,10 +102,12 @@ class ShardedTensor:
 
     @property
     def box(self) -> Box:
+        """The box (``global_offset``, ``local_shape``) this piece covers."""
         return Box(self.global_offset, tuple(self.local_shape or ()))
 
     @property
     def dtype(self) -> torch.dtype:
+        """The local tensor's dtype."""
         return self.local_tensor.dtype
 
     def __repr__(self) -> str:

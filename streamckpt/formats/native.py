@@ -40,6 +40,11 @@ def latest_committed(storage: Storage) -> str | None:
     streamckpt recorded commit times counts at its LastModified. Ties go to the name that
     sorts last in natural order (``step-10`` after ``step-9``). Prefixes without a manifest
     are uncommitted and never chosen."""
+    return newest_of(storage, committed_children(storage))
+
+
+def committed_children(storage: Storage) -> list[tuple[float, str]]:
+    """``(LastModified of its manifest, name)`` of each committed checkpoint directly under the prefix."""
     found: list[tuple[float, str]] = []
     for name in storage.list(""):
         child = posixpath.basename(name.rstrip("/"))
@@ -50,6 +55,11 @@ def latest_committed(storage: Storage) -> str | None:
             continue
         if when is not None:
             found.append((when, child))
+    return found
+
+
+def newest_of(storage: Storage, found: list[tuple[float, str]]) -> str | None:
+    """The newest of ``committed_children`` (see ``latest_committed``), or None."""
     if not found:
         return None
     newest = max(when for when, _ in found)

@@ -26,6 +26,7 @@ from ..formats.native import read_native_bytes
 from ..plan.planner import IdentityView, LoadPlan, PlanOptions, build_plan, settle_rounds
 from ..results import LoadResult
 from ..storage import Storage
+from .missing import warn_missing
 from .pipeline import Destinations, Executor
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,10 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
                 if mine_missing else "another rank's state_dict has keys missing from the checkpoint",
                 missing_keys=mine_missing,
             )
-        _warn_unloadable(manifest, missing)
+        if not req.strict:
+            gone = sorted(set(missing))
+            warn_missing(storage.describe(""), gone, {t.spec.key for t in targets} | {v.key for v in values},
+                         set(view.tensors) | set(manifest.values), _why_unloadable(manifest, gone))
     except CheckpointError as e:
         own = e
     comm.agree(own)
@@ -260,13 +264,6 @@ def _why_unloadable(manifest: mf.Manifest, keys: list[str]) -> str:
     if not found:
         return ""
     return "; of these, stored but not restorable: " + "; ".join(f"{k}: {r}" for k, r in found[:5])
-
-
-def _warn_unloadable(manifest: mf.Manifest, missing: list[str]) -> None:
-    """strict=False: say which stored entries were skipped (they are also in missing_keys)."""
-    why = _why_unloadable(manifest, sorted(set(missing)))
-    if why:
-        log.warning("streamckpt load (strict=False): keys left as they were%s", why)
 
 
 def _near(missing: list[str], names: Any) -> str:

@@ -29,6 +29,7 @@ import torch
 import zstandard
 
 from ..comm import P2P, GroupComm, SoloComm
+from ..core.report import expect_total
 from ..cuda.device import HostStage, Placement, Stage, finishing, place
 from ..cuda.runtime import TorchCuda
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StagingMemoryError
@@ -104,9 +105,8 @@ class Executor:
         self.progress = progress
         self.rank = comm.rank
         self.schedule = local_schedule(plan, self.rank)
-        add_total = getattr(progress, "add_total", None)
-        if add_total is not None:  # a progress display that shows a total: the bytes progress will count
-            add_total(sum(r.length for rnd in self.schedule for _, r in rnd.reads))
+        # a progress display that shows a total: the bytes progress will count
+        expect_total(progress, sum(r.length for rnd in self.schedule for _, r in rnd.reads))
         self.stats = Stats(rounds=plan.num_rounds)
         self.agree_every = max(1, agree_every or comm.agree_every)
         if placement is None:
@@ -395,8 +395,9 @@ class Executor:
             if k % self.agree_every == self.agree_every - 1:
                 self._agree(error, pending)
             error = self._exchange_and_scatter(k, error, pending)
-            if self.progress is not None and error is None:
-                self.progress(sum(r.length for i, r in self.schedule[k].reads if i not in self.pure))
+            staged = sum(r.length for i, r in self.schedule[k].reads if i not in self.pure)
+            if self.progress is not None and error is None and staged:
+                self.progress(staged)
         if error is None:
             try:
                 self.stats.requests += self.direct.finish()

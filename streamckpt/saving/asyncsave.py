@@ -20,9 +20,15 @@ staged, as buffers free up behind the upload — it then blocks for about the ti
 takes to upload ``share - staging_budget`` bytes. Uploads hold their own buffers
 besides: ``writer.UploadShape`` (4 × 8 MiB by default).
 
-A process that exits with a save in flight cancels it (an ``atexit`` hook): nothing is
-committed, and the uploader is stopped before the interpreter shuts down (a thread killed
-inside a native call at shutdown aborts the process).
+Exit: the uploader is an ordinary (non-daemon) thread, so the interpreter waits for it
+before it finalizes. A daemon thread still running then is stopped by CPython with
+``pthread_exit`` the moment it next takes the GIL; inside torch that happens in a C++
+destructor (pybind11's GIL release guard), and the forced unwind through a ``noexcept``
+frame is ``std::terminate``: "terminate called without an active exception", SIGABRT,
+after the checkpoint was already durable (the uploader was still closing its clients and
+dropping the staged tensors). A process that exits with a save still in flight (the end of
+the script, or Ctrl-C) cancels it first, from a hook that runs before the thread pools shut
+down (``threading._register_atexit``): nothing is committed and what it uploaded is deleted.
 
 Process state: creating a process group is itself a collective, so the save group made
 for a training group is kept for the next save (``_SESSIONS``, keyed by that group), with
@@ -34,12 +40,13 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import logging
 import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -50,15 +57,27 @@ from ..errors import CheckpointError
 from ..results import SaveResult
 from ..storage import Storage
 from . import writeplan
-from .saver import Prepared, prepare, write_and_commit
+from .saver import CANCELLED, Prepared, prepare, write_and_commit
 from .staging import StagingArea, copy_all
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 log = logging.getLogger(__name__)
 
+EXIT_WAIT_SECONDS = 60.0  # how long an exiting process waits for a cancelled save to stop
+
 
 class SaveHandle:
-    """An ``async_save`` in flight: ``result()`` waits for the commit (or raises the save's
-    error, on every rank); ``done()`` says whether it has finished."""
+    """An ``sc.async_save`` in flight: ``result()`` waits for the commit (or raises the save's
+    error, on every rank); ``done()`` says whether it has finished.
+
+    Made by ``async_save``; its constructor's ``future`` (of the ``SaveResult``), ``cancel``
+    and ``release`` (what ``cancel()`` and ``release_staging()`` call) are internal.
+
+    Attributes:
+        uri: The checkpoint's URI.
+    """
 
     def __init__(self, future: "cf.Future[SaveResult]", uri: str, cancel: Any = None,
                  release: Callable[[], None] | None = None) -> None:
@@ -71,24 +90,51 @@ class SaveHandle:
         """Wait for this save to end, then free the host memory it staged through (page-locked
         for CUDA tensors), which its process group otherwise keeps for the next ``async_save``
         (that one then allocates it again). A no-op while a later save on the group is in flight
-        (its own handle can release it), or when a later save has staged elsewhere."""
+        (its own handle can release it), or when a later save has staged elsewhere.
+
+        Raises nothing: the save's own error is ``result()``'s."""
         self.wait()
         if self._release is not None:
             self._release()
 
     def cancel(self, timeout: float = 60.0) -> bool:
         """Stop the save: no manifest is written (every rank's ``result()`` raises).
-        Returns whether it ended within ``timeout`` seconds."""
+
+        Args:
+            timeout: Seconds to wait for the upload to stop (default 60).
+
+        Returns:
+            bool: whether the save ended within ``timeout`` seconds.
+        """
         if self._cancel is not None and not self.done():
             self._cancel()
         done, _ = cf.wait([self._future], timeout)
         return bool(done)
 
     def result(self, timeout: float | None = None) -> SaveResult:
+        """Wait for the commit and return this rank's ``SaveResult``.
+
+        Args:
+            timeout: Seconds to wait at most. Default None: as long as it takes.
+
+        Returns:
+            SaveResult: as ``sc.save`` returns it.
+
+        Raises:
+            TimeoutError: the save has not ended within ``timeout`` (it goes on).
+            CheckpointError: the save's error (a ``StorageError``, ``PeerError``, ...), the
+                same on every rank; nothing was committed.
+        """
         return self._future.result(timeout)
 
     def done(self) -> bool:
+        """Whether the save has ended (committed or failed); never waits."""
         return self._future.done()
+
+    def add_done_callback(self, fn: Callable[["SaveHandle"], None]) -> None:
+        """Call ``fn(handle)`` once the save has ended (committed or failed), from the upload
+        thread; at once, here, if it has ended already. ``fn`` may call ``result()``."""
+        self._future.add_done_callback(lambda _: fn(self))
 
     def wait(self) -> None:
         """Wait for the save to end, whatever its outcome (its owner sees the error)."""
@@ -198,23 +244,6 @@ def _session_for(process_group: Any) -> _Session:
     return session
 
 
-def async_save(
-    state_dict: Mapping[str, Any],
-    uri: str,
-    *,
-    storage_options: dict[str, Any] | None = None,
-    process_group: Any = None,
-    compression: str | None = None,
-    metadata: dict[str, Any] | None = None,
-    overwrite: bool = False,
-    staging_budget: int | None = None,
-) -> SaveHandle:
-    """Like ``save``, but returns once this rank's share of the state is staged (see the module doc)."""
-    return start_save(state_dict, uri, storage_options=storage_options, process_group=process_group,
-                      compression=compression, metadata=metadata, overwrite=overwrite,
-                      staging_budget=staging_budget)
-
-
 def start_save(
     state_dict: Mapping[str, Any],
     uri: str,
@@ -226,8 +255,11 @@ def start_save(
     overwrite: bool = False,
     staging_budget: int | None = None,
     cuda: CudaApi | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> SaveHandle:
-    """``async_save`` with the CUDA runtime named (``cuda``: a test's stand-in; None: torch's)."""
+    """What ``sc.async_save`` runs (its doc says what each argument does), with the CUDA runtime
+    named (``cuda``: a test's stand-in; None: torch's). ``progress``: a callable, called from
+    the upload thread with each object's size once stored."""
     if staging_budget is not None and (not isinstance(staging_budget, (int, float)) or isinstance(staging_budget, bool)
                                        or not staging_budget > 0):
         raise CheckpointError(f"staging_budget must be a positive number of bytes or None, got {staging_budget!r}")
@@ -248,37 +280,46 @@ def start_save(
     gpu = next((d for d in devices if d.type == "cuda"), None)
     share = StagingArea.needed(it.spec.nbytes for it in prep.items)
     area = session.staging(staging_budget, gpu, share, cuda)
-    handle = _start(session.comm, storage, prep, area, cuda, lambda: session.release(area))
+    handle = _start(session.comm, storage, prep, area, cuda, lambda: session.release(area), progress)
     session.last = handle
     return handle
 
 
 def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, area: StagingArea,
-           cuda: CudaApi | None, release: Callable[[], None]) -> SaveHandle:
+           cuda: CudaApi | None, release: Callable[[], None],
+           progress: Callable[[int], None] | None = None) -> SaveHandle:
     shards = [StagedShard(it.spec) for it in prep.items]
     future: cf.Future[SaveResult] = cf.Future()
+    cancelled = threading.Event()
 
     def released(i: int) -> None:
         shards[i].drop()
         area.release()
 
     def background() -> None:
+        outcome: SaveResult | BaseException
         try:
-            result = write_and_commit(comm, storage, prep, shards,  # type: ignore[arg-type]
-                                      on_written=released, cuda=cuda)
-            future.set_result(result)
+            outcome = write_and_commit(comm, storage, prep, shards,  # type: ignore[arg-type]
+                                       on_written=released, cuda=cuda, progress=progress,
+                                       cancelled=cancelled.is_set)
         except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
             area.fail()
-            future.set_exception(e)
+            outcome = e
         finally:
-            storage.close()
+            storage.close()  # before the handle says done: result() returning means the clients are closed
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
     def cancel() -> None:
+        cancelled.set()
         area.fail()
         for shard in shards:
-            shard.fail(CheckpointError("the save was cancelled (the process is exiting); nothing was committed"))
+            shard.fail(CheckpointError(CANCELLED))
 
-    uploader = threading.Thread(target=background, name="streamckpt-async-save", daemon=True)
+    # Not a daemon: the interpreter joins it before finalizing (see the module doc).
+    uploader = threading.Thread(target=background, name="streamckpt-async-save", daemon=False)
     tensors = {t.spec: t.tensor for t in prep.local}
     pieces = [writeplan.piece_of(item, tensors[item.source]) for item in prep.items]
     try:
@@ -338,13 +379,29 @@ def _fail_from(shards: list[StagedShard], k: int, error: BaseException) -> None:
         rest.fail(error)
 
 
-@atexit.register
 def _cancel_at_exit() -> None:
-    """A process ending with a save in flight cancels it (its checkpoint stays uncommitted)
-    and waits a little for the uploader to stop: a thread killed inside a native call at
-    interpreter shutdown aborts the process."""
+    """A process ending with a save in flight cancels it (its checkpoint stays uncommitted,
+    what it uploaded is deleted) and waits for the uploader to stop. Runs at the start of
+    interpreter shutdown, before ``concurrent.futures`` refuses new work and before non-daemon
+    threads are joined (``threading._register_atexit``)."""
     with _SESSIONS_LOCK:
         pending = [s.last for s in _SESSIONS.values() if s.last is not None and not s.last.done()]
     for handle in pending:
-        log.warning("cancelling the save to %s in flight at exit; call result() to wait for it", handle.uri)
-        handle.cancel(timeout=60.0)
+        log.warning("the process is exiting with the save to %s in flight: cancelling it, nothing is "
+                    "committed (call result() on its handle before exiting to keep it)", handle.uri)
+        if not handle.cancel(timeout=EXIT_WAIT_SECONDS):
+            log.warning("the save to %s did not stop within %.0f s; waiting for it to end", handle.uri,
+                        EXIT_WAIT_SECONDS)
+
+
+def _at_shutdown(hook: Callable[[], None]) -> None:
+    """Run ``hook`` when the interpreter starts to shut down, before thread pools refuse work
+    and non-daemon threads are joined (``atexit`` would run after both)."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - CPython has had it since 3.9
+        atexit.register(hook)
+    else:
+        register(hook)
+
+
+_at_shutdown(_cancel_at_exit)

@@ -22,16 +22,20 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..comm import GroupComm, SoloComm, encode_error, gather_targets, raise_agreed
 from ..core import manifest as mf, tree as trees, values as vals
+from ..core.report import expect_total
 from ..core.targets import LocalTarget, TargetSpec, collect
 from ..cuda.device import cuda_devices
 from ..cuda.runtime import CudaApi, TorchCuda
 from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleStateDictError
 from ..results import SaveResult
 from ..storage import Storage
+from ..storage.uploads import delete_written
 from . import writeplan
 from .writer import DEFAULT_CHUNK_SIZE, ShardToWrite, UploadShape, write_data_files
 
 log = logging.getLogger(__name__)
+
+CANCELLED = "the save was cancelled (SaveHandle.cancel, or the process exiting with it in flight); nothing was committed"
 
 COMPRESSIONS = (None, "zstd")
 
@@ -164,25 +168,43 @@ def prepare(
 def write_and_commit(
     comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, mine: Sequence[ShardToWrite], *,
     chunk_size: int = DEFAULT_CHUNK_SIZE, on_written: Callable[[int], None] | None = None,
-    cuda: CudaApi | None = None,
+    cuda: CudaApi | None = None, progress: Callable[[int], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> SaveResult:
-    """Upload this rank's data files, gather the shard records, commit the manifest on rank 0."""
+    """Upload this rank's data files, gather the shard records, commit the manifest on rank 0.
+
+    ``progress(nbytes)``: each object's size once stored (data files, then rank 0's manifest),
+    so that its calls add up to ``SaveResult.bytes_written``. ``cancelled`` (an async save's)
+    is asked after each shard and before the records are gathered: once it says yes, nothing
+    is committed and this rank deletes what it wrote. Whenever the save fails before the
+    commit, every rank deletes its own data files."""
     own: BaseException | None = None
     result = SaveResult(uri=storage.describe(""))
     records: list[tuple[str, mf.Shard]] = []
     files: dict[str, int] = {}
+
+    def written(i: int) -> None:
+        if on_written is not None:
+            on_written(i)
+        _check_cancelled(cancelled)
+
     try:
         if mine:
             records, files = write_data_files(
                 storage, lambda i: _data_name(comm.rank, i, prep.compression), mine, compression=prep.compression,
-                shape=prep.upload, chunk_size=chunk_size, on_written=on_written, cuda=cuda)
+                shape=prep.upload, chunk_size=chunk_size, on_written=written, cuda=cuda, progress=progress)
             result.files.extend(files)
             result.bytes_written += sum(files.values())
+        _check_cancelled(cancelled)
     except CheckpointError as e:
         own = e
     doc = {"files": files, "records": [[k, json.loads(json.dumps(mf._shard_doc(s)))] for k, s in records],
            "tree": prep.tree if comm.rank != 0 and prep.tree else None}
-    per_rank = _gather_json(comm, doc, own)
+    try:
+        per_rank = _gather_json(comm, doc, own)
+    except BaseException:
+        discard(storage, list(files))  # no rank commits: this rank's data files are garbage now
+        raise
 
     try:
         if comm.rank == 0:
@@ -192,9 +214,12 @@ def write_and_commit(
                     tree = trees.merge(tree, d["tree"])
             manifest = _assemble(prep.all_specs, per_rank, prep.values, tree, prep.metadata, storage)
             blob = mf.to_json(manifest)
+            expect_total(progress, len(blob))
             storage.write_bytes(mf.MANIFEST_NAME, blob)
             result.files.append(mf.MANIFEST_NAME)
             result.bytes_written += len(blob)
+            if progress is not None:
+                progress(len(blob))
             _remove_stale(storage, manifest)
     except CheckpointError as e:
         own = e
@@ -215,11 +240,12 @@ def run_save(
     overwrite: bool,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     cuda: CudaApi | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> SaveResult:
     prep = prepare(comm, storage, state_dict, compression=compression, metadata=metadata, overwrite=overwrite,
                    cuda=cuda)
     mine = to_write(prep.items, prep.local)
-    return write_and_commit(comm, storage, prep, mine, chunk_size=chunk_size, cuda=cuda)
+    return write_and_commit(comm, storage, prep, mine, chunk_size=chunk_size, cuda=cuda, progress=progress)
 
 
 def _assemble(
@@ -251,6 +277,16 @@ def _assemble(
             f"be held by some rank, and distinct shards may not overlap)"
         ) from None
     return manifest
+
+
+def _check_cancelled(cancelled: Callable[[], bool] | None) -> None:
+    if cancelled is not None and cancelled():
+        raise CheckpointError(CANCELLED)
+
+
+def discard(storage: Storage, names: Sequence[str]) -> None:
+    """Best effort: delete the data files of a save that will not commit."""
+    delete_written(storage.delete, names, f"the save to {storage.describe('')}")
 
 
 def _remove_stale(storage: Storage, manifest: mf.Manifest) -> None:

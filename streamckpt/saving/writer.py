@@ -26,6 +26,7 @@ import zstandard
 from ..core import dtypes
 from ..core.checksum import crc32c
 from ..core.manifest import Shard
+from ..core.report import expect_total
 from ..core.targets import TargetSpec
 from ..cuda.device import CPU, SAVE_BLOCK_BYTES, DeviceToHost, SavePiece, host_spans
 from ..cuda.runtime import CudaApi, TorchCuda
@@ -286,21 +287,27 @@ def write_data_files(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     cuda: CudaApi | None = None,
     on_written: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[list[tuple[str, Shard]], dict[str, int]]:
     """Write ``items`` as data files ``name_of(0)``, ``name_of(1)``, … of about
     ``shape.object_bytes`` each, uploaded several at once, one request per file; return the
     ``(key, Shard)`` records and every file's size. The caller's thread encodes (copy +
     CRC32C, or zstd) into a free upload buffer while earlier files are in flight; a tensor
-    is read once. ``on_written`` as in ``write_data_file``. On failure the files already
-    written are deleted (best effort) and the error raised."""
+    is read once. ``on_written`` as in ``write_data_file``; ``progress(nbytes)``: each file's
+    size once uploaded (and ``progress.add_total`` first, when it has one and the sizes are
+    known in advance: uncompressed). On failure the files already written are deleted (best
+    effort) and the error raised."""
     shape = shape or UploadShape.from_env()
     enc = _Encoder(compression, chunk_size, _host_for(cuda))
-    queue = storage.open_objects(buffers=shape.buffers, buffer_bytes=shape.object_bytes + (64 << 10))
+    groups = pack([it.spec.nbytes for it in items], shape.object_bytes)
+    _announce(progress, enc, items, groups)
+    queue = storage.open_objects(buffers=shape.buffers, buffer_bytes=shape.object_bytes + (64 << 10),
+                                 on_uploaded=progress)
     records: list[tuple[str, Shard]] = []
     sizes: dict[str, int] = {}
     try:
         enc.plan(items)
-        for f, group in enumerate(pack([it.spec.nbytes for it in items], shape.object_bytes)):
+        for f, group in enumerate(groups):
             name = name_of(f)
             mine = [items[i] for i in group]
             head = enc.header(mine)
@@ -321,6 +328,16 @@ def write_data_files(
     log.debug("wrote %d data files under %s: %d shards, %d bytes", len(sizes), storage.describe("data"),
               len(records), sum(sizes.values()))
     return records, sizes
+
+
+def _announce(progress: Callable[[int], None] | None, enc: _Encoder, items: Sequence[ShardToWrite],
+              groups: Sequence[range]) -> None:
+    """Tell a progress display with ``add_total`` the bytes the files will hold (uncompressed
+    files' sizes are known before any byte is encoded; zstd ones are not: no total)."""
+    if not hasattr(progress, "add_total") or enc.cctx is not None:
+        return
+    expect_total(progress, sum(len(enc.header([items[i] for i in g])) + sum(items[i].spec.nbytes for i in g)
+                               for g in groups))
 
 
 def check_tensor_bytes(spec: TargetSpec, tensor: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ import socket
 from typing import Any, Awaitable, TypeVar
 from urllib.parse import urlsplit
 
-from ..errors import StorageError
+from ..errors import CLI, PYTHON, Hint, Phrase, StorageError, options
 from .backend import Transient
 
 log = logging.getLogger(__name__)
@@ -96,24 +96,35 @@ def refused(exc: BaseException) -> bool:
     return isinstance(exc, ConnectionRefusedError) or any(s in _text(exc) for s in _REFUSED)
 
 
-def hint(exc: BaseException, endpoint: str | None, store: str = "s3") -> str:
-    """What to check, for the failures a user causes; "" for the others. ``store`` picks
+# What to pass, in the caller's words: ``storage_options=...`` in Python, flags on the command line.
+_ENDPOINT_OPTION: Phrase = {PYTHON: "endpoint_url", CLI: "--endpoint-url"}
+_KEYS: Phrase = {PYTHON: "key/secret", CLI: "--storage-option key=... --storage-option secret=..."}
+_ANON: Phrase = {PYTHON: "anon=True", CLI: "--storage-option anon=true"}
+NO_CREDENTIALS_HINT = Hint("no credentials found: pass ", options(key=..., secret=...), ", set AWS_ACCESS_KEY_ID and "
+                           "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or ", _ANON, " for a public bucket")
+DENIED_HINT = Hint("access denied: check the keys (", _KEYS, ", AWS_* variables) and the bucket's permissions "
+                   "for this URI")
+
+
+def hint(exc: BaseException, endpoint: str | None, store: str = "s3") -> Hint | None:
+    """What to check, for the failures a user causes; None for the others. ``store`` picks
     the words: ``"azure"`` names Azure's options (its backend explains denials itself)."""
     text = _text(exc)
     if refused(exc):
         where = f"at {endpoint}" if endpoint else "at the store's endpoint"
-        option = ("the endpoint (endpoint_url, account_host or the BlobEndpoint of connection_string)"
-                  if store == "azure" else "endpoint_url")
-        return f"nothing accepted a connection {where}: check {option} (is a server listening there, on that port?)"
+        if store == "azure":
+            return Hint(f"nothing accepted a connection {where}: check the endpoint (endpoint_url, account_host or "
+                        f"the BlobEndpoint of connection_string) (is a server listening there, on that port?)")
+        return Hint(f"nothing accepted a connection {where}: check ", _ENDPOINT_OPTION,
+                    " (is a server listening there, on that port?)")
     if store == "azure":
         denied = any(s in text for s in _AZURE_DENIED) and AZURE_DENIED_HINT.lower() not in text
-        return AZURE_DENIED_HINT if denied else ""
+        return Hint(AZURE_DENIED_HINT) if denied else None
     if any(s in text for s in _NO_CREDENTIALS):
-        return ("no credentials found: pass storage_options={'key': ..., 'secret': ...}, set "
-                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or anon=True for a public bucket")
+        return NO_CREDENTIALS_HINT
     if any(s in text for s in _DENIED):
-        return "access denied: check the keys (key/secret, AWS_* variables) and the bucket's permissions for this URI"
-    return ""
+        return DENIED_HINT
+    return None
 
 
 def is_panic(exc: BaseException) -> bool:

@@ -48,7 +48,7 @@ _IGNORED_OPTIONS = frozenset({
     "default_fill_cache", "default_cache_type", "cache_regions", "asynchronous", "loop", "retries",
     "version_aware", "fixed_upload_size", "session", "max_concurrency",
 })
-_CREDENTIAL_OPTIONS = {
+CREDENTIAL_OPTIONS = {
     "key": "access_key_id", "aws_access_key_id": "access_key_id",
     "secret": "secret_access_key", "aws_secret_access_key": "secret_access_key",
     "token": "session_token", "aws_session_token": "session_token",
@@ -92,9 +92,9 @@ def s3_config(options: dict[str, Any]) -> dict[str, Any]:
     if set(s3_section) - {"addressing_style"} or set(config_kwargs) - _CONFIG_KWARGS_OK:
         raise NotConfigurable(f"config_kwargs {sorted(config_kwargs)} {sorted(s3_section)}")
     for name, value in options.items():
-        if name in _CREDENTIAL_OPTIONS:
+        if name in CREDENTIAL_OPTIONS:
             if value is not None:
-                config[_CREDENTIAL_OPTIONS[name]] = str(value)
+                config[CREDENTIAL_OPTIONS[name]] = str(value)
         elif name == "anon":
             if value:
                 config["skip_signature"] = True

@@ -17,7 +17,7 @@ from collections import Counter
 import re
 from dataclasses import dataclass
 
-from ..errors import CorruptCheckpointError, StorageError
+from ..errors import CorruptCheckpointError, Hint, StorageError
 from . import endpoint
 from .azure_backend import trimmed
 from .backend import BackendError, NotFound, RangeNotSatisfiable, Stalled, Transient
@@ -91,9 +91,7 @@ class Attempts:
         self.count += 1
         limit = min(self.limit, endpoint.REFUSED_ATTEMPTS) if endpoint.refused(exc) else self.limit
         if not retryable(exc) or self.count >= limit or time.monotonic() >= self.deadline:
-            raise StorageError(
-                f"{self.what} failed after {self.count} attempt(s): {self._describe.error(exc)}"
-            ) from None
+            raise self._describe.failure(f"{self.what} failed after {self.count} attempt(s)", exc) from None
 
     async def failed(self, exc: BaseException) -> None:
         """``check``, then wait the jittered backoff (never past the deadline)."""
@@ -167,13 +165,21 @@ class Describer:
         return _SIGNATURE.sub(r"\1***", text)
 
     def error(self, exc: BaseException) -> str:
+        """The client's words for a failure (no credentials)."""
         if isinstance(exc, (Stalled, asyncio.TimeoutError, TimeoutError)):
             return f"no response for {self._timeout:g} s (stalled)"
         text = str(exc) if isinstance(exc, BackendError) else f"{type(exc).__name__}: {exc}"
         if self.store == "azure":
             text = trimmed(text)  # the Azure SDK's errors (adlfs) carry the service's whole XML body
+        return self.scrub(text)
+
+    def failure(self, what: str, exc: BaseException) -> StorageError:
+        """The ``StorageError`` for a call that failed: ``what`` failed, the client's words, and
+        what to check when the user can fix it (a hint each front end words in its own syntax)."""
         why = endpoint.hint(exc, self.endpoint, self.store)
-        return self.scrub(f"{text}: {why}" if why else text)
+        if why is not None:
+            why = Hint(*(self.scrub(p) if isinstance(p, str) else p for p in why.parts))
+        return StorageError(f"{what}: {self.error(exc)}", hint=why)
 
 
 def not_found_message(describe: Describer, name: str, exc: NotFound, doing: str = "reading") -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence, TypeVar, Union
 
 from ..core.checksum import crc32c
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .backend import Backend, Fetched, NotFound, RangeNotSatisfiable, TooLarge, Transient, WorkerThreads
 from .gate import Gate
 from .policy import (Attempts, ChecksumMismatch, Describer, Mismatches, RetryPolicy, mismatch_attempts, not_found_message,
@@ -153,7 +153,7 @@ class Reader:
         except (CheckpointError, asyncio.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001 - reported as the storage failure it is
-            raise StorageError(f"{what} failed: {self.describe.error(e)}") from None
+            raise self.describe.failure(f"{what} failed", e) from None
 
     async def read_whole(self, name: str, max_bytes: int | None) -> bytes:
         """A whole small object, checked against its ETag when that is a plain MD5."""

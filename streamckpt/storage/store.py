@@ -30,6 +30,7 @@ from .backend import Backend, NotFound
 from .fsspec_backend import FsspecBackend
 from .local_backend import LocalBackend
 from .obstore_backend import ObstoreBackend
+from .optionnames import check_option_names
 from .policy import Describer, RetryPolicy, not_found_message
 from .reads import MIN_PIECE, Buffer, RangeRead, Reader
 from .s3fs_backend import S3fsBackend, s3fs_options
@@ -80,6 +81,8 @@ class Storage:
     # ------------------------------------------------------------ backends
 
     def _open_reader(self, opts: dict[str, Any]) -> Backend:
+        if "::" not in self.uri:  # a chained URL's options are per link
+            check_option_names(self._protocol, opts, self._describe.public_uri)
         if self._protocol in _S3_PROTOCOLS:
             self._fs_options = s3fs_options(opts, self.policy.client_attempts, self.policy.request_timeout,
                                             self.max_concurrency)
@@ -433,9 +436,11 @@ class Storage:
 
         return asyncio.run_coroutine_threadsafe(put(), self._loop)
 
-    def open_objects(self, *, buffers: int, buffer_bytes: int) -> ObjectQueue:
+    def open_objects(self, *, buffers: int, buffer_bytes: int,
+                     on_uploaded: Callable[[int], None] | None = None) -> ObjectQueue:
         """Whole objects uploaded several at once from ``buffers`` reused buffers (see ``ObjectQueue``)."""
-        return ObjectQueue(self.write_bytes_async, self.delete, buffers=buffers, buffer_bytes=buffer_bytes)
+        return ObjectQueue(self.write_bytes_async, self.delete, buffers=buffers, buffer_bytes=buffer_bytes,
+                           on_uploaded=on_uploaded)
 
     def delete(self, name: str, *, recursive: bool = False) -> None:
         try:

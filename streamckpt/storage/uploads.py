@@ -13,7 +13,7 @@ import asyncio
 import collections
 import concurrent.futures as cf
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
 from .backend import NotFound, PartSink
@@ -162,12 +162,16 @@ class ObjectQueue:
     reuses its buffer. Memory: at most ``buffers`` buffers of about ``buffer_bytes``.
     ``finish`` waits for every upload and raises the first failure; after a failure the
     objects already written are deleted (best effort), so a failed save leaves little behind.
+    ``on_uploaded(nbytes)`` is called on the saving thread with each object's size once the
+    store has it (a save's ``progress``).
     """
 
     def __init__(self, put: Callable[[str, memoryview], "cf.Future[Any]"], delete: Callable[[str], None], *,
-                 buffers: int, buffer_bytes: int) -> None:
+                 buffers: int, buffer_bytes: int, on_uploaded: Callable[[int], None] | None = None) -> None:
         self._put = put
         self._delete = delete
+        self._on_uploaded = on_uploaded
+        self._sizes: dict[str, int] = {}
         self.buffers = max(1, buffers)
         self.buffer_bytes = max(1, buffer_bytes)
         self._sending: collections.deque[tuple[str, cf.Future[Any], bytearray]] = collections.deque()
@@ -188,6 +192,7 @@ class ObjectQueue:
 
     def submit(self, name: str, buf: bytearray, nbytes: int) -> None:
         """Upload ``buf[:nbytes]`` as object ``name``; ``buf`` is the queue's until that ends."""
+        self._sizes[name] = nbytes
         self._sending.append((name, self._put(name, memoryview(buf)[:nbytes]), buf))
 
     def finish(self) -> list[str]:
@@ -207,11 +212,7 @@ class ObjectQueue:
                 pass
         self._sending.clear()
         self._free.clear()
-        for name in self._written:
-            try:
-                self._delete(name)
-            except Exception as e:  # noqa: BLE001 - best effort on an already failing path
-                log.warning("could not delete %s after a failed save: %s", name, e)
+        delete_written(self._delete, self._written, "the save")
         self._written.clear()
 
     def _wait_oldest(self) -> None:
@@ -225,3 +226,22 @@ class ObjectQueue:
             raise StorageError(f"writing {name} failed: {type(e).__name__}: {e}") from None
         self._written.append(name)
         self._free.append(buf)
+        nbytes = self._sizes.pop(name, 0)
+        if self._on_uploaded is not None:
+            self._on_uploaded(nbytes)
+
+
+def delete_written(delete: Callable[[str], None], names: Sequence[str], where: str) -> None:
+    """Best effort: delete the objects a failed save wrote. A store that cannot be reached
+    fails every delete; one line then says how many are left for garbage collection."""
+    failed: list[str] = []
+    error: BaseException | None = None
+    for name in names:
+        try:
+            delete(name)
+        except Exception as e:  # noqa: BLE001 - best effort on an already failing path
+            failed.append(name)
+            error = error or e
+    if failed:
+        log.warning("could not delete %d of the %d objects %s wrote before failing (%s, ...): %s; they are "
+                    "left for garbage collection", len(failed), len(names), where, failed[0], error)

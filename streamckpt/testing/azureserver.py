@@ -111,14 +111,31 @@ def connection_string(blob_endpoint: str) -> str:
 
 
 def options_for(blob_endpoint: str) -> dict[str, Any]:
-    """Storage options (obstore and adlfs alike) for Azurite's development account at ``blob_endpoint``."""
+    """Storage options (obstore and adlfs alike) for Azurite's development account.
+
+    Args:
+        blob_endpoint: The account's blob endpoint, ``http://127.0.0.1:PORT/devstoreaccount1``.
+
+    Returns:
+        dict: ``{"connection_string": ...}``, for ``storage_options=``.
+    """
     return {"connection_string": connection_string(blob_endpoint)}
 
 
 class LocalAzure(ChildServer):
     """Azurite's Blob service on 127.0.0.1 (a child process); use as a context manager.
 
-    ``storage_options`` is what to pass as ``storage_options=`` to streamckpt (and adlfs)."""
+    ``storage_options`` is what to pass as ``storage_options=`` to streamckpt (and adlfs).
+    Needs node and npm: Azurite is installed on first use.
+
+    Args:
+        host: The address to listen on (default ``"127.0.0.1"``).
+        port: The port (default 0: a free one, in ``.port`` once started).
+
+    Raises:
+        AzuriteUnavailable: from ``start``, when Azurite cannot be found or installed.
+        RuntimeError: from ``start``, when the server does not start.
+    """
 
     name = "azurite"
     start_timeout = 30.0
@@ -158,6 +175,7 @@ class LocalAzure(ChildServer):
 
     @property
     def connection_string(self) -> str:
+        """The development account's connection string for this server."""
         return connection_string(self.blob_endpoint)
 
     @property

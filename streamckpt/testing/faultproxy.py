@@ -87,12 +87,33 @@ _SAS_PARAMS = frozenset({"sv", "ss", "srt", "sp", "se", "st", "spr", "sig", "sr"
 
 
 class FaultProxy:
-    """A fault-injecting HTTP proxy for an S3-compatible ``upstream`` URL.
+    """A fault-injecting HTTP proxy for an S3-compatible ``upstream`` URL (or GCS, Azure).
 
-    ``faults``: kinds to inject, as an iterable (equal weights) or a mapping
-    kind -> weight. ``rate``: the fraction of eligible requests that get a fault
-    (may be changed while running). ``counts``: faults actually injected, by kind.
-    ``api``: the upstream's protocol, ``"s3"``, ``"gcs"`` or ``"azure"`` (see the module docstring).
+    Use as a context manager and pass its ``storage_options``; the module docstring
+    describes each fault kind.
+
+    Args:
+        upstream: The server's ``http://`` URL (``LocalS3.endpoint_url``).
+        faults: Kinds to inject (``"slowdown"``, ``"reset"``, ``"short"``, ``"flip"``,
+            ``"stall"``, ``"rot"``), as an iterable (equal weights) or a mapping kind to
+            weight. Default None: slowdown, reset, short and flip.
+        rate: The fraction of eligible requests that get a fault (default 0.2; may be
+            changed while running).
+        seed: Seed of the random choices (default 0): the same run faults the same requests.
+        stall_seconds: How long a ``stall`` holds a reply back (default 2.0).
+        max_repeats: How many times in a row the same request may be faulted (default 2),
+            so that a client with enough retries gets through; set it high for an outage.
+        methods: HTTP methods eligible for faults (default GET and HEAD).
+        match: ``match(method, path) -> bool`` narrows the eligible requests further.
+            Default None: every object request.
+        host: The address to listen on (default ``"127.0.0.1"``).
+        port: The port (default 0: a free one).
+        api: The upstream's protocol, ``"s3"`` (default), ``"gcs"`` or ``"azure"``.
+        unsupported: ``unsupported(method, path) -> bool`` picks requests answered ``501
+            NotImplemented`` by the proxy itself (counted in ``refused``). Default None.
+
+    Raises:
+        ValueError: ``upstream`` is not an http URL, or ``api`` or a fault kind is unknown.
     """
 
     def __init__(
@@ -149,6 +170,7 @@ class FaultProxy:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> "FaultProxy":
+        """Start serving (idempotent); returns the proxy."""
         if self._server is not None:
             return self
         server = _Server((self._host, self._port), _Handler)
@@ -160,6 +182,7 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
+        """Stop serving (stalled replies are released at once)."""
         self._stopping.set()
         if self._server is not None:
             self._server.shutdown()
@@ -182,6 +205,7 @@ class FaultProxy:
 
     @property
     def endpoint_url(self) -> str:
+        """The proxy's URL, ``http://127.0.0.1:PORT``; raises RuntimeError before ``start``."""
         if self._server is None:
             raise RuntimeError("FaultProxy is not started")
         return f"http://{self._host}:{self._server.server_address[1]}"
@@ -204,6 +228,7 @@ class FaultProxy:
 
     @property
     def injected(self) -> int:
+        """Faults injected so far, all kinds together."""
         with self._lock:
             return sum(self._counts.values())
 

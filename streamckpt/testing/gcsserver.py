@@ -81,7 +81,14 @@ class LocalGCS(ChildServer):
     """fake-gcs-server on 127.0.0.1 (a child process); use as a context manager.
 
     ``storage_options`` is what to pass as ``storage_options=`` to streamckpt
-    (and fsspec/gcsfs) to reach it.
+    (and fsspec/gcsfs) to reach it; ``gs://`` URIs then work as against GCS.
+
+    Args:
+        host: The address to listen on (default ``"127.0.0.1"``).
+        port: The port (default 0: a free one, in ``.port`` once started).
+
+    Raises:
+        RuntimeError: from ``start``, when the binary is missing or the server does not start.
     """
 
     name = "fake-gcs-server"
@@ -110,6 +117,7 @@ class LocalGCS(ChildServer):
 
     @property
     def endpoint_url(self) -> str:
+        """``http://127.0.0.1:PORT``; raises RuntimeError before ``start``."""
         if self._proc is None:
             raise RuntimeError("LocalGCS is not started; use it as a context manager or call start()")
         return f"http://{self.host}:{self.port}"
@@ -170,7 +178,14 @@ class LocalGCS(ChildServer):
 
 
 def options_for(endpoint_url: str) -> dict[str, Any]:
-    """gcsfs options for a GCS emulator: anonymous, a fixed project, the given endpoint."""
+    """gcsfs options for a GCS emulator: anonymous, a fixed project, the given endpoint.
+
+    Args:
+        endpoint_url: The emulator's URL, e.g. ``LocalGCS.endpoint_url``.
+
+    Returns:
+        dict: gcsfs options, for ``storage_options=``.
+    """
     return {"token": "anon", "endpoint_url": endpoint_url, "project": PROJECT}
 
 

@@ -43,10 +43,23 @@ def _default_region() -> None:
 
 
 class LocalS3:
-    """moto's S3 server on 127.0.0.1; use as a context manager.
+    """moto's S3 server on 127.0.0.1, in this process; use as a context manager.
 
     ``storage_options`` is what to pass as ``storage_options=`` to streamckpt
     (and fsspec/s3fs) to reach it.
+
+    Args:
+        host: The address to listen on (default ``"127.0.0.1"``).
+        port: The port (default 0: a free one, in ``.port`` once started).
+
+    Example:
+        >>> import torch, streamckpt as sc
+        >>> from streamckpt.testing import LocalS3
+        >>> with LocalS3() as s3:
+        ...     uri = s3.make_bucket("demo") + "/step-1"
+        ...     _ = sc.save({"w": torch.ones(2)}, uri, storage_options=s3.storage_options)
+        ...     sc.inspect(uri, storage_options=s3.storage_options).kind
+        'streamckpt'
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
@@ -92,6 +105,7 @@ class LocalS3:
 
     @property
     def endpoint_url(self) -> str:
+        """``http://127.0.0.1:PORT``; raises RuntimeError before ``start``."""
         if self._server is None:
             raise RuntimeError("LocalS3 is not started; use it as a context manager or call start()")
         return f"http://{self.host}:{self.port}"
@@ -123,7 +137,14 @@ class LocalS3:
 
 
 def options_for(endpoint_url: str) -> dict[str, Any]:
-    """s3fs options for an S3-compatible endpoint with the dummy test credentials."""
+    """s3fs options for an S3-compatible endpoint with the dummy test credentials.
+
+    Args:
+        endpoint_url: The server's URL, e.g. ``LocalS3.endpoint_url``.
+
+    Returns:
+        dict: ``{"endpoint_url": ..., "key": ..., "secret": ...}``, for ``storage_options=``.
+    """
     return {"endpoint_url": endpoint_url, "key": TEST_KEY, "secret": TEST_SECRET}
 
 

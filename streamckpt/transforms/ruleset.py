@@ -19,14 +19,46 @@ from .view import SourceSpec, View
 
 
 class Transforms:
-    """An ordered list of parsed rules; :meth:`apply` builds the :class:`View` of a checkpoint."""
+    """An ordered list of transform rules: how the model's keys are built from a checkpoint's.
+
+    Pass one as ``transforms=`` to ``sc.load`` or ``sc.load_full`` (which also take the
+    rules as a list of dicts, a YAML path or a preset's name). Rules apply in order to a view of the
+    checkpoint, and the state_dict is matched against the final view; a transformed load
+    still reads only the bytes its targets need. Rule kinds: ``rename``, ``fuse``,
+    ``fuse_qkv``, ``split``, ``split_qkv``, ``transpose``, ``cast``, ``drop``
+    (docs/TRANSFORMS.md). Build one with :meth:`from_rules` or :meth:`from_yaml`.
+
+    Args:
+        rules: Parsed rules (what :meth:`from_rules` makes from dicts); users call the
+            class methods instead.
+
+    Example:
+        >>> import streamckpt as sc
+        >>> tf = sc.Transforms.from_rules([
+        ...     {"rename": {"from": "model.layers.{i}.mlp.down_proj.weight", "to": "layers.{i}.w2.weight"}},
+        ...     {"cast": {"key": "*.norm.weight", "dtype": "float32"}},
+        ... ])
+        >>> len(tf)
+        2
+    """
 
     def __init__(self, rules: Sequence[Rule]) -> None:
         self._rules = tuple(rules)
 
     @classmethod
     def from_rules(cls, rules: Sequence[Mapping[str, Any]]) -> "Transforms":
-        """Parse and validate rule dicts (each ``{kind: {fields}}``)."""
+        """Parse and validate rule dicts.
+
+        Args:
+            rules: A list of ``{kind: {fields}}`` dicts, e.g.
+                ``{"fuse": {"from": [q, k, v], "to": "...wqkv.weight", "dim": 0}}``.
+
+        Returns:
+            Transforms: the rules, in order.
+
+        Raises:
+            TransformError: ``rules`` is not a list, or a rule is invalid (names the rule).
+        """
         if isinstance(rules, Mapping) or not isinstance(rules, Sequence) or isinstance(rules, str):
             raise TransformError(f"transform rules must be a list of rule mappings, got {type(rules).__name__}")
         return cls([parse_rule(i, r) for i, r in enumerate(rules)])
@@ -34,9 +66,21 @@ class Transforms:
     @classmethod
     def from_yaml(cls, path_or_uri: str | os.PathLike[str],
                   storage_options: dict[str, Any] | None = None) -> "Transforms":
-        """Read ``{rules: [...]}`` from a YAML file at a path or fsspec URI, or a preset shipped
-        with the package by its name (``"hf_llama_to_vllm"``: a name without ``/``, ``.`` or
-        ``:``; :func:`presets` lists them)."""
+        """Read ``{rules: [...]}`` from a YAML file, or a preset shipped with the package.
+
+        Args:
+            path_or_uri: A local path or fsspec URI of the YAML file, or the name of a preset
+                shipped in the package (``"hf_llama_to_vllm"``: a bare name, no ``/`` or ``.``;
+                :func:`presets` lists them; ``configs/transforms/`` of a checkout links to them).
+            storage_options: fsspec options to read a file with. Default None.
+
+        Returns:
+            Transforms: the file's rules, in order.
+
+        Raises:
+            TransformError: the file cannot be read, is not YAML, has no ``rules`` list, or a
+                rule is invalid; no preset has that name (the message lists them).
+        """
         where = os.fspath(path_or_uri)
         if is_preset_name(where):
             text = preset_text(where)
@@ -56,7 +100,7 @@ class Transforms:
 
     @property
     def rules(self) -> list[dict[str, Any]]:
-        """The rules as dicts (as given)."""
+        """The rules as dicts (as given to :meth:`from_rules`)."""
         return [dict(r.raw) for r in self._rules]
 
     def __len__(self) -> int:
@@ -66,11 +110,26 @@ class Transforms:
         return f"Transforms({len(self._rules)} rules)"
 
     def to_yaml(self) -> str:
-        """The rules as a YAML document that :meth:`from_yaml` reads back."""
+        """The rules as a YAML document that :meth:`from_yaml` reads back.
+
+        Returns:
+            str: ``rules: [...]`` as YAML.
+        """
         return yaml.safe_dump({"rules": self.rules}, sort_keys=False, default_flow_style=None)
 
     def apply(self, source: SourceSpec) -> View:
-        """The view of a checkpoint (name -> (shape, dtype code)) after every rule, in order."""
+        """The view of a checkpoint after every rule, in order.
+
+        Args:
+            source: The checkpoint's tensors: name to ``(shape, dtype code)``.
+
+        Returns:
+            View: the transformed names, shapes and dtypes (``.tensors``), and how each
+            region of them maps back to the source.
+
+        Raises:
+            TransformError: a rule does not fit ``source`` (a missing key, a shape mismatch).
+        """
         return View(self._run(source, None).tensors)
 
     def invert(self, source: SourceSpec) -> "Transforms":
@@ -78,6 +137,15 @@ class Transforms:
 
         Undoes rename, fuse, fuse_qkv, split, split_qkv, transpose and cast (back to the
         stored dtype); dropped tensors stay absent. Needs ``source`` for the split sizes.
+
+        Args:
+            source: The checkpoint's tensors: name to ``(shape, dtype code)``.
+
+        Returns:
+            Transforms: rules from this view back to ``source``'s names.
+
+        Raises:
+            TransformError: a rule does not fit ``source``.
         """
         trace: list[Step] = []
         self._run(source, trace)

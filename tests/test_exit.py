@@ -1,0 +1,195 @@
+"""Jobs that use streamckpt end clean: exit status 0 and no fatal lines, in every way a job
+ends (issue 33).
+
+Before the fix, a process whose last ``async_save`` had committed could still abort at exit
+("terminate called without an active exception", SIGABRT): the uploader was a daemon
+thread that was often still closing its clients and dropping its staged tensors when the
+interpreter finalized, and CPython stops such a thread with ``pthread_exit`` inside torch's
+C++ GIL guard. These tests run whole jobs in fresh processes against the session's moto
+server and check how they exit, what they print and what they leave in the bucket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import streamckpt as sc
+from streamckpt.storage import Storage
+
+from distributed import REPO_DIR
+
+JOB = str(Path(__file__).with_name("exit_job.py"))
+FATAL = re.compile(r"terminate called|Fatal Python error|Aborted|Segmentation fault|core dumped|"
+                   r"cannot schedule new futures|could not delete \S+ after")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _torchrun(nproc: int) -> list[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}"]
+
+
+def run_job(mode: str, root: str, opts: dict[str, Any], *, ranks: int = 0, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = (_torchrun(ranks) if ranks else [sys.executable]) + [JOB, mode, root, json.dumps(opts)]
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO_DIR)
+
+
+def assert_clean(proc: subprocess.CompletedProcess, what: str) -> None:
+    fatal = [ln for ln in proc.stderr.splitlines() if FATAL.search(ln)]
+    assert proc.returncode == 0 and not fatal, (
+        f"{what}: exit status {proc.returncode}, fatal lines {fatal}\n--- stderr ---\n{proc.stderr[-4000:]}")
+
+
+def objects_under(root: str, opts: dict[str, Any]) -> list[str]:
+    """Every object under ``root`` (recursively), as names relative to it."""
+    storage = Storage(root, opts)
+    try:
+        return sorted(storage.list("", recursive=True))
+    finally:
+        storage.close()
+
+
+# ----------------------------------------------------------------------------- clean ends
+
+def test_async_save_job_exits_clean(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """The README's single-process pattern: async_save every 2 steps, result() at the end."""
+    proc = run_job("loop", s3_uri, s3_opts)
+    assert_clean(proc, "the job")
+    assert "DONE" in proc.stdout
+    assert sc.latest(s3_uri, storage_options=s3_opts) == f"{s3_uri}/step-8"
+    assert objects_under(s3_uri, s3_opts) == [f"step-{s}/{name}" for s in (2, 4, 6, 8)
+                                               for name in ("data/00000-0000.safetensors", "manifest.json")]
+
+
+@pytest.mark.slow
+def test_async_save_job_exits_clean_30_times(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    failures = []
+    for i in range(30):
+        proc = run_job("loop", f"{s3_uri}/{i}", s3_opts)
+        if proc.returncode != 0 or FATAL.search(proc.stderr):
+            failures.append((i, proc.returncode, proc.stderr[-2000:]))
+    assert not failures, f"{len(failures)} of 30 runs ended badly; first: {failures[0]}"
+
+
+@pytest.mark.parametrize("mode", ["loop", pytest.param("loop-nodestroy", marks=pytest.mark.slow)])
+def test_torchrun_async_save_job_exits_clean(mode: str, s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """2 gloo ranks under torchrun, with and without destroy_process_group() at the end."""
+    proc = run_job(mode, s3_uri, s3_opts, ranks=2)
+    assert_clean(proc, mode)
+    assert proc.stdout.count("DONE") == 2
+    info = sc.inspect(f"{s3_uri}/step-8", storage_options=s3_opts)
+    assert {k.split(".")[0] for k in info.tensors} == {"rank0", "rank1"}
+
+
+# ------------------------------------------------------------------ a save in flight at exit
+
+def _stalled_puts(proxy_factory: Any, seconds: float) -> tuple[Any, dict[str, Any]]:
+    """A proxy that holds back every PUT's reply ``seconds``: a save stays in flight."""
+    proxy = proxy_factory(faults={"stall": 1.0}, rate=1.0, stall_seconds=seconds, methods=("PUT", "POST"))
+    return proxy, sc_opts(proxy.endpoint_url)
+
+
+def sc_opts(endpoint: str) -> dict[str, Any]:
+    from streamckpt.testing import options_for
+
+    return options_for(endpoint)
+
+
+def _wait_for_line(proc: subprocess.Popen, word: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if word in line:
+            return
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"the job never printed {word}: {proc.communicate()[1][-3000:]}")
+
+
+def _wait_for_upload(proxy: Any, timeout: float = 60) -> None:
+    """Until an upload is under way (a PUT held back by the proxy)."""
+    deadline = time.monotonic() + timeout
+    while proxy.stalled_now == 0:
+        assert time.monotonic() < deadline, "the save never started uploading"
+        time.sleep(0.01)
+
+
+def _start(mode: str, root: str, opts: dict[str, Any]) -> subprocess.Popen:
+    env = _env()
+    env["EXIT_JOB_WIDTH"] = "1024"  # 2 x 4 MiB weights + AdamW state: several data objects
+    env["EXIT_JOB_LINGER"] = "1.0"  # the uploads have started when the script ends
+    return subprocess.Popen([sys.executable, JOB, mode, root, json.dumps(opts)], env=env, cwd=REPO_DIR,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_end_of_script_with_a_save_in_flight(s3_uri: str, s3_opts: dict[str, Any], proxy_factory: Any) -> None:
+    """The script ends without result(): the save is cancelled, nothing is committed, what it
+    uploaded is deleted, one line says so, and the process exits 0."""
+    proxy, opts = _stalled_puts(proxy_factory, 1.0)
+    proc = _start("inflight", s3_uri, opts)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "STAGED" in out and "DONE" in out
+    ours = [ln for ln in err.splitlines() if "in flight" in ln]
+    assert len(ours) == 1 and "cancelling it, nothing is committed" in ours[0], err
+    assert "Traceback" not in err and not FATAL.search(err), err
+    assert proxy.counts.get("stall", 0) >= 1  # the save really was uploading when it was cancelled
+    assert objects_under(s3_uri, s3_opts) == []
+    assert sc.latest(s3_uri, storage_options=s3_opts) is None
+
+
+def test_ctrl_c_during_async_save(s3_uri: str, s3_opts: dict[str, Any], proxy_factory: Any) -> None:
+    """A real SIGINT while the upload runs: KeyboardInterrupt ends the script as Python does,
+    the save is cancelled and deleted, and no line per object or traceback of ours follows."""
+    proxy, opts = _stalled_puts(proxy_factory, 1.0)
+    proc = _start("wait", s3_uri, opts)
+    _wait_for_line(proc, "STAGED")
+    _wait_for_upload(proxy)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode in (-signal.SIGINT, 128 + signal.SIGINT, 1), (proc.returncode, err)
+    assert err.count("Traceback") == 1 and "KeyboardInterrupt" in err, err  # Python's own, for the user's loop
+    assert "streamckpt" not in err.split("KeyboardInterrupt")[0].split("Traceback")[-1], err  # not raised in our code
+    ours = [ln for ln in err.splitlines() if "in flight" in ln]
+    assert len(ours) == 1, err
+    assert not FATAL.search(err), err
+    assert proxy.counts.get("stall", 0) >= 1
+    assert objects_under(s3_uri, s3_opts) == []
+    assert sc.latest(s3_uri, storage_options=s3_opts) is None
+
+
+def test_sigterm_during_async_save(s3_uri: str, s3_opts: dict[str, Any], proxy_factory: Any) -> None:
+    """SIGTERM's default action runs no Python: the process dies at once, nothing is
+    committed, and what is left is data objects only (garbage collection's to remove)."""
+    proxy, opts = _stalled_puts(proxy_factory, 1.0)
+    proc = _start("wait", s3_uri, opts)
+    _wait_for_line(proc, "STAGED")
+    _wait_for_upload(proxy)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM
+    left = objects_under(s3_uri, s3_opts)
+    assert "step-1/manifest.json" not in left
+    assert all(name.startswith("step-1/data/") for name in left), left
+    assert sc.latest(s3_uri, storage_options=s3_opts) is None
