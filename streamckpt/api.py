@@ -230,8 +230,10 @@ def load(
             the default group when torch.distributed is initialized, else this process alone.
         transforms: How the model's keys are built from the checkpoint's (rename, fuse,
             fuse_qkv, split, transpose, cast, drop; see docs/TRANSFORMS.md): an
-            ``sc.Transforms``, the path or URI of a YAML file (read with ``storage_options``),
-            a list of rule dicts, or ``{"rules": [...]}``. Default None: keys match as stored.
+            ``sc.Transforms``, the name of a preset shipped with the package
+            (``"hf_llama_to_megatron_gqa"``; ``streamckpt.transforms.presets()`` lists them),
+            the path or URI of a YAML file (read with ``storage_options``), a list of rule
+            dicts, or ``{"rules": [...]}``. Default None: keys match as stored.
         strict: True (default): raise ``MissingKeysError`` when a key of the state_dict is
             not in the checkpoint (on any rank), before any data is read. False: load the
             keys that are there, leave the others as they were, list them in

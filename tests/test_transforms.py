@@ -20,6 +20,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import streamckpt.transforms
 from streamckpt import TransformError
 from streamckpt.core.dtypes import to_code, to_torch
 from streamckpt.core.regions import Box
@@ -31,9 +32,10 @@ from streamckpt.transforms import (
     as_transforms,
     identity_view,
     parse_dtype,
+    presets,
 )
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "transforms"
+CONFIGS = Path(streamckpt.transforms.__file__).resolve().parent / "presets"  # configs/transforms links here
 HYP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -660,6 +662,27 @@ def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
         Transforms.from_yaml(str(badrule))
     with pytest.raises(TransformError, match="cannot read transforms file"):
         Transforms.from_yaml(str(tmp_path / "absent.yaml"))
+
+
+def test_presets_load_by_name_as_their_files_do() -> None:
+    names = ["bf16_to_fp32_master", "gpt2_conv1d_to_linear", "hf_llama_to_megatron_gqa", "hf_llama_to_vllm"]
+    assert presets() == names
+    repo_configs = Path(__file__).resolve().parent.parent / "configs" / "transforms"
+    for name in names:
+        by_name = as_transforms(name)
+        assert by_name.rules == Transforms.from_yaml(str(CONFIGS / f"{name}.yaml")).rules
+        assert by_name.rules == Transforms.from_yaml(str(repo_configs / f"{name}.yaml")).rules  # the old path
+    assert [list(r) for r in as_transforms("hf_llama_to_vllm").rules] == [["fuse"], ["fuse"], ["drop"]]
+
+
+def test_unknown_preset_names_the_presets() -> None:
+    with pytest.raises(TransformError, match=r"no transforms preset named 'hf_llama_to_vlm' \(did you mean "
+                                             r"'hf_llama_to_vllm'.*hf_llama_to_megatron_gqa, hf_llama_to_vllm;"):
+        as_transforms("hf_llama_to_vlm")
+    # a preset's file name, with no such file here: the error says to pass the bare name
+    with pytest.raises(TransformError, match=r"cannot read transforms file 'hf_llama_to_vllm\.yaml'.*"
+                                             r"named 'hf_llama_to_vllm': pass just that"):
+        as_transforms("hf_llama_to_vllm.yaml")
 
 
 def test_to_yaml_round_trips() -> None:

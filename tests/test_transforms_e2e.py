@@ -14,12 +14,13 @@ import yaml
 from safetensors.torch import save as st_save
 
 import streamckpt as sc
+import streamckpt.transforms
 from streamckpt import TransformError
 from streamckpt.transforms import Transforms
 
 from test_transforms import SPLIT_TRANSPOSE_CAST
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "transforms"
+CONFIGS = Path(streamckpt.transforms.__file__).resolve().parent / "presets"  # configs/transforms links here
 MiB = 1 << 20
 
 
@@ -156,6 +157,19 @@ def test_hf_safetensors_llama_into_fused_model_with_a_yaml_on_s3(s3_uri: str, s3
     needed_src = sum(t.numel() * 2 for n, t in hf.items() if "inv_freq" not in n)
     # the dropped inv_freq buffers (2 bytes each) may be read through as coalescing gaps
     assert needed_src <= res.bytes_read <= needed_src + 2 * 2
+
+
+def test_a_preset_by_name_in_load_full(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """``transforms="hf_llama_to_vllm"``: the rules shipped inside the package, by name."""
+    hf = _hf_llama(layers=1, h=4, g=2)
+    sc.save(hf, s3_uri, storage_options=s3_opts)
+    out = sc.load_full(s3_uri, storage_options=s3_opts, transforms="hf_llama_to_vllm")
+    p = "model.layers.0."
+    assert torch.equal(out[p + "self_attn.qkv_proj.weight"], torch.cat(
+        [hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"]]))
+    assert torch.equal(out[p + "mlp.gate_up_proj.weight"],
+                       torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]))
+    assert p + "self_attn.rotary_emb.inv_freq" not in out and torch.equal(out["lm_head.weight"], hf["lm_head.weight"])
 
 
 def test_transposed_projection_and_cast_configs_with_load_full(s3_uri: str, s3_opts: dict[str, Any]) -> None:

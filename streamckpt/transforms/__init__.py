@@ -8,7 +8,8 @@ one source tensor. Concatenation and splits shift pieces, ``fuse_qkv`` reorders 
 blocks, transpose permutes them. Mapping a target box back to the checkpoint is then
 plain box arithmetic (:meth:`View.map_box`): nothing is materialized, so a transformed
 load still reads only the bytes its targets need. Pure package: the only I/O is reading
-a YAML rules file through fsspec in :meth:`Transforms.from_yaml`.
+a YAML rules file through fsspec in :meth:`Transforms.from_yaml`, or a preset shipped in
+``presets/`` (``transforms="hf_llama_to_vllm"``; :func:`presets` lists them).
 
 Modules, one idea each: ``patterns`` (``{i}`` / ``*`` name patterns), ``rules`` (parsing
 and validating one rule, dtype names), ``pieces`` (the piece algebra), ``ops`` (what each
@@ -21,7 +22,7 @@ YAML loading, ``as_transforms``). See docs/TRANSFORMS.md for the rule reference.
 from __future__ import annotations
 
 from .rules import parse_dtype
-from .ruleset import Transforms, as_transforms
+from .ruleset import Transforms, as_transforms, presets
 from .states import STATE_COMPONENT
 from .view import SourceSegment, SourceSpec, View, ViewTensor, identity_view
 
@@ -31,6 +32,7 @@ __all__ = [
     "View",
     "Transforms",
     "as_transforms",
+    "presets",
     "identity_view",
     "parse_dtype",
     "STATE_COMPONENT",

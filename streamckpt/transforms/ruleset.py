@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
+from importlib import resources
 from typing import Any, Mapping, Sequence
 
 import yaml
 
-from ..errors import TransformError
+from ..errors import TransformError, close_to
 from .apply import Step, apply_rule
 from .inverse import inverse_rules
 from .pieces import leaf_tensor
@@ -20,7 +22,7 @@ class Transforms:
     """An ordered list of transform rules: how the model's keys are built from a checkpoint's.
 
     Pass one as ``transforms=`` to ``sc.load`` or ``sc.load_full`` (which also take the
-    rules as a list of dicts or a YAML path). Rules apply in order to a view of the
+    rules as a list of dicts, a YAML path or a preset's name). Rules apply in order to a view of the
     checkpoint, and the state_dict is matched against the final view; a transformed load
     still reads only the bytes its targets need. Rule kinds: ``rename``, ``fuse``,
     ``fuse_qkv``, ``split``, ``split_qkv``, ``transpose``, ``cast``, ``drop``
@@ -64,27 +66,27 @@ class Transforms:
     @classmethod
     def from_yaml(cls, path_or_uri: str | os.PathLike[str],
                   storage_options: dict[str, Any] | None = None) -> "Transforms":
-        """Read ``{rules: [...]}`` from a YAML file (examples in ``configs/``).
+        """Read ``{rules: [...]}`` from a YAML file, or a preset shipped with the package.
 
         Args:
-            path_or_uri: A local path or fsspec URI of the YAML file.
-            storage_options: fsspec options to read it with. Default None.
+            path_or_uri: A local path or fsspec URI of the YAML file, or the name of a preset
+                shipped in the package (``"hf_llama_to_vllm"``: a bare name, no ``/`` or ``.``;
+                :func:`presets` lists them; ``configs/transforms/`` of a checkout links to them).
+            storage_options: fsspec options to read a file with. Default None.
 
         Returns:
             Transforms: the file's rules, in order.
 
         Raises:
             TransformError: the file cannot be read, is not YAML, has no ``rules`` list, or a
-                rule is invalid.
+                rule is invalid; no preset has that name (the message lists them).
         """
-        import fsspec  # local: keep the pure parts importable without touching fsspec
-
         where = os.fspath(path_or_uri)
-        try:
-            with fsspec.open(where, "rb", **(storage_options or {})) as fh:
-                text = fh.read()
-        except (OSError, ValueError) as exc:
-            raise TransformError(f"cannot read transforms file {where!r}: {exc}") from exc
+        if is_preset_name(where):
+            text = preset_text(where)
+            where = f"preset {where!r}"
+        else:
+            text = _read(where, storage_options)
         try:
             doc = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -156,8 +158,49 @@ class Transforms:
         return view
 
 
+_PRESET_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _presets_dir() -> Any:
+    return resources.files(__package__).joinpath("presets")
+
+
+def presets() -> list[str]:
+    """The names of the rule files shipped in ``streamckpt/transforms/presets/``, sorted."""
+    return sorted(p.name[:-len(".yaml")] for p in _presets_dir().iterdir() if p.name.endswith(".yaml"))
+
+
+def is_preset_name(text: str) -> bool:
+    """A bare name (letters, digits, ``_``, ``-``): a preset, never a path or a URI."""
+    return _PRESET_NAME.fullmatch(text) is not None
+
+
+def preset_text(name: str) -> bytes:
+    """The YAML of preset ``name``; an unknown name is a TransformError listing the presets."""
+    known = presets()
+    if name not in known:
+        raise TransformError(
+            f"no transforms preset named {name!r}{close_to([name], known)}; the presets shipped with "
+            f"streamckpt are {', '.join(known)}; for your own rules pass a YAML path or URI "
+            f"(with a '/' or a '.': './{name}.yaml'), a list of rules or sc.Transforms")
+    return _presets_dir().joinpath(f"{name}.yaml").read_bytes()
+
+
+def _read(where: str, storage_options: dict[str, Any] | None) -> bytes:
+    import fsspec  # local: keep the pure parts importable without touching fsspec
+
+    try:
+        with fsspec.open(where, "rb", **(storage_options or {})) as fh:
+            return fh.read()
+    except (OSError, ValueError) as exc:
+        stem = os.path.basename(where).removesuffix(".yaml")
+        hint = f" (a preset shipped with streamckpt is named {stem!r}: pass just that)" if stem in presets() else ""
+        raise TransformError(f"cannot read transforms file {where!r}: {exc}{hint}") from exc
+
+
 def as_transforms(obj: Any, storage_options: dict[str, Any] | None = None) -> Transforms | None:
-    """None | Transforms | list of rule dicts | ``{rules: [...]}`` | YAML path/URI -> Transforms or None."""
+    """None | Transforms | list of rule dicts | ``{rules: [...]}`` | YAML path/URI | preset name
+    -> Transforms or None."""
     if obj is None:
         return None
     if isinstance(obj, Transforms):
@@ -171,6 +214,6 @@ def as_transforms(obj: Any, storage_options: dict[str, Any] | None = None) -> Tr
     if isinstance(obj, (list, tuple)):
         return Transforms.from_rules(list(obj))
     raise TransformError(
-        f"transforms must be None, sc.Transforms, a list of rules or a YAML path/URI; "
+        f"transforms must be None, sc.Transforms, a list of rules, a YAML path/URI or a preset name; "
         f"got {type(obj).__name__}"
     )

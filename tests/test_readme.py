@@ -1,0 +1,267 @@
+"""README.md runs as written, in order.
+
+Every ```python and ```bash block of README.md is run in a fresh process, in page order,
+against one fresh local S3 server (moto), from a scratch directory where ``examples/`` and
+``.venv`` (this interpreter's environment) are what a clone has; any non-zero exit fails
+with the block's line number and its output. Python blocks run as a script with
+``python``, shell blocks with ``bash -e -o pipefail``, with the environment's ``bin`` on
+``PATH``, the checkout on ``PYTHONPATH`` and no ``AWS_*`` variables (each block names its
+own storage options). The page's port, 9000, becomes a free one.
+
+HTML comments right above a block (invisible on the rendered page) say how it runs:
+
+* ``<!-- background: why -->`` — started in the background before the blocks after it
+  (the S3 server the page tells readers to start in another shell); its first output
+  line must appear within a minute;
+* ``<!-- prints: TEXT -->`` — its output must contain TEXT;
+* ``<!-- pytest: why -->`` — the block is a test file: run with ``python -m pytest``;
+* ``<!-- slow: why -->`` — run only by the slow test (``-m slow``), which runs the whole page;
+* ``<!-- not-run: why -->`` — not run here; the set of such blocks is pinned below.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from streamckpt.testing.s3server import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+PAGE_PORT = "9000"
+KINDS = ("background", "prints", "pytest", "slow", "not-run")
+RUN_LANGS = {"python": "python", "bash": "bash", "shell": "bash", "sh": "bash", "console": "bash"}
+
+# The blocks that genuinely cannot run here, by their first line: each needs what a test
+# must not do (set up a virtualenv, run the whole suite or a long benchmark).
+NOT_RUN = {
+    "make demo   # sets up .venv, starts an embedded S3 server, saves, reshards, verifies, prints stats",
+    "python3 -m venv .venv-bench && .venv-bench/bin/pip install torch==2.13.0",
+    ".venv-bench/bin/python -m benchmarks.run --scenario s --size 256MiB --reps 3 --out save.md",
+    ".venv-bench/bin/python -m benchmarks.run --scenario g --size 256MiB --reps 3 --out capped.md",
+}
+
+
+@dataclass(frozen=True)
+class Block:
+    line: int  # 1-based line of the opening fence
+    lang: str  # python | bash
+    text: str
+    marks: dict[str, str]  # kind -> its text, from the comments right above the fence
+
+    @property
+    def first(self) -> str:
+        return self.text.splitlines()[0] if self.text else ""
+
+
+def blocks(page: Path = README) -> list[Block]:
+    """The runnable (python / shell) fenced blocks of ``page``, in order, with their marks."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    out: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^```(\w*)\s*$", lines[i])
+        if not m:
+            i += 1
+            continue
+        start, lang = i, m.group(1).lower()
+        j = i + 1
+        while j < len(lines) and not lines[j].startswith("```"):
+            j += 1
+        if lang in RUN_LANGS:
+            out.append(Block(start + 1, RUN_LANGS[lang], "\n".join(lines[i + 1:j]) + "\n", _marks(lines, start)))
+        i = j + 1
+    return out
+
+
+def _marks(lines: list[str], fence: int) -> dict[str, str]:
+    """``<!-- kind: text -->`` comments on the lines right above ``fence`` (blank lines between allowed)."""
+    marks: dict[str, str] = {}
+    k = fence - 1
+    while k >= 0 and (not lines[k].strip() or lines[k].lstrip().startswith("<!--")):
+        m = re.fullmatch(r"\s*<!--\s*([\w-]+)\s*:\s*(.*?)\s*-->\s*", lines[k])
+        if m:
+            assert m.group(1) in KINDS, f"README.md:{k + 1}: unknown mark {m.group(1)!r} (known: {KINDS})"
+            marks[m.group(1)] = m.group(2)
+        k -= 1
+    return marks
+
+
+@pytest.fixture(scope="module")
+def page() -> list[Block]:
+    return blocks()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A scratch directory laid out like a clone where ``make`` has run: examples/ and .venv."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
+    return tmp_path
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _command(block: Block, path: Path) -> list[str]:
+    if block.lang == "bash":
+        return ["bash", "-e", "-o", "pipefail", str(path)]
+    if "pytest" in block.marks:
+        return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)]  # the plugin: its entry point
+    return [sys.executable, str(path)]
+
+
+def _script(block: Block, port: int, workdir: Path) -> Path:
+    text = re.sub(rf"\b{PAGE_PORT}\b", str(port), block.text)
+    name = f"test_readme_line{block.line}.py" if "pytest" in block.marks else f"readme_line{block.line}"
+    path = workdir / "blocks" / (name if name.endswith(".py") else name + (".py" if block.lang == "python" else ".sh"))
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _text(out: str | bytes | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+
+@dataclass
+class Outcome:
+    block: Block
+    seconds: float
+    rc: int
+    output: str
+
+    def report(self) -> str:
+        return (f"README.md:{self.block.line} ({self.block.lang}, {self.seconds:.1f} s) exited {self.rc}:\n"
+                f"{self.block.text}\n--- output (tail) ---\n{self.output[-6000:]}")
+
+
+def run_block(block: Block, port: int, workdir: Path, timeout: float = 300) -> Outcome:
+    path = _script(block, port, workdir)
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(_command(block, path), cwd=workdir, env=_env(), capture_output=True, text=True,
+                           timeout=timeout)
+        rc, output = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, output = -999, f"timed out after {timeout} s\n{_text(exc.stdout)}{_text(exc.stderr)}"
+    out = Outcome(block, time.monotonic() - t0, rc, output)
+    if rc == 0 and "prints" in block.marks and block.marks["prints"] not in output:
+        out.rc, out.output = -998, f"expected {block.marks['prints']!r} in the output\n{output}"
+    return out
+
+
+@pytest.fixture
+def server(page: list[Block], workdir: Path) -> Iterator[int]:
+    """The page's own background block (the local S3 server), started on a free port."""
+    background = [b for b in page if "background" in b.marks]
+    assert len(background) == 1, [b.line for b in background]
+    block = background[0]
+    port = free_port()
+    path = _script(block, port, workdir)
+    proc = subprocess.Popen(_command(block, path), cwd=workdir, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        seen = _wait_for_line(proc, f"endpoint_url=http://127.0.0.1:{port} ", timeout=60)
+        assert seen is None, f"README.md:{block.line}: the server did not start (exit {proc.poll()}):\n{seen}"
+        yield port
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _wait_for_line(proc: subprocess.Popen, start: str, timeout: float) -> str | None:
+    """None once ``proc`` prints a line starting with ``start``; else what it printed."""
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            if proc.poll() is not None and lines.empty():
+                break
+            continue
+        if line.startswith(start):
+            return None
+        seen.append(line)
+    return "".join(seen) or f"(nothing within {timeout} s)"
+
+
+def _run_in_order(todo: list[Block], port: int, workdir: Path) -> list[Outcome]:
+    done: list[Outcome] = []
+    for block in todo:
+        out = run_block(block, port, workdir)
+        done.append(out)
+        timings = ", ".join(f"{o.block.line}: {o.seconds:.1f}s" for o in done)
+        assert out.rc == 0, f"{out.report()}\n(blocks run, line: seconds: {timings})"
+    print(f"README blocks run in {sum(o.seconds for o in done):.1f} s (line: seconds): {timings}")
+    return done
+
+
+def test_every_block_is_run_or_skipped_with_a_reason(page: list[Block]) -> None:
+    assert len(page) >= 12
+    skipped = {b.first: b.marks["not-run"] for b in page if "not-run" in b.marks}
+    assert set(skipped) == NOT_RUN
+    assert all(len(why) > 15 for why in skipped.values()), skipped
+    for b in page:
+        assert len({"not-run", "background", "slow"} & set(b.marks)) <= 1, f"README.md:{b.line}: {b.marks}"
+    assert sum("slow" in b.marks for b in page) <= 2
+
+
+def test_the_harness_parses_marks_and_reports_a_failing_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "from-the-caller")  # never reaches a block
+    md = tmp_path / "page.md"
+    md.write_text("# t\n\n<!-- prints: port 9000 -->\n```python\nimport os\n"
+                  "print('port 9000', os.environ.get('AWS_ACCESS_KEY_ID'))\n```\n\n"
+                  "```text\nnot code\n```\n<!-- not-run: a reason -->\n\n```bash\necho hi\n"
+                  "false\necho unreachable\n```\n")
+    first, second = blocks(md)
+    assert (first.line, first.lang, first.marks) == (4, "python", {"prints": "port 9000"})
+    assert (second.line, second.lang, second.marks, second.first) == (14, "bash", {"not-run": "a reason"}, "echo hi")
+    (tmp_path / "work").mkdir()
+    ok = run_block(first, 4321, tmp_path / "work")  # the page's port becomes the server's
+    assert (ok.rc, ok.output) == (-998, "expected 'port 9000' in the output\nport 4321 None\n")
+    bad = run_block(second, 4321, tmp_path / "work")
+    assert (bad.rc, bad.output) == (1, "hi\n")  # bash -e: the first failing command ends the block
+    assert bad.report().startswith("README.md:14 (bash, ")
+
+
+def test_readme_runs_in_order(page: list[Block], server: int, workdir: Path) -> None:
+    todo = [b for b in page if not {"not-run", "background", "slow"} & set(b.marks)]
+    done = _run_in_order(todo, server, workdir)
+    assert [o.rc for o in done] == [0] * len(todo)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_readme_runs_in_order_with_its_slow_blocks(page: list[Block], server: int, workdir: Path) -> None:
+    """The whole page in order: the blocks above and the slow ones (process groups: load-bench
+    and the demo, the torchrun pair where 4 processes save and 2 resume)."""
+    todo = [b for b in page if not {"not-run", "background"} & set(b.marks)]
+    done = _run_in_order(todo, server, workdir)
+    torchrun = [o for o in done if "torchrun" in o.block.text]
+    assert len(torchrun) == 1 and "slow" in torchrun[0].block.marks
+    assert "resumed from s3://bucket/resume/step-000006 at step 6" in torchrun[0].output
