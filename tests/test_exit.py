@@ -81,6 +81,7 @@ def test_async_save_job_exits_clean(s3_uri: str, s3_opts: dict[str, Any]) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_async_save_job_exits_clean_30_times(s3_uri: str, s3_opts: dict[str, Any]) -> None:
     failures = []
     for i in range(30):
@@ -98,6 +99,24 @@ def test_torchrun_async_save_job_exits_clean(mode: str, s3_uri: str, s3_opts: di
     assert proc.stdout.count("DONE") == 2
     info = sc.inspect(f"{s3_uri}/step-8", storage_options=s3_opts)
     assert {k.split(".")[0] for k in info.tensors} == {"rank0", "rank1"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_readme_torchrun_pair_exits_clean_10_times(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """The README's examples/train_resume.py pair (4 ranks to step 6, then 2 ranks to step 9),
+    10 times on fresh prefixes: every launch exits 0 with no fatal line."""
+    example = str(Path(REPO_DIR) / "examples" / "train_resume.py")
+    failures = []
+    for i in range(10):
+        common = ["--ckpt", f"{s3_uri}/{i}", "--save-every", "3", "--storage-options", json.dumps(s3_opts)]
+        for world, steps in ((4, 6), (2, 9)):
+            proc = subprocess.run(_torchrun(world) + [example, "--steps", str(steps), *common], env=_env(),
+                                  cwd=REPO_DIR, capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0 or FATAL.search(proc.stderr):
+                failures.append((i, world, proc.returncode, proc.stderr[-2000:]))
+        assert sc.latest(f"{s3_uri}/{i}", storage_options=s3_opts) == f"{s3_uri}/{i}/step-000009"
+    assert not failures, f"{len(failures)} of 20 launches ended badly; first: {failures[0]}"
 
 
 # ------------------------------------------------------------------ a save in flight at exit
@@ -193,3 +212,20 @@ def test_sigterm_during_async_save(s3_uri: str, s3_opts: dict[str, Any], proxy_f
     assert "step-1/manifest.json" not in left
     assert all(name.startswith("step-1/data/") for name in left), left
     assert sc.latest(s3_uri, storage_options=s3_opts) is None
+
+
+@pytest.mark.parametrize("mode", ["inflight", "inflight-destroy"])
+def test_torchrun_exit_with_a_save_in_flight(mode: str, s3_uri: str, s3_opts: dict[str, Any],
+                                             proxy_factory: Any) -> None:
+    """2 gloo ranks end their script with the save uploading (one also after
+    destroy_process_group()): both exit 0, nothing is committed, nothing is left."""
+    _, opts = _stalled_puts(proxy_factory, 1.0)
+    env = {**_env(), "EXIT_JOB_WIDTH": "1024", "EXIT_JOB_LINGER": "1.0"}
+    proc = subprocess.run(_torchrun(2) + [JOB, mode, s3_uri, json.dumps(opts)], env=env, cwd=REPO_DIR,
+                          capture_output=True, text=True, timeout=180)
+    assert_clean(proc, mode)
+    assert proc.stdout.count("DONE") == 2
+    ours = [ln for ln in proc.stderr.splitlines() if "in flight: cancelling it" in ln]
+    assert len(ours) == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert objects_under(s3_uri, s3_opts) == []
