@@ -135,7 +135,10 @@ def async_save(
     thread uploads, commits the manifest and agrees on the outcome over a gloo group of its
     own (never the training group's collectives). At most one async save is in flight per
     process group: a second call first waits for the previous one to end. A process that
-    exits with a save in flight cancels it (nothing is committed).
+    ends with a save in flight (end of script, exception, Ctrl-C) cancels it: nothing is
+    committed and what it uploaded is deleted, with one warning line; call ``result()``
+    first to keep it. Under SIGTERM nothing is committed and the objects already uploaded
+    are left as garbage (no manifest lists them).
 
     Args:
         state_dict: As in ``save``.
