@@ -229,3 +229,31 @@ def test_torchrun_exit_with_a_save_in_flight(mode: str, s3_uri: str, s3_opts: di
     assert len(ours) == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert objects_under(s3_uri, s3_opts) == []
+
+
+def test_no_daemon_thread_of_ours_runs_torch_at_shutdown(s3_uri: str, proxy_factory: Any) -> None:
+    """The root cause, checked directly: every thread streamckpt starts for a save is a
+    non-daemon thread, so the interpreter joins it before it finalizes (a daemon thread still
+    inside a torch call then is stopped by pthread_exit in a noexcept C++ frame: SIGABRT).
+    With the old daemon uploader this fails every time, not only when the race is lost.
+    Before the fix, a spy (an ``atexit`` hook listing live threads) found that uploader still
+    alive after ``result()`` had returned, closing its clients, in 2 of 12 runs here."""
+    import threading
+
+    import torch
+
+    _, opts = _stalled_puts(proxy_factory, 0.5)
+    handle = sc.async_save({"w": torch.arange(1 << 20, dtype=torch.float32)}, s3_uri, storage_options=opts)
+    try:
+        deadline = time.monotonic() + 30
+        ours: list[threading.Thread] = []
+        while time.monotonic() < deadline and not any(t.name.startswith("streamckpt-s3") for t in ours):
+            ours = [t for t in threading.enumerate() if t.name.startswith("streamckpt")]
+            time.sleep(0.01)
+        assert any(t.name == "streamckpt-async-save" for t in ours), [t.name for t in ours]
+        # pool workers ("<prefix>_<n>") may inherit daemon from the event loop's thread that made
+        # the pool: concurrent.futures joins them at shutdown whatever their flag
+        plain = [t for t in ours if not re.search(r"_\d+$", t.name)]
+        assert [t.name for t in plain if t.daemon] == []
+    finally:
+        handle.result(timeout=60)
