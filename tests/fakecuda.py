@@ -508,6 +508,8 @@ def _view_of(segment: torch.Tensor, offset: int, size: int) -> torch.Tensor:
 # ------------------------------------------------------------------ save path: exact pinned memory (h-gpusave)
 # ``CudaApi.pin``/``unpin``: page-locked host bytes of exactly the size asked, until unpinned.
 # Kept in one block so that the stand-in's core can change beside it; these build on ``pinned``.
+# ``fake.refuse_pin = True`` makes ``pin`` raise ``PinRefused`` (cudaHostRegister failing);
+# ``unpin`` names its device like every other call (checked by ``expect_device``).
 
 
 @dataclass
@@ -532,6 +534,13 @@ def _pins(self: FakeCuda) -> PinLedger:
 
 
 def _pin(self: FakeCuda, nbytes: int, device: torch.device) -> torch.Tensor:
+    if self.__dict__.get("refuse_pin"):  # cudaHostRegister failing, as some VM runtimes make it
+        from streamckpt.cuda.runtime import PinRefused
+
+        self._use(device, "pin")
+        self._count_call("refused pin")
+        raise PinRefused(f"pinning {nbytes} bytes of host memory on {device} failed (cudaHostRegister: "
+                         f"cudaError 1, fake)")
     t = self.pinned(nbytes, device)
     with self._lock:
         ledger = _pins(self)
@@ -540,7 +549,8 @@ def _pin(self: FakeCuda, nbytes: int, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _unpin(self: FakeCuda, t: torch.Tensor) -> None:
+def _unpin(self: FakeCuda, t: torch.Tensor, device: torch.device) -> None:
+    self._use(device, "unpin")
     ptr = t.untyped_storage().data_ptr()
     with self._lock:
         ledger = _pins(self)

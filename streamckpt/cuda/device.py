@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
@@ -40,7 +41,7 @@ import torch
 
 from ..errors import CheckpointError, IncompatibleStateDictError, StagingMemoryError
 from ..plan.data import ALIGN  # a piece keeps its address modulo this on the device
-from .runtime import CudaApi
+from .runtime import CudaApi, PinRefused
 
 log = logging.getLogger(__name__)
 
@@ -373,6 +374,45 @@ def _listed(sizes: Sequence[int]) -> str:
     return f" ({' + '.join(map(str, sizes))} bytes in all)" if len(sizes) > 1 else ""
 
 
+# ------------------------------------------------------------------ pinned host memory for saves
+
+# Process state: whether CUDA has refused to page-lock host memory here (the first refusal's
+# reason), so that the fallback warns once and later pins do not ask again.
+_PIN_REFUSED: dict[str, str] = {}
+_PIN_LOCK = threading.Lock()
+_FALLBACK = "_streamckpt_unpinned_fallback"  # set on a block that ``pin`` did not lock
+
+
+def pin_host(api: CudaApi, nbytes: int, device: torch.device) -> torch.Tensor:
+    """``api.pin``: exactly ``nbytes`` page-locked; where CUDA refuses to lock host memory
+    (``PinRefused``: some VM runtimes, a low ``ulimit -l``), torch's pinned allocator instead
+    (rounded up, cached), or pageable memory if that fails too (device-to-host copies into it
+    are synchronous). One warning per process; after it every pin takes the fallback."""
+    if not _PIN_REFUSED:
+        try:
+            return api.pin(nbytes, device)
+        except PinRefused as e:
+            with _PIN_LOCK:
+                first = not _PIN_REFUSED
+                _PIN_REFUSED.setdefault("why", str(e))
+            if first:
+                log.warning("%s: staging through torch's pinned allocator instead (its blocks are rounded up to a "
+                            "power of two and cached), or pageable memory with synchronous copies", e)
+    try:
+        t = api.pinned(nbytes, device)
+    except Exception as e:  # noqa: BLE001 - any failure: pageable memory still works
+        log.debug("torch's pinned allocator failed too (%s): pageable staging of %d bytes", e, nbytes)
+        t = torch.empty(nbytes, dtype=torch.uint8)
+    setattr(t, _FALLBACK, True)
+    return t
+
+
+def unpin_host(api: CudaApi, t: torch.Tensor, device: torch.device) -> None:
+    """Give back what ``pin_host`` locked, under ``device`` (a fallback block needs nothing)."""
+    if not getattr(t, _FALLBACK, False):
+        api.unpin(t, device)
+
+
 # ------------------------------------------------------------------ saves: device bytes to the host
 
 
@@ -402,9 +442,9 @@ class DeviceToHost:
         for slot, block in enumerate(self.blocks):
             if block is None or block.numel() < nbytes:
                 if block is not None:
-                    self.api.unpin(block)
+                    unpin_host(self.api, block, self.device)
                 self.blocks[slot] = None  # the old block goes before the new one is pinned
-                self.blocks[slot] = self.api.pin(nbytes, self.device)
+                self.blocks[slot] = pin_host(self.api, nbytes, self.device)
 
     def flat(self, t: torch.Tensor) -> torch.Tensor:
         """``t``'s elements as flat uint8 on the device, ordered after the caller's stream."""
@@ -427,9 +467,9 @@ class DeviceToHost:
         block = self.blocks[slot]
         if block is None or block.numel() < n:  # larger than ``fit`` said: this block only (the other may be busy)
             if block is not None:
-                self.api.unpin(block)
+                unpin_host(self.api, block, self.device)
             self.blocks[slot] = None
-            block = self.blocks[slot] = self.api.pin(n, self.device)
+            block = self.blocks[slot] = pin_host(self.api, n, self.device)
         span = block[:n]
         self.api.copy(span, data[lo:lo + n], self.stream)
         self.api.record(self.events[slot], self.stream)
@@ -452,7 +492,7 @@ class DeviceToHost:
         self.api.stream_sync(self.stream)
         for slot, block in enumerate(self.blocks):
             if block is not None:
-                self.api.unpin(block)
+                unpin_host(self.api, block, self.device)
             self.blocks[slot] = None
 
 

@@ -42,10 +42,12 @@ class CudaApi(Protocol):
 
     def pin(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """Exactly ``nbytes`` of page-locked host bytes (no rounding, no cache) until ``unpin``:
-        what a save stages through, sized to its budget."""
+        what a save stages through, sized to its budget. ``PinRefused`` when CUDA will not lock
+        them (``device.pin_host`` then falls back)."""
 
-    def unpin(self, t: torch.Tensor) -> None:
-        """Give back what ``pin`` locked (the memory itself goes with its last reference)."""
+    def unpin(self, t: torch.Tensor, device: torch.device) -> None:
+        """Give back what ``pin(..., device)`` locked, under that device (the caller may be a
+        thread whose current device is another one); the memory itself goes with its last reference."""
 
     def empty(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
         """Device bytes from the caching allocator, in the order of ``stream``."""
@@ -74,6 +76,11 @@ class CudaApi(Protocol):
 
     def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor]) -> None:
         """Its works were waited on: the current stream now follows the exchange."""
+
+
+class PinRefused(CheckpointError):
+    """CUDA refused to page-lock host memory (``cudaHostRegister`` failed: some VM runtimes and
+    locked-memory limits refuse it). The CUDA error state has been cleared."""
 
 
 class TorchCuda:
@@ -109,19 +116,26 @@ class TorchCuda:
         mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # whole pages of its own
         t = torch.frombuffer(mem, dtype=torch.uint8)  # the tensor keeps the mapping alive
         with torch.cuda.device(device):  # a context on this rank's GPU, not GPU 0
-            err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1))  # 1: portable
+            rt = torch.cuda.cudart()
+            err = int(rt.cudaHostRegister(t.data_ptr(), nbytes, 1))  # 1: portable
+            if err != 0:
+                rt.cudaGetLastError()  # clear it: the next kernel launch's check would raise it as its own
         if err != 0:
-            raise CheckpointError(
+            raise PinRefused(
                 f"pinning {nbytes} bytes of host memory on {device} failed (cudaHostRegister: cudaError {err}); "
-                f"free host memory or pass a smaller staging_budget")
+                f"free host memory, raise the locked-memory limit (ulimit -l) or pass a smaller staging_budget")
         return t
 
-    def unpin(self, t: torch.Tensor) -> None:
+    def unpin(self, t: torch.Tensor, device: torch.device) -> None:
         if t.numel() == 0:
             return
-        err = int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
+        with torch.cuda.device(device):  # called from the uploader thread too, whose current device is 0
+            rt = torch.cuda.cudart()
+            err = int(rt.cudaHostUnregister(t.data_ptr()))
+            if err != 0:
+                rt.cudaGetLastError()
         if err != 0:
-            log.warning("cudaHostUnregister of %d bytes failed (cudaError %d)", t.numel(), err)
+            log.warning("cudaHostUnregister of %d bytes on %s failed (cudaError %d)", t.numel(), device, err)
 
     def empty(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
         with torch.cuda.device(device), torch.cuda.stream(stream):
