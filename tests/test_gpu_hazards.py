@@ -200,3 +200,48 @@ def test_async_save_of_tensors_on_two_gpus_waits_on_each_gpus_kernels(tmp_path: 
     assert fake.violations == []
     assert fake.devices_used == {DEV, other}
     assert fake.pins.live == {}
+
+
+# ----------------------------------------------------------------------------- a failed load on NCCL
+
+
+def failed_nccl_worker(rank: int, world: int, root: str, doc: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from gpu_cases import Case, run_rank
+    from streamckpt.comm import GroupComm
+
+    keep: dict[str, Any] = {}
+    try:
+        run_rank(Case(**doc), rank, GroupComm(dist.group.WORLD), root, keep=keep)
+        error = ""
+    except Exception as e:  # noqa: BLE001 - what every rank raises is the point
+        error = f"{type(e).__name__}: {e}"
+    fake, dev = keep["fake"], keep["device"]
+    side = [s for s in fake.streams if s.name.startswith("side")]
+    targets = [t for t in keep["targets"].values() if fake.device_of(t).type == "cuda"]
+    return {"error": error, "follows": fake.follows(dev), "exchanges": fake.counts.get("exchange", 0),
+            "held": sum(any(s.sid in fake.recorded_on(t) for s in side) for t in targets), "targets": len(targets)}
+
+
+@pytest.mark.timeout(200)
+def test_a_failed_load_on_nccl_leaves_the_callers_stream_free(tmp_path: Path) -> None:
+    """Every rank raises the agreed error; the caller's stream follows neither NCCL's stream (work.wait()
+    runs with the side stream current) nor the side stream (not waited on after a failure), so a dead
+    peer's receive cannot hang the caller's next kernel; the targets are held on the side stream."""
+    from distributed import run_ranks
+    from gpu_cases import Case, write_checkpoint
+
+    case = Case(seed=22, world=3, budget=1024, read_once=True, zstd=False, chunk=64, data_on_device=True,
+                agree_every=3, current_device=1, transform=False, cpu_targets=False)
+    write_checkpoint(case, str(tmp_path))
+    for f in (tmp_path / "data").iterdir():  # the last byte of every data file: a late round fails its checksum
+        raw = bytearray(f.read_bytes())
+        raw[-1] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    reps = [r.unwrap() for r in run_ranks(3, failed_nccl_worker, kwargs={"root": str(tmp_path), "doc": case.doc()},
+                                          timeout=150, pg_timeout=45)]
+    assert all(r["error"].startswith("CorruptCheckpointError: ") for r in reps), reps
+    assert all(r["exchanges"] > 0 for r in reps), reps  # NCCL exchanges were posted before the failure
+    assert [r["follows"] for r in reps] == [[]] * 3, reps
+    assert all(r["held"] == r["targets"] > 0 for r in reps), reps

@@ -206,7 +206,7 @@ class HostStage:
     def release(self, slot: int) -> None:
         return None
 
-    def finish(self, failed: bool = False) -> None:
+    def finish(self, failed: bool = False, hold: Sequence[torch.Tensor] = ()) -> None:
         return None
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
@@ -241,6 +241,7 @@ class DeviceStage:
                                lambda n: api.pinned(n, device))
         self.stream = api.new_stream(device)
         self.events: list[Any] = [None] * len(self.arenas)
+        self.exchanged = False  # an NCCL exchange was posted (``posted``)
         # NCCL's send/recv buffers: one device arena per host arena, allocated once in the current
         # stream's order (NCCL's), so no allocation can fail between two ranks' matching posts
         cur = self._current()
@@ -268,12 +269,22 @@ class DeviceStage:
         self.api.record(ev, self.stream)
         self.events[slot] = ev
 
-    def finish(self, failed: bool = False) -> None:
+    def finish(self, failed: bool = False, hold: Sequence[torch.Tensor] = ()) -> None:
         """The caller's stream follows the load; the host returns once the side stream is done.
 
         After a failure the host does not wait: the side stream may be stuck behind an NCCL
-        receive from a dead peer, and the error must reach the caller.
+        receive from a dead peer, and the error must reach the caller. If this load exchanged
+        over NCCL, the caller's stream does not wait on the side stream either (it would hang
+        behind that receive: every later kernel of the caller's, a ``.item()``, a collective);
+        the targets (``hold``), whose contents are unspecified after a failure, are recorded on
+        the side stream instead, so that the allocator does not hand their memory out while it
+        may still write into them.
         """
+        if failed and self.exchanged:
+            for t in hold:
+                if self.api.device_of(t).type == "cuda":
+                    self.api.record_stream(t, self.stream)
+            return
         self.api.wait_stream(self._current(), self.stream)
         if not failed:
             self.api.stream_sync(self.stream)
@@ -321,16 +332,18 @@ class DeviceStage:
         return self.exchange[slot][at: at + nbytes]
 
     def posted(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
+        self.exchanged = True  # the side stream may from now on wait behind NCCL
         self.api.exchange_posted(self.device, sends, recvs)
 
-    def received(self, bufs: Sequence[torch.Tensor]) -> None:
-        """After ``work.wait()`` on a round's exchange (sends only too): the current stream follows
-        NCCL; received device buffers become readable on the side stream, and stay allocated until
-        it is done."""
-        self.api.exchange_waited(self.device, bufs)
-        if not bufs:
-            return  # a send-only round: release() orders the side stream after the current one
-        self.api.wait_stream(self.stream, self._current())
+    def received(self, wait: Callable[[], None], bufs: Sequence[torch.Tensor]) -> None:
+        """A round's exchange (sends only too), posted: ``wait`` (``work.wait()``) runs with the side
+        stream current, so NCCL's completion orders the side stream and never the caller's: a
+        receive from a dead peer holds only the side stream, which a failed load leaves behind
+        (``finish``). Received device buffers become readable on the side stream, and stay
+        allocated until it is done."""
+        with self.api.use_stream(self.stream):
+            wait()
+        self.api.exchange_waited(self.device, bufs, self.stream)
         for b in bufs:
             self.api.record_stream(b, self.stream)
 
@@ -357,13 +370,14 @@ def allocate(what: str, sizes: Sequence[int], device: torch.device,
 
 
 @contextlib.contextmanager
-def finishing(stage: Stage) -> Iterator[None]:
-    """``stage.finish()`` on every exit; on a failing one its own error must not hide the first."""
+def finishing(stage: Stage, hold: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+    """``stage.finish()`` on every exit; on a failing one its own error must not hide the first
+    (``hold``: the load's targets, see ``DeviceStage.finish``)."""
     try:
         yield
     except BaseException:
         try:
-            stage.finish(failed=True)
+            stage.finish(failed=True, hold=hold)
         except Exception as e:  # noqa: BLE001 - already failing
             log.warning("finishing the device stage after a failure: %s", e)
         raise

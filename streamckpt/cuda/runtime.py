@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import mmap
-from typing import Any, Protocol, Sequence
+from typing import Any, ContextManager, Protocol, Sequence
 
 import torch
 
@@ -74,8 +74,11 @@ class CudaApi(Protocol):
     def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
         """A grouped send/recv of device buffers was just posted (NCCL semantics)."""
 
-    def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor]) -> None:
-        """Its works were waited on: the current stream now follows the exchange."""
+    def use_stream(self, stream: Any) -> ContextManager[None]:
+        """``stream`` (and its device) current inside: where ``work.wait()`` makes NCCL's completion wait."""
+
+    def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor], stream: Any) -> None:
+        """Its works were waited on with ``stream`` current (``use_stream``): ``stream`` now follows the exchange."""
 
 
 class PinRefused(CheckpointError):
@@ -168,5 +171,8 @@ class TorchCuda:
         """Nothing to do: ProcessGroupNCCL makes its stream wait on the current stream and
         keeps the buffers alive for the allocator itself."""
 
-    def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor]) -> None:
-        """Nothing to do: ``work.wait()`` made the current stream wait on NCCL's stream."""
+    def use_stream(self, stream: Any) -> ContextManager[None]:
+        return torch.cuda.stream(stream)  # also makes the stream's device current
+
+    def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor], stream: Any) -> None:
+        """Nothing to do: ``work.wait()`` made the current stream (``stream``) wait on NCCL's stream."""
