@@ -78,7 +78,8 @@ class CudaApi(Protocol):
         """``stream`` (and its device) current inside: where ``work.wait()`` makes NCCL's completion wait."""
 
     def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor], stream: Any) -> None:
-        """Its works were waited on with ``stream`` current (``use_stream``): ``stream`` now follows the exchange."""
+        """Its works were waited on with ``stream`` current (``use_stream``): ``stream`` now follows
+        the exchange."""
 
 
 class PinRefused(CheckpointError):
@@ -175,4 +176,4 @@ class TorchCuda:
         return torch.cuda.stream(stream)  # also makes the stream's device current
 
     def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor], stream: Any) -> None:
-        """Nothing to do: ``work.wait()`` made the current stream (``stream``) wait on NCCL's stream."""
+        """Nothing to do: ``work.wait()`` made the current stream (``stream``) wait on NCCL's."""

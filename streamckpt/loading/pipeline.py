@@ -412,7 +412,8 @@ class Executor:
             if error is None:
                 error = self._attempt(lambda: self._scatter_local(k))
             if works and self.placement.data_on_device:  # work.wait() with the side stream current
-                self.stage.received(lambda: self.comm.wait(works), [buf for _, buf in landed])  # type: ignore[union-attr]
+                bufs = [buf for _, buf in landed]
+                self.stage.received(lambda: self.comm.wait(works), bufs)  # type: ignore[union-attr]
             else:
                 self.comm.wait(works)
             if error is None:
