@@ -16,11 +16,15 @@ Every rule of the GPU path lives here, once:
 * **Caller's stream first** (``DeviceStage.begin``): the side stream waits on the
   caller's current stream before any target write, so pending init kernels
   (``to_empty`` + ``reset_parameters``, a ``fill_``) land before the loaded bytes;
-  at the end the caller's stream waits on the side stream.
+  at the end the caller's stream waits on the side stream — not after a failed load that
+  exchanged over NCCL, and NCCL's completion (``work.wait()``) orders the side stream, never
+  the caller's: a dead peer's receive must not hang the caller's next kernel.
 * **Allocator safety**: device scratch is allocated on the side stream that uses it;
   NCCL's send/recv buffers are views of two exchange arenas allocated once in the
   current stream's order (NCCL's), reused under the host arenas' events, and recorded
   on the side stream that reads them.
+* **Pinned memory for saves** (``pin_host``): exactly the bytes asked (``CudaApi.pin``); where
+  CUDA refuses to lock host memory, torch's pinned allocator (or pageable memory), one warning.
 * **No allocation between agreements**: every arena is allocated when the stage is
   made; a failure is a ``StagingMemoryError`` naming the memory and the bytes, which
   the executor agrees on before any collective (so no rank blocks on one that failed).
