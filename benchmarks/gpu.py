@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -164,6 +165,48 @@ def d2h(total: int, dev: torch.device, out: Summary) -> None:
                                            f"= {gbs / ceiling:.2f} x pinned D2H memcpy")
 
 
+def _driver() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        out = []
+    return out[0] if out else "unknown"
+
+
+def pin_probe(dev: torch.device, api: Any = None) -> tuple[str, str]:
+    """The first GPU part: pin 1 MiB with ``CudaApi.pin`` (``cudaHostRegister``), copy into it
+    from the GPU, unpin it and run a kernel after; with the kernel and the driver. ``(verdict,
+    figure)``: WARN when CUDA refuses to pin (staging then falls back, see ``device.pin_host``)."""
+    import platform
+
+    from streamckpt.cuda.runtime import PinRefused, TorchCuda
+
+    api = api if api is not None else TorchCuda()
+    real = isinstance(api, TorchCuda)
+    where = (f"kernel {platform.release()}, driver {_driver() if real else 'none'}, "
+             f"CUDA runtime {torch.version.cuda}")
+    try:
+        t = api.pin(1 << 20, dev)
+    except PinRefused as e:
+        return "WARN", f"{e}; staging falls back to torch's pinned allocator (one warning); {where}"
+    want = (torch.arange(1 << 20) % 251).to(torch.uint8)
+    if real:
+        t.copy_(want.to(dev), non_blocking=True)
+        torch.cuda.synchronize(dev)
+    else:
+        t.copy_(want)
+    pinned = t.is_pinned() if real else True
+    same = bool(torch.equal(t, want))
+    api.unpin(t, dev)
+    still = real and t.is_pinned()
+    if real:
+        torch.ones(1, device=dev).add_(1).item()  # a kernel after: no stray CUDA error left behind
+    ok = pinned and same and not still
+    return ("PASS" if ok else "FAIL"), (f"1 MiB pinned: {pinned}, bytes from the GPU exact: {same}, unpinned: "
+                                        f"{not still}; {where}")
+
+
 def nccl_world1(dev: torch.device, root: Path, out: Summary, *, backend: str = "nccl", cuda: Any = None,
                 place: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """What one GPU can run of the NCCL path: NCCL refuses two ranks on one device, so the
@@ -283,7 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=250.0, help="start no part after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="no GPU: run the load-save and stall parts on the CPU, "
                     "small, to check this script's own code paths")
+    ap.add_argument("--probe-pin", action="store_true", help="pin and unpin 1 MiB only: print one line, "
+                    "'PASS|WARN|FAIL figure' (gpu_check.sh's first GPU part)")
     args = ap.parse_args(argv)
+    if args.probe_pin:
+        verdict, figure = pin_probe(torch.device("cuda", torch.cuda.current_device()))
+        print(f"{verdict} {figure}", flush=True)
+        return 1 if verdict == "FAIL" else 0
     out = Summary(args.summary)
     if args.smoke:
         dev, args.gib, args.stall_gib = torch.device("cpu"), min(args.gib, 0.125), min(args.stall_gib, 1 / 32)

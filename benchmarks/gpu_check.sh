@@ -133,29 +133,11 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), {n} x {name}")' 2
 part_pin() {
   echo "## pin: CudaApi.pin of 1 MiB (cudaHostRegister) and unpin"
   local line rc
-  line=$("${LIMIT[@]}" "$(left 60)" "$PY" -c 'import platform, torch
-from streamckpt.cuda.runtime import PinRefused, TorchCuda
-dev = torch.device("cuda", torch.cuda.current_device())
-drv = getattr(torch._C, "_cuda_getDriverVersion", lambda: 0)()
-where = f"kernel {platform.release()}, CUDA driver API {drv // 1000}.{drv % 1000 // 10}, runtime {torch.version.cuda}"
-api = TorchCuda()
-try:
-    t = api.pin(1 << 20, dev)
-except PinRefused as e:
-    print(f"WARN {e}; staging falls back to torch\x27s pinned allocator; {where}")
-    raise SystemExit(0)
-ok = t.is_pinned()
-t.copy_(torch.arange(1 << 20, device=dev).to(torch.uint8), non_blocking=True)
-torch.cuda.synchronize(dev)
-ok = ok and bool(torch.equal(t, torch.arange(1 << 20).to(torch.uint8)))
-api.unpin(t, dev)
-ok = ok and not t.is_pinned()
-torch.ones(1, device=dev).add_(1).item()  # a kernel after: no stray CUDA error
-print(("PASS" if ok else "FAIL") + f" 1 MiB pinned, copied into and unpinned: {ok}; {where}")')
+  line=$("${LIMIT[@]}" "$(left 60)" "$PY" -m benchmarks.gpu --probe-pin)
   rc=$?
   line=${line##*$'\n'}
-  if [ $rc -ne 0 ] || [ -z "$line" ]; then
-    check FAIL pin "exit $rc (124: timed out; see the log)"
+  if [ -z "$line" ]; then
+    check FAIL pin "benchmarks.gpu --probe-pin exit $rc (124: timed out; see the log)"
     return 1
   fi
   check "${line%% *}" pin "${line#* }"

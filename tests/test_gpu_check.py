@@ -143,3 +143,26 @@ def test_the_nccl_part_skips_the_exchange_and_loads_on_a_world_1_group() -> None
     assert lines[1].endswith("wrong tensors: 0")
     violations = next(ln for ln in proc.stdout.splitlines() if ln.startswith("VIOLATIONS"))
     assert violations.startswith("VIOLATIONS [] ") and int(violations.split()[-1]) > 2
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_the_pin_probe(refuse: bool) -> None:
+    """The check's first GPU part, through the stand-in: PASS with the bytes back, WARN on a refusal."""
+    from fakecuda import FakeCuda
+
+    from benchmarks.gpu import pin_probe
+
+    dev = torch.device("cuda", 0)
+    fake = FakeCuda(current_device=0)
+    fake.expect_device(dev)
+    fake.refuse_pin = refuse  # type: ignore[attr-defined]
+    verdict, figure = pin_probe(dev, fake)
+    if refuse:
+        assert verdict == "WARN" and figure.startswith("pinning 1048576 bytes of host memory on cuda:0 failed")
+        assert "staging falls back to torch's pinned allocator" in figure
+        assert fake.pins.asked == []
+    else:
+        assert (verdict, figure.split("; ")[0]) == ("PASS", "1 MiB pinned: True, bytes from the GPU exact: True, "
+                                                            "unpinned: True")
+        assert fake.pins.asked == [1 << 20] and fake.pins.live == {}
+    assert "kernel " in figure and fake.violations == []
