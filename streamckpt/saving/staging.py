@@ -16,7 +16,9 @@ For CUDA tensors the block is page-locked at exactly its size (``CudaApi.pin``: 
 pinned allocator would round it up to a power of two and cache it after use: a 17 GB
 share would pin 32 GiB for good), the copies run on a side stream of the area, after
 the caller's stream's pending work, and the host waits for them before a copy counts as
-staged. ``close`` unpins the block (also done when the area is garbage collected).
+staged (tensors on several GPUs: a stream per GPU, after that GPU's caller's stream). ``close``
+unpins the block (also done when the area is garbage collected, on whatever thread: every
+unpin names its device). Where CUDA refuses to pin, ``device.pin_host`` falls back.
 """
 
 from __future__ import annotations
