@@ -182,7 +182,9 @@ def test_pageable_staging_when_torchs_pinned_allocator_fails_too(tmp_path: Path)
 
 def test_async_save_of_tensors_on_two_gpus_waits_on_each_gpus_kernels(tmp_path: Path) -> None:
     """Each GPU's tensors are copied on a stream of that GPU after its caller's stream: a stream of
-    the first GPU would copy the second GPU's tensors before their pending writes."""
+    the first GPU would copy the second GPU's tensors before their pending writes. Staged per GPU
+    rather than refused: ``sc.save`` takes such a state (a stream per GPU, ``host_spans``), so
+    ``async_save`` takes it too (loads refuse it: one rank loads through one GPU)."""
     fake = FakeCuda(current_device=0)
     other = torch.device("cuda", 5)
     sd, want = _gpu_state(fake, [6_000, 2_000], seed=7)  # on DEV
@@ -197,6 +199,12 @@ def test_async_save_of_tensors_on_two_gpus_waits_on_each_gpus_kernels(tmp_path: 
         handle.result(timeout=60)
         handle.release_staging()
         _loads_back(tmp_path / f"b{budget}", want)
+    storage = Storage(str(tmp_path / "sync"))  # what sc.save does with the same state: async_save's parity
+    try:
+        run_save(SoloComm(), storage, sd, compression=None, metadata=None, overwrite=False, cuda=fake)
+    finally:
+        storage.close()
+    _loads_back(tmp_path / "sync", want)
     assert fake.violations == []
     assert fake.devices_used == {DEV, other}
     assert fake.pins.live == {}
