@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-pin", action="store_true", help="pin and unpin 1 MiB only: print one line, "
                     "'PASS|WARN|FAIL figure' (gpu_check.sh's first GPU part)")
     args = ap.parse_args(argv)
+    from . import timelimit
+
+    timelimit.exit_on_sigterm()  # gpu_check.sh's limit: the stall part's savers (sessions of their own) go too
     if args.probe_pin:
         verdict, figure = pin_probe(torch.device("cuda", torch.cuda.current_device()))
         print(f"{verdict} {figure}", flush=True)

@@ -466,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         rep = child(json.loads(Path(args.child).read_text()))
         print(json.dumps(asdict(rep)), flush=True)
         return 0
+    timelimit.exit_on_sigterm()  # a limit on this process ends the saver in flight too
     work = Path(args.work or tempfile.mkdtemp(prefix="sc-stall-", dir="/tmp"))
     reports = measure(data.parse_size(args.size), args.device, args.target, args.savers.split(","),
                       args.loops.split(","), work, reps=args.reps)

@@ -48,8 +48,8 @@ def run(cmd: Sequence[str], limit: float, grace: float = GRACE_S, **popen: Any) 
     except subprocess.TimeoutExpired:
         end_group(proc, grace)
         return TIMED_OUT
-    except BaseException:  # Ctrl-C, SIGTERM turned into an exception: take the group down too
-        end_group(proc, grace)
+    except BaseException:  # Ctrl-C, SIGTERM turned into an exception: take the group down too, quickly
+        end_group(proc, min(grace, 2.0))
         raise
     _signal_group(proc.pid, signal.SIGKILL)  # leftovers of a command that ended by itself
     return rc
@@ -67,18 +67,25 @@ def run_captured(cmd: Sequence[str], limit: float, grace: float = GRACE_S,
         end_group(proc, grace)
         out, err = proc.communicate()
         return TIMED_OUT, out, err, True
-    except BaseException:
-        end_group(proc, grace)
+    except BaseException:  # as in ``run``
+        end_group(proc, min(grace, 2.0))
         raise
     _signal_group(proc.pid, signal.SIGKILL)
     return proc.returncode, out, err, False
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (an outer limit ending this process's group) raises ``SystemExit`` in the main thread,
+    so that ``run``/``run_captured`` in progress end their own groups on the way out: a command run in
+    a session of its own is outside the group that the outer limit ends."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
         print("usage: timelimit.py SECONDS CMD [ARG...]", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # an outer limit: end the group on the way out
+    exit_on_sigterm()
     return run(argv[1:], float(argv[0]))
 
 

@@ -68,6 +68,28 @@ def test_the_command_line_form_exits_124_and_leaves_nothing(tmp_path: Path) -> N
     assert not _alive(int(pidfile.read_text()))
 
 
+def test_an_outer_limit_ends_an_inner_session_too(tmp_path: Path) -> None:
+    """gpu_check.sh's limit on benchmarks.gpu, whose stall part runs each saver in a session of its
+    own: SIGTERM becomes SystemExit there, and the saver's group is ended on the way out (else it
+    would run on, orphaned, after the step's group was killed)."""
+    pidfile = tmp_path / "pid"
+    inner = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(30)"
+    outer = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        from benchmarks import timelimit
+        timelimit.exit_on_sigterm()
+        timelimit.run_captured([sys.executable, "-c", {inner!r}], 60)
+    """)
+    t0 = time.monotonic()
+    assert timelimit.run([sys.executable, "-c", outer], 3, grace=5) == timelimit.TIMED_OUT
+    assert time.monotonic() - t0 < 15
+    deadline = time.monotonic() + 5
+    while _alive(int(pidfile.read_text())) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(int(pidfile.read_text()))
+
+
 def _check(tmp_path: Path, *args: str, **env: str) -> tuple[int, list[str], float]:
     out = tmp_path / "out"
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
