@@ -1,6 +1,7 @@
 """The GPU benchmark for a lent CUDA machine (issue 26, item 2); ``benchmarks/gpu_check.sh`` runs it.
 
-    python -m benchmarks.gpu [--gib 4] [--stall-gib 1] [--work /tmp/sc-gpucheck] [--summary FILE] [--out gpu.txt]
+    python -m benchmarks.gpu [--gib 2] [--load-gib 1] [--stall-gib 0.5] [--work /tmp/sc-gpucheck] [--summary FILE]
+                             [--out gpu.txt] [--budget-s 250]
 
 1. h2d: one pinned host buffer copied to the GPU (the ceiling), then streamckpt's ``DeviceStage``
    over rounds of ``max_round_bytes`` (two pinned arenas, upload on the side stream, write into
@@ -9,15 +10,19 @@
 2. d2h: one GPU buffer copied to one pinned host buffer (the ceiling), then the save's staging
    (``DeviceToHost.spans``: two pinned blocks, event-gated, the host touching each span as a
    checksum would), ÷ the ceiling.
-3. load: ``sc.load`` from local files (page cache, CRC32C checked) into CUDA targets and into CPU
+3. nccl: ``SKIP nccl-exchange: 1 GPU`` on a 1-GPU machine (NCCL refuses two ranks on one device);
+   a world-1 NCCL ``GroupComm`` driving a real load through ``DeviceStage`` (``nccl_world1``).
+4. load: ``sc.load`` from local files (page cache, CRC32C checked) into CUDA targets and into CPU
    targets, GB/s and ÷ the H2D ceiling; ``sc.save`` of CUDA and of CPU tensors to local files.
-4. stall: ``sc.async_save`` of CUDA tensors beside a GPU training loop, blocked time, time to
+5. stall: ``sc.async_save`` of CUDA tensors beside a GPU training loop, blocked time, time to
    durable and training time lost, beside ``dcp.async_save`` (thread and process modes) with
    DCP's ``FileSystemWriter`` (``benchmarks.stall --device cuda --target file``).
 
-Local files under ``--work`` (after a free-space check), no S3 server. Each part is timed twice
+Local files under ``--work`` (after a free-space check), no S3 server. Test data is made on the GPU.
+The sizes are the least that keep each figure's meaning (the ceilings need ~2 GiB, the stall ~0.5 GiB),
+so that ``gpu_check.sh`` ends within 5 minutes and a lease leaves time for a rerun. Each part is timed twice
 and the better time kept; every result is checked against what was written. Each check appends
-one ``PASS|FAIL name: figure`` line to ``--summary``: FAIL is a broken part (an exception, with
+one ``PASS|FAIL|SKIP name: figure`` line to ``--summary``: FAIL is a broken part (an exception, with
 its traceback printed in full, or wrong bytes); a missed speed goal says MISSED in the figure.
 Parts run in turn while time is left under ``--budget-s``; the rest are FAIL "out of time".
 """
@@ -27,13 +32,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -49,8 +55,12 @@ class Summary:
     failed: int = 0
 
     def check(self, ok: bool, name: str, figure: str) -> None:
-        line = f"{'PASS' if ok else 'FAIL'} {name}: {figure}"
-        self.failed += not ok
+        self.say("PASS" if ok else "FAIL", name, figure)
+
+    def say(self, verdict: str, name: str, figure: str) -> None:
+        """One line: PASS, FAIL (counted), or SKIP (what this machine cannot run, and why)."""
+        line = f"{verdict} {name}: {figure}"
+        self.failed += verdict == "FAIL"
         self.lines.append(line)
         print(">>> " + line, flush=True)
         if self.path:
@@ -91,7 +101,7 @@ def h2d(total: int, dev: torch.device, out: Summary) -> float:
     from streamckpt.plan.planner import PlanOptions
 
     src = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    src.random_(0, 255)
+    src.copy_(torch.randint(0, 256, (total,), dtype=torch.uint8, device=dev))  # on the GPU: a CPU random_ is serial
     dst = torch.empty(total, dtype=torch.uint8, device=dev)
     dt = _timed(lambda: dst.copy_(src, non_blocking=True))
     ceiling = total / dt / 1e9
@@ -100,8 +110,8 @@ def h2d(total: int, dev: torch.device, out: Summary) -> float:
     del dst
     round_bytes = PlanOptions().max_round_bytes
     stage = DeviceStage(TorchCuda(), dev, [round_bytes, round_bytes])
-    for a in stage.arenas:
-        a.random_(0, 255)  # what the device-path-only rounds upload (checked in the target's last round)
+    for a in stage.arenas:  # what the device-path-only rounds upload (checked in the target's last round)
+        a.copy_(torch.randint(0, 256, (a.numel(),), dtype=torch.uint8, device=dev))
     target = torch.empty(total, dtype=torch.uint8, device=dev)
     rounds = total // round_bytes
     for fill in (False, True):
@@ -153,6 +163,99 @@ def d2h(total: int, dev: torch.device, out: Summary) -> None:
     want = [int(src[i: i + SAVE_BLOCK_BYTES][::4096].sum()) for i in range(0, total, SAVE_BLOCK_BYTES)]
     out.check(sums == want, "d2h-staging", f"DeviceToHost.spans, {SAVE_BLOCK_BYTES >> 20} MiB blocks: {gbs:.2f} GB/s "
                                            f"= {gbs / ceiling:.2f} x pinned D2H memcpy")
+
+
+def _driver() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        out = []
+    return out[0] if out else "unknown"
+
+
+def pin_probe(dev: torch.device, api: Any = None) -> tuple[str, str]:
+    """The first GPU part: pin 1 MiB with ``CudaApi.pin`` (``cudaHostRegister``), copy into it
+    from the GPU, unpin it and run a kernel after; with the kernel and the driver. ``(verdict,
+    figure)``: WARN when CUDA refuses to pin (staging then falls back, see ``device.pin_host``)."""
+    import platform
+
+    from streamckpt.cuda.runtime import PinRefused, TorchCuda
+
+    api = api if api is not None else TorchCuda()
+    real = isinstance(api, TorchCuda)
+    where = (f"kernel {platform.release()}, driver {_driver() if real else 'none'}, "
+             f"CUDA runtime {torch.version.cuda}")
+    try:
+        t = api.pin(1 << 20, dev)
+    except PinRefused as e:
+        return "WARN", f"{e}; staging falls back to torch's pinned allocator (one warning); {where}"
+    want = (torch.arange(1 << 20) % 251).to(torch.uint8)
+    if real:
+        t.copy_(want.to(dev), non_blocking=True)
+        torch.cuda.synchronize(dev)
+    else:
+        t.copy_(want)
+    pinned = t.is_pinned() if real else True
+    same = bool(torch.equal(t, want))
+    api.unpin(t, dev)
+    still = real and t.is_pinned()
+    if real:
+        torch.ones(1, device=dev).add_(1).item()  # a kernel after: no stray CUDA error left behind
+    ok = pinned and same and not still
+    return ("PASS" if ok else "FAIL"), (f"1 MiB pinned: {pinned}, bytes from the GPU exact: {same}, unpinned: "
+                                        f"{not still}; {where}")
+
+
+def nccl_world1(dev: torch.device, root: Path, out: Summary, *, backend: str = "nccl", cuda: Any = None,
+                place: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    """What one GPU can run of the NCCL path: NCCL refuses two ranks on one device, so the
+    exchange between ranks is SKIP on a 1-GPU machine; a world-1 NCCL group still drives a real
+    load through ``GroupComm`` (set-up, the GPU-side agreements and gathers, the data-plane
+    choice) and ``DeviceStage`` (``run_load``: ``sc.load`` takes the single-process path at world 1).
+
+    ``backend``, ``cuda`` (a ``CudaApi``) and ``place`` (a host tensor as this device's) let a
+    CPU test run the same code on gloo with the CUDA stand-in."""
+    import torch.distributed as dist
+
+    import streamckpt as sc
+    from streamckpt.comm import GroupComm
+    from streamckpt.cuda.runtime import TorchCuda
+    from streamckpt.loading.loader import LoadRequest, run_load
+    from streamckpt.plan.planner import PlanOptions
+    from streamckpt.storage import Storage
+
+    api = cuda if cuda is not None else TorchCuda()
+    gpus = api.device_count()
+    if gpus < 2:
+        out.say("SKIP", "nccl-exchange", f"{gpus} GPU (NCCL refuses two ranks on one device: the exchange between "
+                                         f"ranks needs 2 GPUs)")
+    g = torch.Generator().manual_seed(36)
+    want = {"w": torch.randn(1024, 1024, generator=g), "b": torch.randn(4099, generator=g).to(torch.bfloat16)}
+    uri = str(root / "nccl-world1")
+    sc.save(want, uri, overwrite=True)
+    put = place if place is not None else (lambda t: t.to(dev))
+    sd = {k: put(torch.full_like(v, -1)) for k, v in want.items()}
+    bind = {"device_id": dev} if backend == "nccl" else {}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
+    try:
+        comm = GroupComm(dist.group.WORLD, cuda=api)
+        storage = Storage(uri)
+        try:
+            t0 = time.perf_counter()
+            res = run_load(comm, storage, LoadRequest(state_dict=sd, strict=True, transforms=None, cuda=api,
+                                                      options=PlanOptions(memory_budget=1 << 20)))
+            dt = time.perf_counter() - t0
+        finally:
+            storage.close()
+        plane = str(comm.data_device)
+        wrong = [k for k, v in want.items() if not torch.equal(sd[k].cpu(), v)]
+        ok = not wrong and res.rounds > 1 and (backend != "nccl" or plane == str(dev))
+        out.check(ok, "nccl-world1", f"a world-1 {backend} GroupComm (backends {comm.backend}, data plane {plane}, "
+                  f"agreement every {comm.agree_every} rounds) loading {res.bytes_needed >> 10} KiB through "
+                  f"DeviceStage in {res.rounds} rounds: {dt:.2f} s, wrong tensors: {wrong or 0}")
+    finally:
+        dist.destroy_process_group()
 
 
 def _model(total: int, dev: torch.device) -> dict[str, torch.Tensor]:
@@ -214,18 +317,29 @@ def stall(nbytes: int, device: str, root: Path, out: Summary, report: list[str],
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gib", type=float, default=4.0, help="bytes per copy and checkpoint (GiB)")
-    ap.add_argument("--stall-gib", type=float, default=1.0, help="the async-saved state (GiB)")
+    ap.add_argument("--gib", type=float, default=2.0, help="bytes per H2D/D2H copy (GiB): their ceilings")
+    ap.add_argument("--load-gib", type=float, default=1.0, help="the checkpoint loaded and saved (GiB)")
+    ap.add_argument("--stall-gib", type=float, default=0.5, help="the async-saved state (GiB)")
     ap.add_argument("--work", default="/tmp/sc-gpucheck", help="local files go here (not /dev/shm)")
     ap.add_argument("--summary", default="", help="append one PASS/FAIL line per check here")
     ap.add_argument("--out", default="", help="the report (plain text, for benchmarks.run --gpu-results)")
     ap.add_argument("--budget-s", type=float, default=250.0, help="start no part after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="no GPU: run the load-save and stall parts on the CPU, "
                     "small, to check this script's own code paths")
+    ap.add_argument("--probe-pin", action="store_true", help="pin and unpin 1 MiB only: print one line, "
+                    "'PASS|WARN|FAIL figure' (gpu_check.sh's first GPU part)")
     args = ap.parse_args(argv)
+    from . import timelimit
+
+    timelimit.exit_on_sigterm()  # gpu_check.sh's limit: the stall part's savers (sessions of their own) go too
+    if args.probe_pin:
+        verdict, figure = pin_probe(torch.device("cuda", torch.cuda.current_device()))
+        print(f"{verdict} {figure}", flush=True)
+        return 1 if verdict == "FAIL" else 0
     out = Summary(args.summary)
     if args.smoke:
         dev, args.gib, args.stall_gib = torch.device("cpu"), min(args.gib, 0.125), min(args.stall_gib, 1 / 32)
+        args.load_gib = min(args.load_gib, 0.125)
     elif not torch.cuda.is_available():
         out.check(False, "benchmark", f"CUDA is not available to torch {torch.__version__}: nothing measured")
         return 2
@@ -244,12 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     parts: list[tuple[str, Callable[[], None]]] = [
         ("h2d", lambda: ceiling.__setitem__(0, h2d(total, dev, out))),
         ("d2h", lambda: d2h(total, dev, out)),
-        ("load-save", lambda: load_and_save(total, dev, ceiling[0] or float("nan"), root, out)),
+        ("nccl", lambda: nccl_world1(dev, root, out)),
+        ("load-save", lambda: load_and_save(int(args.load_gib * GiB), dev, ceiling[0] or float("nan"), root, out)),
         ("stall", lambda: stall(int(args.stall_gib * GiB), dev.type, root, out, stall_lines,
                                 deadline=t0 + args.budget_s + 15)),
     ]
     if args.smoke:
-        parts = parts[2:]
+        parts = parts[3:]
     try:
         for name, fn in parts:
             if time.perf_counter() - t0 > args.budget_s:

@@ -32,7 +32,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import data
+from . import data, timelimit
 from .server import BUCKET, REGION, BenchServer, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -293,20 +292,19 @@ def run_saver(spec: dict[str, Any], env: dict[str, str], timeout: float) -> Repo
     """One saver in a fresh process; its report comes back as the last line of its output."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    try:
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.stall", "--child", f.name], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return Report(spec["saver"], spec["device"], spec["target"], 0, error=f"timed out after {timeout:.0f} s")
+    try:  # a session of its own: at the limit its whole group goes (DCP's process-mode saver holds the pipes)
+        rc, out, err, timed_out = timelimit.run_captured(
+            [sys.executable, "-m", "benchmarks.stall", "--child", f.name], timeout, cwd=REPO, env=env)
     finally:
         os.unlink(f.name)
-    sys.stderr.write(proc.stderr[-4000:])
-    last = proc.stdout.strip().splitlines()[-1:] or [""]
+    sys.stderr.write(err[-4000:])
+    if timed_out:
+        return Report(spec["saver"], spec["device"], spec["target"], 0, error=f"timed out after {timeout:.0f} s")
+    last = out.strip().splitlines()[-1:] or [""]
     try:
         doc = json.loads(last[0])
     except json.JSONDecodeError:
-        return Report(spec["saver"], spec["device"], spec["target"], 0,
-                      error=f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}")
+        return Report(spec["saver"], spec["device"], spec["target"], 0, error=f"exit {rc}: {(out + err)[-1500:]}")
     doc["windows"] = [Window(**w) for w in doc["windows"]]
     return Report(**doc)
 
@@ -468,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         rep = child(json.loads(Path(args.child).read_text()))
         print(json.dumps(asdict(rep)), flush=True)
         return 0
+    timelimit.exit_on_sigterm()  # a limit on this process ends the saver in flight too
     work = Path(args.work or tempfile.mkdtemp(prefix="sc-stall-", dir="/tmp"))
     reports = measure(data.parse_size(args.size), args.device, args.target, args.savers.split(","),
                       args.loops.split(","), work, reps=args.reps)

@@ -27,8 +27,8 @@ that waits on the caller's current stream, reads the send buffers and writes the
 receive buffers; it runs only when forced, like any op. The bytes themselves travel over
 the real gloo group when the library posts it, so the op's dependencies (the send
 copies) run then, *early* — not forced: their host reads are checked again when the
-host forces them later. ``exchange_waited`` (after ``work.wait()``) makes the current
-stream wait on NCCL, and — when the op has not run yet — takes the bytes gloo delivered
+host forces them later. ``exchange_waited`` (after ``work.wait()``) makes the stream that
+was current then (``use_stream``) wait on NCCL, and — when the op has not run yet — takes the bytes gloo delivered
 and fills the receive buffers with ``POISON`` until the op runs: a read of a receive
 buffer not ordered after NCCL sees poison.
 
@@ -46,6 +46,7 @@ aliases that do not keep them allocated.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import warnings
@@ -206,6 +207,17 @@ class FakeCuda:
                 out.append(f"order: the caller's stream does not follow {op.label} on {op.stream}")
         return out
 
+    def follows(self, device: torch.device) -> list[str]:
+        """The other streams the caller's current stream on ``device`` is ordered after (a host sync
+        of it, or any later kernel of the caller's, waits for their work up to there)."""
+        cur = self._caller_stream(device)
+        return sorted(s.name for s in self.streams if s is not cur and cur.clock.get(s.sid, 0) > 0)
+
+    def recorded_on(self, t: torch.Tensor) -> set[int]:
+        """The streams ``record_stream`` named for ``t``'s memory."""
+        block = self._blocks.get(t.untyped_storage().data_ptr())
+        return set(block.recorded) if block is not None else set()
+
     def check_record_stream(self) -> list[str]:
         out = []
         with self._lock:
@@ -327,6 +339,7 @@ class FakeCuda:
             if nccl is None:
                 nccl = self._nccl[device] = self._stream(device, f"nccl:{device}")
             self.wait_stream(nccl, self._caller_stream(device))
+            self._count_call("exchange")
             self._enqueue(nccl, lambda: None, list(sends), list(recvs), "nccl send/recv", nccl=True)
             op = nccl.ops[-1]
             for t in [*sends, *recvs]:  # ProcessGroupNCCL records its buffers on its stream
@@ -336,13 +349,19 @@ class FakeCuda:
                     self._flush(s, op.clock.get(s.sid, 0), force=False)
             self._pending_recv[device] = op
 
-    def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor]) -> None:
-        """``work.wait()``: the current stream follows NCCL. The received bytes reach the receive
-        buffers only when NCCL's op runs: until then they hold ``POISON``."""
+    def use_stream(self, stream: FakeStream) -> contextlib.AbstractContextManager[None]:
+        """Where ``work.wait()`` makes NCCL's completion wait: said again to ``exchange_waited``."""
+        self._use(stream.device, "use_stream")
+        return contextlib.nullcontext()
+
+    def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor], stream: FakeStream) -> None:
+        """``work.wait()`` with ``stream`` current: ``stream`` follows NCCL. The received bytes reach
+        the receive buffers only when NCCL's op runs: until then they hold ``POISON``."""
         with self._lock:
+            self._same_device(stream.device, device, "exchange_waited")
             nccl = self._nccl.get(device)
             if nccl is not None:
-                self.wait_stream(self._caller_stream(device), nccl)
+                self.wait_stream(stream, nccl)
             op = self._pending_recv.pop(device, None)
             if op is None or op.ran or not recvs:
                 return
@@ -508,6 +527,8 @@ def _view_of(segment: torch.Tensor, offset: int, size: int) -> torch.Tensor:
 # ------------------------------------------------------------------ save path: exact pinned memory (h-gpusave)
 # ``CudaApi.pin``/``unpin``: page-locked host bytes of exactly the size asked, until unpinned.
 # Kept in one block so that the stand-in's core can change beside it; these build on ``pinned``.
+# ``fake.refuse_pin = True`` makes ``pin`` raise ``PinRefused`` (cudaHostRegister failing);
+# ``unpin`` names its device like every other call (checked by ``expect_device``).
 
 
 @dataclass
@@ -532,6 +553,13 @@ def _pins(self: FakeCuda) -> PinLedger:
 
 
 def _pin(self: FakeCuda, nbytes: int, device: torch.device) -> torch.Tensor:
+    if self.__dict__.get("refuse_pin"):  # cudaHostRegister failing, as some VM runtimes make it
+        from streamckpt.cuda.runtime import PinRefused
+
+        self._use(device, "pin")
+        self._count_call("refused pin")
+        raise PinRefused(f"pinning {nbytes} bytes of host memory on {device} failed (cudaHostRegister: "
+                         f"cudaError 1, fake)")
     t = self.pinned(nbytes, device)
     with self._lock:
         ledger = _pins(self)
@@ -540,7 +568,8 @@ def _pin(self: FakeCuda, nbytes: int, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _unpin(self: FakeCuda, t: torch.Tensor) -> None:
+def _unpin(self: FakeCuda, t: torch.Tensor, device: torch.device) -> None:
+    self._use(device, "unpin")
     ptr = t.untyped_storage().data_ptr()
     with self._lock:
         ledger = _pins(self)

@@ -161,9 +161,11 @@ def _expected(full: torch.Tensor, spec: TargetSpec) -> torch.Tensor:
 
 
 def run_rank(case: Case, rank: int, comm: SoloComm | GroupComm, path: str,
-             fail_alloc: Callable[[str, int], bool] | None = None) -> dict[str, Any]:
+             fail_alloc: Callable[[str, int], bool] | None = None, keep: dict[str, Any] | None = None,
+             ) -> dict[str, Any]:
     """One rank's load through the real planner and executor, on a fake GPU (whose
-    allocations ``fail_alloc`` may make fail)."""
+    allocations ``fail_alloc`` may make fail); ``keep`` gets the fake, the device and the
+    targets (to look at after a load that raised)."""
     rng = random.Random(case.seed * 31 + rank)
     storage = Storage(path)
     try:
@@ -186,6 +188,8 @@ def run_rank(case: Case, rank: int, comm: SoloComm | GroupComm, path: str,
                 fake.launch(dev, lambda t=t: t.fill_(-3), writes=[t], label=f"init kernel of {spec.key}")
             tensors[uid], expected[uid] = t, want
         mark = fake.mark(dev)
+        if keep is not None:
+            keep.update(fake=fake, device=dev, targets=tensors)
         placement = place(fake, list(tensors.values()), dev if case.data_on_device else torch.device("cpu"))
         ex = Executor(plan, comm, storage, Destinations(tensors), placement=placement, agree_every=case.agree_every)
         stats = ex.run()

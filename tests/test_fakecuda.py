@@ -33,7 +33,7 @@ def test_nccl_receive_lands_only_when_its_op_runs(ordered: bool) -> None:
     fake.exchange_posted(DEV, [], [recv])
     data = torch.arange(16, dtype=torch.uint8)
     recv.copy_(data)  # what gloo delivers during work.wait()
-    fake.exchange_waited(DEV, [recv])
+    fake.exchange_waited(DEV, [recv], cur)
     assert torch.equal(recv, torch.full((16,), POISON, dtype=torch.uint8))  # NCCL's op has not run
     target = fake.place(torch.zeros(16, dtype=torch.uint8), DEV)
     if ordered:

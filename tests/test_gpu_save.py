@@ -249,7 +249,7 @@ def test_pin_is_exact_and_registered_on_a_gpu(nbytes: int) -> None:
     t.copy_(src, non_blocking=True)
     torch.cuda.synchronize(dev)
     assert torch.equal(t, src.cpu())
-    api.unpin(t)
+    api.unpin(t, dev)
     assert not t.is_pinned()
 
 

@@ -16,11 +16,15 @@ Every rule of the GPU path lives here, once:
 * **Caller's stream first** (``DeviceStage.begin``): the side stream waits on the
   caller's current stream before any target write, so pending init kernels
   (``to_empty`` + ``reset_parameters``, a ``fill_``) land before the loaded bytes;
-  at the end the caller's stream waits on the side stream.
+  at the end the caller's stream waits on the side stream — not after a failed load that
+  exchanged over NCCL, and NCCL's completion (``work.wait()``) orders the side stream, never
+  the caller's: a dead peer's receive must not hang the caller's next kernel.
 * **Allocator safety**: device scratch is allocated on the side stream that uses it;
   NCCL's send/recv buffers are views of two exchange arenas allocated once in the
   current stream's order (NCCL's), reused under the host arenas' events, and recorded
   on the side stream that reads them.
+* **Pinned memory for saves** (``pin_host``): exactly the bytes asked (``CudaApi.pin``); where
+  CUDA refuses to lock host memory, torch's pinned allocator (or pageable memory), one warning.
 * **No allocation between agreements**: every arena is allocated when the stage is
   made; a failure is a ``StagingMemoryError`` naming the memory and the bytes, which
   the executor agrees on before any collective (so no rank blocks on one that failed).
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
@@ -40,7 +45,7 @@ import torch
 
 from ..errors import CheckpointError, IncompatibleStateDictError, StagingMemoryError
 from ..plan.data import ALIGN  # a piece keeps its address modulo this on the device
-from .runtime import CudaApi
+from .runtime import CudaApi, PinRefused
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +210,7 @@ class HostStage:
     def release(self, slot: int) -> None:
         return None
 
-    def finish(self, failed: bool = False) -> None:
+    def finish(self, failed: bool = False, hold: Sequence[torch.Tensor] = ()) -> None:
         return None
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
@@ -240,6 +245,7 @@ class DeviceStage:
                                lambda n: api.pinned(n, device))
         self.stream = api.new_stream(device)
         self.events: list[Any] = [None] * len(self.arenas)
+        self.exchanged = False  # an NCCL exchange was posted (``posted``)
         # NCCL's send/recv buffers: one device arena per host arena, allocated once in the current
         # stream's order (NCCL's), so no allocation can fail between two ranks' matching posts
         cur = self._current()
@@ -267,12 +273,22 @@ class DeviceStage:
         self.api.record(ev, self.stream)
         self.events[slot] = ev
 
-    def finish(self, failed: bool = False) -> None:
+    def finish(self, failed: bool = False, hold: Sequence[torch.Tensor] = ()) -> None:
         """The caller's stream follows the load; the host returns once the side stream is done.
 
         After a failure the host does not wait: the side stream may be stuck behind an NCCL
-        receive from a dead peer, and the error must reach the caller.
+        receive from a dead peer, and the error must reach the caller. If this load exchanged
+        over NCCL, the caller's stream does not wait on the side stream either (it would hang
+        behind that receive: every later kernel of the caller's, a ``.item()``, a collective);
+        the targets (``hold``), whose contents are unspecified after a failure, are recorded on
+        the side stream instead, so that the allocator does not hand their memory out while it
+        may still write into them.
         """
+        if failed and self.exchanged:
+            for t in hold:
+                if self.api.device_of(t).type == "cuda":
+                    self.api.record_stream(t, self.stream)
+            return
         self.api.wait_stream(self._current(), self.stream)
         if not failed:
             self.api.stream_sync(self.stream)
@@ -320,16 +336,18 @@ class DeviceStage:
         return self.exchange[slot][at: at + nbytes]
 
     def posted(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
+        self.exchanged = True  # the side stream may from now on wait behind NCCL
         self.api.exchange_posted(self.device, sends, recvs)
 
-    def received(self, bufs: Sequence[torch.Tensor]) -> None:
-        """After ``work.wait()`` on a round's exchange (sends only too): the current stream follows
-        NCCL; received device buffers become readable on the side stream, and stay allocated until
-        it is done."""
-        self.api.exchange_waited(self.device, bufs)
-        if not bufs:
-            return  # a send-only round: release() orders the side stream after the current one
-        self.api.wait_stream(self.stream, self._current())
+    def received(self, wait: Callable[[], None], bufs: Sequence[torch.Tensor]) -> None:
+        """A round's exchange (sends only too), posted: ``wait`` (``work.wait()``) runs with the side
+        stream current, so NCCL's completion orders the side stream and never the caller's: a
+        receive from a dead peer holds only the side stream, which a failed load leaves behind
+        (``finish``). Received device buffers become readable on the side stream, and stay
+        allocated until it is done."""
+        with self.api.use_stream(self.stream):
+            wait()
+        self.api.exchange_waited(self.device, bufs, self.stream)
         for b in bufs:
             self.api.record_stream(b, self.stream)
 
@@ -356,13 +374,14 @@ def allocate(what: str, sizes: Sequence[int], device: torch.device,
 
 
 @contextlib.contextmanager
-def finishing(stage: Stage) -> Iterator[None]:
-    """``stage.finish()`` on every exit; on a failing one its own error must not hide the first."""
+def finishing(stage: Stage, hold: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+    """``stage.finish()`` on every exit; on a failing one its own error must not hide the first
+    (``hold``: the load's targets, see ``DeviceStage.finish``)."""
     try:
         yield
     except BaseException:
         try:
-            stage.finish(failed=True)
+            stage.finish(failed=True, hold=hold)
         except Exception as e:  # noqa: BLE001 - already failing
             log.warning("finishing the device stage after a failure: %s", e)
         raise
@@ -371,6 +390,45 @@ def finishing(stage: Stage) -> Iterator[None]:
 
 def _listed(sizes: Sequence[int]) -> str:
     return f" ({' + '.join(map(str, sizes))} bytes in all)" if len(sizes) > 1 else ""
+
+
+# ------------------------------------------------------------------ pinned host memory for saves
+
+# Process state: whether CUDA has refused to page-lock host memory here (the first refusal's
+# reason), so that the fallback warns once and later pins do not ask again.
+_PIN_REFUSED: dict[str, str] = {}
+_PIN_LOCK = threading.Lock()
+_FALLBACK = "_streamckpt_unpinned_fallback"  # set on a block that ``pin`` did not lock
+
+
+def pin_host(api: CudaApi, nbytes: int, device: torch.device) -> torch.Tensor:
+    """``api.pin``: exactly ``nbytes`` page-locked; where CUDA refuses to lock host memory
+    (``PinRefused``: some VM runtimes, a low ``ulimit -l``), torch's pinned allocator instead
+    (rounded up, cached), or pageable memory if that fails too (device-to-host copies into it
+    are synchronous). One warning per process; after it every pin takes the fallback."""
+    if not _PIN_REFUSED:
+        try:
+            return api.pin(nbytes, device)
+        except PinRefused as e:
+            with _PIN_LOCK:
+                first = not _PIN_REFUSED
+                _PIN_REFUSED.setdefault("why", str(e))
+            if first:
+                log.warning("%s: staging through torch's pinned allocator instead (its blocks are rounded up to a "
+                            "power of two and cached), or pageable memory with synchronous copies", e)
+    try:
+        t = api.pinned(nbytes, device)
+    except Exception as e:  # noqa: BLE001 - any failure: pageable memory still works
+        log.debug("torch's pinned allocator failed too (%s): pageable staging of %d bytes", e, nbytes)
+        t = torch.empty(nbytes, dtype=torch.uint8)
+    setattr(t, _FALLBACK, True)
+    return t
+
+
+def unpin_host(api: CudaApi, t: torch.Tensor, device: torch.device) -> None:
+    """Give back what ``pin_host`` locked, under ``device`` (a fallback block needs nothing)."""
+    if not getattr(t, _FALLBACK, False):
+        api.unpin(t, device)
 
 
 # ------------------------------------------------------------------ saves: device bytes to the host
@@ -402,9 +460,9 @@ class DeviceToHost:
         for slot, block in enumerate(self.blocks):
             if block is None or block.numel() < nbytes:
                 if block is not None:
-                    self.api.unpin(block)
+                    unpin_host(self.api, block, self.device)
                 self.blocks[slot] = None  # the old block goes before the new one is pinned
-                self.blocks[slot] = self.api.pin(nbytes, self.device)
+                self.blocks[slot] = pin_host(self.api, nbytes, self.device)
 
     def flat(self, t: torch.Tensor) -> torch.Tensor:
         """``t``'s elements as flat uint8 on the device, ordered after the caller's stream."""
@@ -427,9 +485,9 @@ class DeviceToHost:
         block = self.blocks[slot]
         if block is None or block.numel() < n:  # larger than ``fit`` said: this block only (the other may be busy)
             if block is not None:
-                self.api.unpin(block)
+                unpin_host(self.api, block, self.device)
             self.blocks[slot] = None
-            block = self.blocks[slot] = self.api.pin(n, self.device)
+            block = self.blocks[slot] = pin_host(self.api, n, self.device)
         span = block[:n]
         self.api.copy(span, data[lo:lo + n], self.stream)
         self.api.record(self.events[slot], self.stream)
@@ -452,7 +510,7 @@ class DeviceToHost:
         self.api.stream_sync(self.stream)
         for slot, block in enumerate(self.blocks):
             if block is not None:
-                self.api.unpin(block)
+                unpin_host(self.api, block, self.device)
             self.blocks[slot] = None
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import mmap
-from typing import Any, Protocol, Sequence
+from typing import Any, ContextManager, Protocol, Sequence
 
 import torch
 
@@ -42,10 +42,12 @@ class CudaApi(Protocol):
 
     def pin(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """Exactly ``nbytes`` of page-locked host bytes (no rounding, no cache) until ``unpin``:
-        what a save stages through, sized to its budget."""
+        what a save stages through, sized to its budget. ``PinRefused`` when CUDA will not lock
+        them (``device.pin_host`` then falls back)."""
 
-    def unpin(self, t: torch.Tensor) -> None:
-        """Give back what ``pin`` locked (the memory itself goes with its last reference)."""
+    def unpin(self, t: torch.Tensor, device: torch.device) -> None:
+        """Give back what ``pin(..., device)`` locked, under that device (the caller may be a
+        thread whose current device is another one); the memory itself goes with its last reference."""
 
     def empty(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
         """Device bytes from the caching allocator, in the order of ``stream``."""
@@ -72,8 +74,17 @@ class CudaApi(Protocol):
     def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
         """A grouped send/recv of device buffers was just posted (NCCL semantics)."""
 
-    def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor]) -> None:
-        """Its works were waited on: the current stream now follows the exchange."""
+    def use_stream(self, stream: Any) -> ContextManager[None]:
+        """``stream`` (and its device) current inside: where ``work.wait()`` makes NCCL's completion wait."""
+
+    def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor], stream: Any) -> None:
+        """Its works were waited on with ``stream`` current (``use_stream``): ``stream`` now follows
+        the exchange."""
+
+
+class PinRefused(CheckpointError):
+    """CUDA refused to page-lock host memory (``cudaHostRegister`` failed: some VM runtimes and
+    locked-memory limits refuse it). The CUDA error state has been cleared."""
 
 
 class TorchCuda:
@@ -109,19 +120,26 @@ class TorchCuda:
         mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # whole pages of its own
         t = torch.frombuffer(mem, dtype=torch.uint8)  # the tensor keeps the mapping alive
         with torch.cuda.device(device):  # a context on this rank's GPU, not GPU 0
-            err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1))  # 1: portable
+            rt = torch.cuda.cudart()
+            err = int(rt.cudaHostRegister(t.data_ptr(), nbytes, 1))  # 1: portable
+            if err != 0:
+                rt.cudaGetLastError()  # clear it: the next kernel launch's check would raise it as its own
         if err != 0:
-            raise CheckpointError(
+            raise PinRefused(
                 f"pinning {nbytes} bytes of host memory on {device} failed (cudaHostRegister: cudaError {err}); "
-                f"free host memory or pass a smaller staging_budget")
+                f"free host memory, raise the locked-memory limit (ulimit -l) or pass a smaller staging_budget")
         return t
 
-    def unpin(self, t: torch.Tensor) -> None:
+    def unpin(self, t: torch.Tensor, device: torch.device) -> None:
         if t.numel() == 0:
             return
-        err = int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
+        with torch.cuda.device(device):  # called from the uploader thread too, whose current device is 0
+            rt = torch.cuda.cudart()
+            err = int(rt.cudaHostUnregister(t.data_ptr()))
+            if err != 0:
+                rt.cudaGetLastError()
         if err != 0:
-            log.warning("cudaHostUnregister of %d bytes failed (cudaError %d)", t.numel(), err)
+            log.warning("cudaHostUnregister of %d bytes on %s failed (cudaError %d)", t.numel(), device, err)
 
     def empty(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
         with torch.cuda.device(device), torch.cuda.stream(stream):
@@ -154,5 +172,8 @@ class TorchCuda:
         """Nothing to do: ProcessGroupNCCL makes its stream wait on the current stream and
         keeps the buffers alive for the allocator itself."""
 
-    def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor]) -> None:
-        """Nothing to do: ``work.wait()`` made the current stream wait on NCCL's stream."""
+    def use_stream(self, stream: Any) -> ContextManager[None]:
+        return torch.cuda.stream(stream)  # also makes the stream's device current
+
+    def exchange_waited(self, device: torch.device, recvs: Sequence[torch.Tensor], stream: Any) -> None:
+        """Nothing to do: ``work.wait()`` made the current stream (``stream``) wait on NCCL's."""

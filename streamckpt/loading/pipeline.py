@@ -349,7 +349,7 @@ class Executor:
             self.comm.open_exchange()
         self.stage.begin()
         try:
-            with finishing(self.stage):
+            with finishing(self.stage, hold=list(self.dest.tensors.values())):
                 self._rounds()
         except BaseException:
             self.direct.drain(self.storage)  # nothing may write into targets once load has raised
@@ -411,9 +411,11 @@ class Executor:
             works, landed, error = self._post_exchange(k, error)
             if error is None:
                 error = self._attempt(lambda: self._scatter_local(k))
-            self.comm.wait(works)
-            if works and self.placement.data_on_device:  # work.wait(): the current stream follows NCCL
-                self.stage.received([buf for _, buf in landed])  # type: ignore[union-attr]
+            if works and self.placement.data_on_device:  # work.wait() with the side stream current
+                bufs = [buf for _, buf in landed]
+                self.stage.received(lambda: self.comm.wait(works), bufs)  # type: ignore[union-attr]
+            else:
+                self.comm.wait(works)
             if error is None:
                 error = self._attempt(lambda: self._scatter_received(landed))
             self.stage.release(k % 2)

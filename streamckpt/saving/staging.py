@@ -16,7 +16,9 @@ For CUDA tensors the block is page-locked at exactly its size (``CudaApi.pin``: 
 pinned allocator would round it up to a power of two and cache it after use: a 17 GB
 share would pin 32 GiB for good), the copies run on a side stream of the area, after
 the caller's stream's pending work, and the host waits for them before a copy counts as
-staged. ``close`` unpins the block (also done when the area is garbage collected).
+staged (tensors on several GPUs: a stream per GPU, after that GPU's caller's stream). ``close``
+unpins the block (also done when the area is garbage collected, on whatever thread: every
+unpin names its device). Where CUDA refuses to pin, ``device.pin_host`` falls back.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ..cuda.device import pin_host, unpin_host
 from ..cuda.runtime import CudaApi, TorchCuda
 
 ALIGN = 64  # every copy starts 64-byte aligned (any dtype view is valid)
@@ -53,9 +56,10 @@ class StagingArea:
         self.gpu = gpu  # the tensors' GPU: copies go to pinned memory, registered under it
         self.cuda = cuda if cuda is not None or gpu is None else TorchCuda()
         self.stream = self.cuda.new_stream(gpu) if self.cuda is not None and gpu is not None else None
+        self._streams: dict[torch.device, object] = {}  # other GPUs' copy streams (a rank on several GPUs)
         self.size = budget if budget is not None else size  # the block's bytes (None: copies of their own)
         self._pinned: list[torch.Tensor] = []  # what ``close`` (or the finalizer) unpins
-        self._finalizer = weakref.finalize(self, _unpin_all, self.cuda, self._pinned)
+        self._finalizer = weakref.finalize(self, _unpin_all, self.cuda, self._pinned, gpu)
         self.block: torch.Tensor | None = None
         if self.size is not None:
             self.block = self._block(self.size)
@@ -75,7 +79,7 @@ class StagingArea:
         """``nbytes`` of memory of its own: pinned at exactly that size for a GPU's tensors."""
         if self.gpu is None or self.cuda is None:
             return torch.empty(nbytes, dtype=torch.uint8)
-        t = self.cuda.pin(nbytes, self.gpu)
+        t = pin_host(self.cuda, nbytes, self.gpu)
         self._pinned.append(t)
         return t
 
@@ -140,22 +144,40 @@ class StagingArea:
     def fill(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``dst.copy_(src)`` for every pair; returns once the bytes are in host memory.
 
-        A GPU's tensors are copied on the area's stream, which first waits on the caller's
-        stream (its pending writes to them), with one host wait for all the copies."""
+        A GPU's tensors are copied on a stream of that GPU (the area's own for its GPU), which
+        first waits on the caller's stream there (its pending writes to them); one host wait per
+        GPU. A rank's tensors may live on several GPUs, as ``save`` allows: one stream on the
+        first GPU would not be ordered after another GPU's pending writes."""
         api, gpu = self.cuda, self.gpu
         if api is None or gpu is None or self.stream is None:
             for dst, src in pairs:
                 dst.copy_(src.detach())  # blocking
             return
-        api.wait_stream(self.stream, api.current_stream(gpu))
+        streams: dict[torch.device, object] = {}  # each GPU's copies on a stream of that GPU
         for dst, src in pairs:
-            if api.device_of(src).type == "cuda":
-                api.copy(dst, src.detach(), self.stream)
-            else:
+            dev = api.device_of(src)
+            if dev.type != "cuda":
                 dst.copy_(src.detach())  # a host tensor beside the GPU's
-        done = api.new_event(gpu)
-        api.record(done, self.stream)
-        api.host_wait(done)
+                continue
+            stream = streams.get(dev)
+            if stream is None:
+                stream = streams[dev] = self._stream(dev)
+                api.wait_stream(stream, api.current_stream(dev))  # after the caller's pending writes there
+            api.copy(dst, src.detach(), stream)
+        for dev, stream in streams.items():
+            done = api.new_event(dev)
+            api.record(done, stream)
+            api.host_wait(done)
+
+    def _stream(self, dev: torch.device) -> object:
+        """The area's copy stream on ``dev`` (the area's own GPU's, or one made for another GPU
+        a rank's tensors also live on)."""
+        assert self.cuda is not None
+        if dev == self.gpu:
+            return self.stream
+        if dev not in self._streams:
+            self._streams[dev] = self.cuda.new_stream(dev)
+        return self._streams[dev]
 
     def reserve(self, t: torch.Tensor) -> torch.Tensor | None:
         """Room for a copy of ``t`` (its shape and dtype), taken in FIFO order but not yet
@@ -202,7 +224,7 @@ class StagingArea:
         for k, t in enumerate(self._pinned):
             if t is own:
                 del self._pinned[k]
-                self.cuda.unpin(own)
+                unpin_host(self.cuda, own, self.gpu)  # on the uploader thread: named device
                 return
 
     def fail(self) -> None:
@@ -211,12 +233,13 @@ class StagingArea:
             self._cond.notify_all()
 
 
-def _unpin_all(cuda: CudaApi | None, pinned: list[torch.Tensor]) -> None:
-    """Unpin what an area pinned (at ``close``, or when the area is garbage collected)."""
+def _unpin_all(cuda: CudaApi | None, pinned: list[torch.Tensor], gpu: torch.device | None) -> None:
+    """Unpin what an area pinned (at ``close``, or when the area is garbage collected, on
+    whatever thread that happens: under the area's device)."""
     while pinned:
         t = pinned.pop()
-        if cuda is not None:
-            cuda.unpin(t)
+        if cuda is not None and gpu is not None:
+            unpin_host(cuda, t, gpu)
 
 
 def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], workers: int) -> None:
