@@ -227,6 +227,11 @@ class ObstoreBackend(Backend):
         keys = await self._run(path.rstrip("/"), _listing, recursive)
         return [f"{bucket}/{k}" for k in keys]
 
+    async def listing_info(self, path: str) -> list[tuple[str, ObjectInfo]]:
+        bucket = path.partition("/")[0]
+        found = await self._run(path.rstrip("/"), _listing_info)
+        return [(f"{bucket}/{k}", info) for k, info in found]
+
     async def get_whole(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
         return await self._run(path, _get_whole, max_bytes)
 
@@ -298,6 +303,18 @@ def _listing(store: Any, prefix: str, recursive: bool) -> list[str]:
         return [m["path"] for m in obstore.list(store, prefix or None, chunk_size=1000).collect()]
     res = obstore.list_with_delimiter(store, prefix or None)
     return [*res["common_prefixes"], *(m["path"] for m in res["objects"])]
+
+
+def _listing_info(store: Any, prefix: str) -> list[tuple[str, ObjectInfo]]:
+    """Keys under ``prefix`` with their sizes and times: one LIST request per 1000 keys."""
+    import obstore
+
+    out = []
+    for m in obstore.list(store, prefix or None, chunk_size=1000).collect():
+        when = m.get("last_modified")
+        out.append((m["path"], ObjectInfo(size=int(m["size"]), etag=m.get("e_tag"),
+                                          modified=when.timestamp() if when is not None else None)))
+    return out
 
 
 def _get_whole(store: Any, key: str, max_bytes: int | None) -> tuple[bytes, str | None]:
