@@ -9,6 +9,7 @@ the Lightning plug-in's ``remove_checkpoint``).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import posixpath
 from typing import Collection, Iterable
@@ -18,6 +19,8 @@ from ..errors import CheckpointError, StorageError
 from ..storage import Storage
 
 log = logging.getLogger(__name__)
+
+DELETERS = 8  # data objects deleted at once (after the manifest, never with it)
 
 
 def delete_checkpoint(storage: Storage, prefix: str = "", *, names: Iterable[str] | None = None,
@@ -38,13 +41,18 @@ def delete_checkpoint(storage: Storage, prefix: str = "", *, names: Iterable[str
     data = [n for n in dict.fromkeys(names) if n != manifest and n not in keep]
     storage.delete(manifest)
     deleted, left = [manifest], []
-    for name in data:
+
+    def one(name: str) -> bool:
         try:
             storage.delete(name)
-            deleted.append(name)
+            return True
         except CheckpointError as e:
             log.warning("could not delete %s: %s", storage.describe(name), e)
-            left.append(name)
+            return False
+
+    with cf.ThreadPoolExecutor(min(DELETERS, max(1, len(data))), thread_name_prefix="streamckpt-delete") as pool:
+        for name, ok in zip(data, pool.map(one, data)):
+            (deleted if ok else left).append(name)
     if left:
         raise StorageError(
             f"deleted the manifest of {storage.describe(base)} (it is no longer a checkpoint) but "
