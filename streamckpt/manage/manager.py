@@ -356,7 +356,8 @@ class Manager:
 
         Returns:
             Restored | None: the step, URI, state and what was skipped; None when the root
-            holds no committed checkpoint.
+            holds no committed checkpoint with a step (checkpoints written by ``sc.save``
+            without the manager carry none: ``sc.latest`` finds those).
 
         Raises:
             CheckpointNotFoundError: ``step`` is not committed (or cannot be read).
