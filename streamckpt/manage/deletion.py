@@ -9,18 +9,15 @@ the Lightning plug-in's ``remove_checkpoint``).
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import posixpath
 from typing import Collection, Iterable
 
 from ..core.manifest import MANIFEST_NAME
-from ..errors import CheckpointError, StorageError
+from ..errors import StorageError
 from ..storage import Storage
 
 log = logging.getLogger(__name__)
-
-DELETERS = 8  # data objects deleted at once (after the manifest, never with it)
 
 
 def delete_checkpoint(storage: Storage, prefix: str = "", *, names: Iterable[str] | None = None,
@@ -40,19 +37,11 @@ def delete_checkpoint(storage: Storage, prefix: str = "", *, names: Iterable[str
         names = [n for n in storage.list(base.rstrip("/"), recursive=True) if _inside(n) and n.startswith(base)]
     data = [n for n in dict.fromkeys(names) if n != manifest and n not in keep]
     storage.delete(manifest)
-    deleted, left = [manifest], []
-
-    def one(name: str) -> bool:
-        try:
-            storage.delete(name)
-            return True
-        except CheckpointError as e:
-            log.warning("could not delete %s: %s", storage.describe(name), e)
-            return False
-
-    with cf.ThreadPoolExecutor(min(DELETERS, max(1, len(data))), thread_name_prefix="streamckpt-delete") as pool:
-        for name, ok in zip(data, pool.map(one, data)):
-            (deleted if ok else left).append(name)
+    failed = dict(storage.delete_many(data))
+    for name, e in failed.items():
+        log.warning("could not delete %s: %s", storage.describe(name), e)
+    deleted = [manifest] + [n for n in data if n not in failed]
+    left = [n for n in data if n in failed]
     if left:
         raise StorageError(
             f"deleted the manifest of {storage.describe(base)} (it is no longer a checkpoint) but "

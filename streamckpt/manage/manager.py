@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..comm import make_comm, raise_agreed
-from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+                      StorageError)
 from ..results import human_bytes
 from ..storage import Storage
 from .collective import gather_outcome, on_one_rank
@@ -497,8 +498,10 @@ class Manager:
             for g in found:
                 if g.upload is not None:
                     storage.abort_upload(g.upload)
-                else:
-                    storage.delete(g.name)
+            failed = storage.delete_many([g.name for g in found if g.upload is None])
+            if failed:
+                raise StorageError(f"collect_garbage under {self.root}: {len(failed)} object(s) could not be deleted "
+                                   f"({'; '.join(f'{n}: {e}' for n, e in failed[:3])}); run it again later")
             log.info("collected %d garbage item(s) under %s (%s)", len(found), self.root,
                      human_bytes(sum(g.size for g in found)))
             return out

@@ -172,6 +172,11 @@ class Backend(abc.ABC):
     async def delete(self, path: str, recursive: bool) -> None:
         """Remove an object (or everything under a prefix); absent is fine."""
 
+    async def delete_many(self, paths: Sequence[str]) -> None:
+        """Remove several objects (absent is fine): one request per object here; a client
+        with a bulk delete overrides it (S3: up to 1000 keys a request)."""
+        await asyncio.gather(*(self.delete(p, False) for p in paths))
+
     @abc.abstractmethod
     def sink(self, path: str) -> PartSink:
         """A writer for one object."""

@@ -133,6 +133,7 @@ class ObstoreBackend(Backend):
     holds_bodies = True
     piece_size = PIECE
     client_label = "the S3 client"  # for the message of a panic
+    bulk_delete = True  # S3's DeleteObjects
 
     def __init__(self, config: dict[str, Any], request_timeout: float, client_attempts: int,
                  max_concurrency: int, write_attempts: int = 24, write_timeout: float = 45.0) -> None:
@@ -238,6 +239,17 @@ class ObstoreBackend(Backend):
     async def delete(self, path: str, recursive: bool) -> None:
         await self._run(path, _delete, recursive)
 
+    async def delete_many(self, paths: Sequence[str]) -> None:
+        """S3's DeleteObjects (obstore batches up to 1000 keys a request), per bucket."""
+        if not self.bulk_delete:
+            return await super().delete_many(paths)
+        buckets: dict[str, list[str]] = {}
+        for p in paths:
+            bucket, _, key = p.partition("/")
+            buckets.setdefault(bucket, []).append(key)
+        for bucket, keys in buckets.items():
+            await self.in_thread(bucket, lambda: _delete_keys(self.store(bucket), keys))
+
     def sink(self, path: str) -> PartSink:
         return ObstoreSink(self, path)
 
@@ -341,6 +353,12 @@ def _delete(store: Any, key: str, recursive: bool) -> None:
             obstore.delete(store, k)
         except FileNotFoundError:
             pass
+
+
+def _delete_keys(store: Any, keys: list[str]) -> None:
+    import obstore
+
+    obstore.delete(store, keys)
 
 
 def translate(e: BaseException, bucket: str) -> BackendError:

@@ -500,6 +500,28 @@ class Storage:
             for one in [name] + (self.list(name, recursive=True) if recursive else []):
                 self._call(f"deleting {self.describe(one)}", self._s3fs().delete_one, self.path(one))
 
+    def delete_many(self, names: Sequence[str]) -> list[tuple[str, CheckpointError]]:
+        """Delete objects, in bulk where the client can (S3: one request per 1000 keys);
+        absent ones are fine. If the bulk request fails, each object is deleted on its own
+        (``delete``, with its fallbacks). Returns ``(name, error)`` of each that could not be."""
+        if not names:
+            return []
+        try:
+            self._call(f"deleting {len(names)} objects under {self.describe('')}", self._write_backend.delete_many,
+                       [self.path(n) for n in names])
+            return []
+        except NotFound:
+            pass
+        except CheckpointError as e:
+            log.info("bulk delete under %s failed (%s): deleting one object at a time", self.describe(""), e)
+        failed = []
+        for name in names:
+            try:
+                self.delete(name)
+            except CheckpointError as e:
+                failed.append((name, e))
+        return failed
+
     def makedirs(self, name: str = "") -> None:
         self._sync(self._write_backend.makedirs(self.path(name)))
 
