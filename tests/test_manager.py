@@ -197,3 +197,21 @@ def test_restore_passes_over_an_unparsable_manifest(s3_uri: str, s3_opts: dict[s
     assert mgr.collect_garbage(older_than=0, dry_run=True) == []
     doc = json.loads(Storage(f"{s3_uri}/step-1", s3_opts).read_bytes("manifest.json"))
     assert doc["metadata"] == {"step": 1, "metrics": {}}
+
+
+def test_local_root(tmp_path: Any) -> None:
+    """The same on local files (sizes and times from ``os.stat``, deletes one file at a time)."""
+    root = str(tmp_path / "run")
+    with sc.CheckpointManager(root, keep_last=1, save_every=2) as mgr:
+        for step in range(1, 7):
+            if mgr.should_save(step):
+                mgr.save(step, _state(step))
+        assert mgr.steps() == [6]
+        stray = tmp_path / "run" / "step-8" / "data" / "00000-0000.safetensors.tmp-1234"
+        stray.parent.mkdir(parents=True)
+        stray.write_bytes(b"\0" * 10)  # what a local save killed mid-write leaves
+        assert mgr.collect_garbage(older_than=0) == [f"{root}/step-8/data/00000-0000.safetensors.tmp-1234 (10 B)"]
+        assert not stray.exists()
+        back = mgr.restore()
+        assert back is not None and back.step == 6 and torch.equal(back.state["model"]["w"], _state(6)["model"]["w"])
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if any(p.rglob("*.*"))) == ["step-6"]
