@@ -150,7 +150,8 @@ def parse_entry(child: str, data: bytes, modified_ns: int) -> Entry:
         objects[ref] = int(v.get("size", 0)) if isinstance(v, dict) else 0
     step = meta.get(STEP_KEY)
     step = step if isinstance(step, int) and not isinstance(step, bool) else None
-    metrics = meta.get(METRICS_KEY) if isinstance(meta.get(METRICS_KEY), dict) else {}
+    found = meta.get(METRICS_KEY)
+    metrics: dict[str, Any] = found if isinstance(found, dict) else {}
     committed = doc.get("committed_ns")
     committed = committed if isinstance(committed, int) and not isinstance(committed, bool) else modified_ns
     return Entry(child, step, committed, metrics, objects, modified_ns=modified_ns)

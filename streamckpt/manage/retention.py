@@ -71,8 +71,11 @@ class Policy:
 
 
 def _best(entries: Sequence[Entry], metric: str, mode: str, k: int) -> list[int]:
-    scored = [(_number(e.metrics.get(metric)), e.step) for e in entries if e.step is not None]
-    scored = [(v, s) for v, s in scored if v is not None]
+    scored: list[tuple[float, int]] = []
+    for e in entries:
+        value = _number(e.metrics.get(metric))
+        if value is not None and e.step is not None:
+            scored.append((value, e.step))
     scored.sort(key=lambda vs: (vs[0] if mode == "min" else -vs[0], -vs[1]))  # ties: the newer
     return [s for _, s in scored[:k]]
 

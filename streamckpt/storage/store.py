@@ -12,6 +12,7 @@ object standing for a whole checkpoint (a Hugging Face ``*.safetensors`` file or
 from __future__ import annotations
 
 import asyncio
+import builtins
 import concurrent.futures as cf
 import logging
 import os
@@ -354,7 +355,7 @@ class Storage:
         root = self.root.rstrip("/") + "/"
         return {p[len(root):]: info for p, info in found if p.startswith(root) and len(p) > len(root)}
 
-    def open_uploads(self, prefix: str = "") -> list[OpenUpload]:
+    def open_uploads(self, prefix: str = "") -> "builtins.list[OpenUpload]":
         """The incomplete multipart uploads under ``prefix`` (S3 only: the one store whose API
         lists them; elsewhere an empty list, see docs/RELIABILITY.md)."""
         if self._protocol not in _S3_PROTOCOLS:
@@ -362,8 +363,8 @@ class Storage:
         fs = self._s3fs().fs
         bucket, _, key = self.path(prefix).partition("/")
 
-        async def every() -> list[OpenUpload]:
-            out: list[OpenUpload] = []
+        async def every() -> "builtins.list[OpenUpload]":
+            out: builtins.list[OpenUpload] = []
             args: dict[str, Any] = {"Bucket": bucket, "Prefix": key}
             while True:
                 resp = await fs._call_s3("list_multipart_uploads", **args)
@@ -500,7 +501,7 @@ class Storage:
             for one in [name] + (self.list(name, recursive=True) if recursive else []):
                 self._call(f"deleting {self.describe(one)}", self._s3fs().delete_one, self.path(one))
 
-    def delete_many(self, names: Sequence[str]) -> list[tuple[str, CheckpointError]]:
+    def delete_many(self, names: Sequence[str]) -> "builtins.list[tuple[str, CheckpointError]]":
         """Delete objects, in bulk where the client can (S3: one request per 1000 keys);
         absent ones are fine. If the bulk request fails, each object is deleted on its own
         (``delete``, with its fallbacks). Returns ``(name, error)`` of each that could not be."""
@@ -514,7 +515,7 @@ class Storage:
             pass
         except CheckpointError as e:
             log.info("bulk delete under %s failed (%s): deleting one object at a time", self.describe(""), e)
-        failed = []
+        failed: builtins.list[tuple[str, CheckpointError]] = []
         for name in names:
             try:
                 self.delete(name)
