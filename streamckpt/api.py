@@ -14,6 +14,7 @@ from .errors import CheckpointError, MissingKeysError, close_to
 from .formats import read_manifest
 from .formats.native import latest_committed
 from .loading.loader import LoadRequest, run_load
+from .manage import Calls, Manager, Restored
 from .plan.planner import PlanOptions
 from .progress import reporter, reporting
 from .results import CheckpointInfo, DtypeName, LoadResult, SaveResult, TensorInfo
@@ -545,3 +546,12 @@ def merge(
     with reporting(progress, "merge", rank=comm.rank, world_size=comm.world_size) as report:
         _merge(uri, out_uri, max_shard_bytes=max_shard_bytes, skip=skip, storage_options=storage_options,
                out_storage_options=out_storage_options, process_group=process_group, progress=report)
+
+
+class CheckpointManager(Manager):
+    __doc__ = Manager.__doc__
+    _calls = Calls(save=save, async_save=async_save, load=load, load_state=load_state)
+
+
+__all__ = ["save", "async_save", "load", "load_full", "load_state", "inspect", "latest", "merge",
+           "CheckpointManager", "Restored"]

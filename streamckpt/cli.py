@@ -1,4 +1,4 @@
-"""``streamckpt`` command line: inspect, latest, verify, merge, load-bench, demo.
+"""``streamckpt`` command line: inspect, latest, ls, prune, gc, verify, merge, load-bench, demo.
 
 Storage is reached as in the library: any fsspec URL, ``--endpoint-url`` and
 repeated ``--storage-option key=value`` (dotted keys nest, values are parsed as
@@ -135,6 +135,63 @@ def cmd_latest(args: argparse.Namespace) -> int:
         return EXIT_NONE_FOUND
     print(found)
     return 0
+
+
+def _manager(args: argparse.Namespace, **policy: Any) -> Any:
+    from .api import CheckpointManager
+
+    return CheckpointManager(args.root, storage_options=args.storage_options, **policy)
+
+
+def _policy_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {"keep_last": args.keep_last, "keep_every": args.keep_every}
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """The committed checkpoints under ROOT, one line each (status 1: none)."""
+    from .manage.report import rows, table
+
+    policy = _policy_args(args)
+    with _manager(args, **policy) as mgr:
+        found = rows(mgr.checkpoints(), mgr.policy if any(v is not None for v in policy.values()) else None)
+    if not found:
+        print(f"no committed checkpoint under {args.root}", file=sys.stderr)
+        return EXIT_NONE_FOUND
+    print(json.dumps(found, indent=2) if args.json else table(found))
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    """Delete (or with --dry-run, list) the checkpoints the policy does not keep (status 1: none)."""
+    with _manager(args, **_policy_args(args)) as mgr:
+        gone = mgr.prune(dry_run=args.dry_run)
+    for uri in gone:
+        print(f"would delete {uri}" if args.dry_run else f"deleted {uri}")
+    if not gone:
+        print(f"nothing to prune under {args.root}", file=sys.stderr)
+    return 0 if gone else EXIT_NONE_FOUND
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Remove (or with --dry-run, list) the garbage under ROOT (status 1: none)."""
+    with _manager(args) as mgr:
+        found = mgr.collect_garbage(older_than=args.older_than, dry_run=args.dry_run)
+    for item in found:
+        print(f"would remove {item}" if args.dry_run else f"removed {item}")
+    if not found:
+        print(f"no garbage older than {args.older_than:g} s under {args.root}", file=sys.stderr)
+    return 0 if found else EXIT_NONE_FOUND
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$", re.IGNORECASE)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90``, ``90s``, ``15m``, ``1h``, ``2d``."""
+    m = _DURATION.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 3600, 30m, 1h, 2d)")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[(m.group(2) or "s").lower()]
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -359,11 +416,14 @@ EPILOG = """examples:
   streamckpt demo              # an embedded S3 server: save, then load 4 other layouts
   streamckpt inspect s3://bucket/run/step-1000 --endpoint-url http://127.0.0.1:9000
   streamckpt latest s3://bucket/run  # the newest committed checkpoint under a prefix
+  streamckpt ls s3://bucket/run --keep-last 3       # a run's steps, and what keeping 3 would keep
+  streamckpt prune s3://bucket/run --keep-last 3 --keep-every 1000 --dry-run
+  streamckpt gc s3://bucket/run --older-than 2h     # dead saves' objects, open multipart uploads
   streamckpt verify s3://bucket/run/step-1000
   streamckpt merge s3://bucket/run/step-1000 s3://bucket/hf --max-shard-bytes 2GiB --skip .exp_avg
 
 'streamckpt COMMAND --help' lists the options of a command. Exit status: 0 done,
-1 demo mismatch or no checkpoint for latest, 2 checkpoint error or bad arguments, 130 interrupted, 141 output
+1 demo mismatch, no checkpoint for latest or ls, nothing to prune or gc, 2 checkpoint error or bad arguments, 130 interrupted, 141 output
 pipe closed early."""
 
 
@@ -410,6 +470,32 @@ def build_parser() -> argparse.ArgumentParser:
                  "time its manifest records; a prefix without manifest.json is uncommitted and never chosen), "
                  "or exit with status 1 when there is none.", both)
     s.add_argument("root", metavar="ROOT", help="the prefix holding the checkpoints (e.g. s3://bucket/run)")
+
+    s = _command(sub, "ls", cmd_ls, "list a run's committed checkpoints: step, time, size, metrics",
+                 "List the committed checkpoints under ROOT (read from their manifests): step, commit time, size, "
+                 "files and metrics; with --keep-* also whether that policy keeps each. Status 1 when there are "
+                 "none.", both)
+    s.add_argument("root", metavar="ROOT", help="the run's prefix (e.g. s3://bucket/run)")
+    s.add_argument("--json", action="store_true", help="machine-readable output (sizes in bytes)")
+    s.add_argument("--keep-last", type=positive_int, metavar="N", help="show what keeping the N newest steps keeps")
+    s.add_argument("--keep-every", type=positive_int, metavar="K", help="... and the steps divisible by K")
+
+    s = _command(sub, "prune", cmd_prune, "delete the checkpoints a retention policy does not keep",
+                 "Delete the committed checkpoints under ROOT that no rule keeps (the newest step always is), "
+                 "each manifest first, then its data. Status 1 when there is nothing to delete.", both)
+    s.add_argument("root", metavar="ROOT", help="the run's prefix (e.g. s3://bucket/run)")
+    s.add_argument("--keep-last", type=positive_int, required=True, metavar="N", help="keep the N newest steps")
+    s.add_argument("--keep-every", type=positive_int, metavar="K", help="also keep the steps divisible by K")
+    s.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
+
+    s = _command(sub, "gc", cmd_gc, "remove what no committed checkpoint references (dead saves, open uploads)",
+                 "Remove the objects under ROOT that no committed manifest references and the incomplete "
+                 "multipart uploads (S3), when older than --older-than; a save younger than that is never touched. "
+                 "Status 1 when there is nothing to remove.", both)
+    s.add_argument("root", metavar="ROOT", help="the run's prefix (e.g. s3://bucket/run)")
+    s.add_argument("--older-than", type=parse_duration, default=3600.0, metavar="AGE",
+                   help="grace period: 3600, 30m, 1h, 2d (default 1h); longer than any save takes")
+    s.add_argument("--dry-run", action="store_true", help="only print what would be removed, with sizes")
 
     s = _command(sub, "verify", cmd_verify, "read every byte and check every checksum",
                  "Read every stored byte of every tensor, check every checksum and that every zstd frame "

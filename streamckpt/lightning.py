@@ -26,7 +26,8 @@ What a checkpoint is
   ``StreamCheckpointIO(opts).load_checkpoint(path)["state_dict"]``, or give the ``Trainer``
   the plugin and ``ckpt_path`` (``fit``, ``validate``, ``test``, ``predict``).
   A save to an existing path replaces it, as Lightning expects (``last.ckpt``).
-  ``remove_checkpoint`` deletes the manifest first, so a removal cut short leaves an
+  ``remove_checkpoint`` deletes the manifest first (``streamckpt.manage.delete_checkpoint``, the
+  routine ``CheckpointManager.prune`` uses), so a removal cut short leaves an
   uncommitted prefix, never a checkpoint that loads half.
 
 What it saves (and refuses)
@@ -75,15 +76,14 @@ Needs the ``lightning`` package (``pip install 'streamckpt[lightning]'``); impor
 from __future__ import annotations
 
 import logging
-import posixpath
 from typing import Any, Mapping
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
 
 from . import api
-from .core.manifest import MANIFEST_NAME
 from .errors import CheckpointError, IncompatibleStateDictError
+from .manage import delete_checkpoint
 from .saving.asyncsave import SaveHandle
 from .storage import Storage
 
@@ -204,11 +204,7 @@ class StreamCheckpointIO(CheckpointIO):
         self._wait_for(uri)
         storage = Storage(uri, self.storage_options)
         try:
-            names = [n for n in storage.list("", recursive=True) if _inside(n)]
-            storage.delete(MANIFEST_NAME)
-            for name in names:
-                if name != MANIFEST_NAME:
-                    storage.delete(name)
+            names = delete_checkpoint(storage)
         finally:
             storage.close()
         log.info("removed the checkpoint at %s (%d objects)", uri, len(names))
@@ -239,11 +235,6 @@ def _fsspec_defaults(protocol: str, options: Mapping[str, Any]) -> None:
 def _uri(path: Any) -> str:
     """Lightning passes a str or a Path; a prefix never ends with '/' here."""
     return str(path).rstrip("/")
-
-
-def _inside(name: str) -> bool:
-    """Only names under the checkpoint's own prefix (never a sibling such as ``x.ckpt-v1/...``)."""
-    return bool(name) and not name.startswith("..") and not posixpath.isabs(name)
 
 
 def _device_of(map_location: Any) -> str | torch.device:

@@ -28,6 +28,7 @@ RANK = {
     "formats": 3, "cuda": 3,
     "comm": 4,
     "loading": 5, "saving": 5,
+    "manage": 6,
 }
 PURE = ("core", "plan")  # no I/O, no process groups
 IO_CLIENTS = ("fsspec", "s3fs", "gcsfs", "adlfs", "obstore", "botocore", "aiobotocore", "socket", "http",
@@ -134,7 +135,7 @@ def test_every_top_level_module_is_a_layer_or_wiring() -> None:
     """What stays at the top level is what a reader looks for first (and ``errors``/``results``)."""
     top = {m.split(".")[1] for m in package_sources() if m.count(".") >= 1}
     assert top == {"api", "cli", "comm", "core", "cuda", "dcp", "demo", "errors", "formats", "lightning", "loadbench",
-                   "loading", "merging", "plan", "progress", "results", "saving", "spawn", "storage", "testing",
+                   "loading", "manage", "merging", "plan", "progress", "results", "saving", "spawn", "storage", "testing",
                    "transforms"}
 
 
@@ -152,6 +153,8 @@ def test_every_top_level_module_is_a_layer_or_wiring() -> None:
     ("streamckpt.core.manifest", "from .. import api", "layer 'core' imports the wiring module streamckpt.api"),
     ("streamckpt.loading.pipeline", "s = torch.cuda.Stream()", "torch.cuda.Stream outside cuda/"),
     ("streamckpt.comm", "from torch.cuda import current_stream", "torch.cuda.current_stream outside cuda/"),
+    ("streamckpt.manage.retention", "from .. import api", "layer 'manage' imports the wiring module streamckpt.api"),
+    ("streamckpt.saving.saver", "from ..manage import index", "layer 'saving' imports streamckpt.manage.index"),
 ])
 def test_a_crossed_layer_is_caught(module: str, added: str, expected: str) -> None:
     sources = package_sources()

@@ -311,6 +311,7 @@ class AzureBackend(ObstoreBackend):
 
     client_label = "the Azure client"
     error_store = "azure"
+    bulk_delete = False  # one DELETE per blob (Azurite has no Blob Batch)
 
     def __init__(self, config: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)

@@ -149,6 +149,21 @@ class Backend(abc.ABC):
         """Full paths under the prefix ``path`` (one level adds sub-prefixes); ``NotFound(bucket=...)``
         only when the bucket itself is missing."""
 
+    async def listing_info(self, path: str) -> list[tuple[str, ObjectInfo]]:
+        """Every object under the prefix ``path`` (recursive) with its size and modification
+        time. This fallback lists, then asks each object (a client whose listing carries both
+        overrides it: one request per page)."""
+        names = await self.listing(path, True)
+
+        async def one(name: str) -> tuple[str, ObjectInfo] | None:
+            try:
+                return name, await self.head(name)
+            except NotFound:  # removed since the listing
+                return None
+
+        found = await asyncio.gather(*(one(n) for n in names))
+        return [f for f in found if f is not None]
+
     @abc.abstractmethod
     async def get_whole(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
         """A whole small object and its ETag; ``TooLarge`` before reading a body over ``max_bytes``."""
@@ -156,6 +171,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def delete(self, path: str, recursive: bool) -> None:
         """Remove an object (or everything under a prefix); absent is fine."""
+
+    async def delete_many(self, paths: Sequence[str]) -> None:
+        """Remove several objects (absent is fine): one request per object here; a client
+        with a bulk delete overrides it (S3: up to 1000 keys a request)."""
+        await asyncio.gather(*(self.delete(p, False) for p in paths))
 
     @abc.abstractmethod
     def sink(self, path: str) -> PartSink:

@@ -255,6 +255,17 @@ class FsspecBackend(Backend):
                 raise NotFound(f"{kind} {bucket!r} does not exist", bucket=bucket, kind=kind)
         return found
 
+    async def listing_info(self, path: str) -> list[tuple[str, ObjectInfo]]:
+        self.fs.invalidate_cache(path)
+        try:
+            found = await self._do(path, "find", path, detail=True)
+        except NotFound as e:
+            if e.bucket is not None:
+                raise
+            return []
+        return [(p, ObjectInfo(size=int(i.get("size") or 0), etag=_md5_etag(i), modified=mtime(i)))
+                for p, i in found.items() if i.get("type") != "directory"]
+
     async def get_whole(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
         info = await self.head(path)
         if max_bytes is not None and info.size > max_bytes:

@@ -55,6 +55,9 @@ class LocalBackend(Backend):
     async def listing(self, path: str, recursive: bool) -> list[str]:
         return await self._run(path, _listing, path, recursive)
 
+    async def listing_info(self, path: str) -> list[tuple[str, ObjectInfo]]:
+        return await self._run(path, _listing_info, path)
+
     async def get_whole(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
         return await self._run(path, _read_whole, path, max_bytes), None
 
@@ -117,6 +120,17 @@ def _listing(path: str, recursive: bool) -> list[str]:
     out = []
     for d, _, files in os.walk(path):
         out += [posixpath.join(d, f) for f in files]
+    return out
+
+
+def _listing_info(path: str) -> list[tuple[str, ObjectInfo]]:
+    out = []
+    for name in _listing(path, True):
+        try:
+            st = os.stat(name)
+        except FileNotFoundError:  # removed since the listing
+            continue
+        out.append((name, ObjectInfo(size=st.st_size, modified=st.st_mtime)))
     return out
 
 

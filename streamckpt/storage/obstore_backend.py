@@ -133,6 +133,7 @@ class ObstoreBackend(Backend):
     holds_bodies = True
     piece_size = PIECE
     client_label = "the S3 client"  # for the message of a panic
+    bulk_delete = True  # S3's DeleteObjects
 
     def __init__(self, config: dict[str, Any], request_timeout: float, client_attempts: int,
                  max_concurrency: int, write_attempts: int = 24, write_timeout: float = 45.0) -> None:
@@ -227,11 +228,27 @@ class ObstoreBackend(Backend):
         keys = await self._run(path.rstrip("/"), _listing, recursive)
         return [f"{bucket}/{k}" for k in keys]
 
+    async def listing_info(self, path: str) -> list[tuple[str, ObjectInfo]]:
+        bucket = path.partition("/")[0]
+        found = await self._run(path.rstrip("/"), _listing_info)
+        return [(f"{bucket}/{k}", info) for k, info in found]
+
     async def get_whole(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
         return await self._run(path, _get_whole, max_bytes)
 
     async def delete(self, path: str, recursive: bool) -> None:
         await self._run(path, _delete, recursive)
+
+    async def delete_many(self, paths: Sequence[str]) -> None:
+        """S3's DeleteObjects (obstore batches up to 1000 keys a request), per bucket."""
+        if not self.bulk_delete:
+            return await super().delete_many(paths)
+        buckets: dict[str, list[str]] = {}
+        for p in paths:
+            bucket, _, key = p.partition("/")
+            buckets.setdefault(bucket, []).append(key)
+        for bucket, keys in buckets.items():
+            await self.in_thread(bucket, lambda: _delete_keys(self.store(bucket), keys))
 
     def sink(self, path: str) -> PartSink:
         return ObstoreSink(self, path)
@@ -300,6 +317,18 @@ def _listing(store: Any, prefix: str, recursive: bool) -> list[str]:
     return [*res["common_prefixes"], *(m["path"] for m in res["objects"])]
 
 
+def _listing_info(store: Any, prefix: str) -> list[tuple[str, ObjectInfo]]:
+    """Keys under ``prefix`` with their sizes and times: one LIST request per 1000 keys."""
+    import obstore
+
+    out = []
+    for m in obstore.list(store, prefix or None, chunk_size=1000).collect():
+        when = m.get("last_modified")
+        out.append((m["path"], ObjectInfo(size=int(m["size"]), etag=m.get("e_tag"),
+                                          modified=when.timestamp() if when is not None else None)))
+    return out
+
+
 def _get_whole(store: Any, key: str, max_bytes: int | None) -> tuple[bytes, str | None]:
     import obstore
 
@@ -324,6 +353,12 @@ def _delete(store: Any, key: str, recursive: bool) -> None:
             obstore.delete(store, k)
         except FileNotFoundError:
             pass
+
+
+def _delete_keys(store: Any, keys: list[str]) -> None:
+    import obstore
+
+    obstore.delete(store, keys)
 
 
 def translate(e: BaseException, bucket: str) -> BackendError:

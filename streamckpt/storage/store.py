@@ -12,12 +12,14 @@ object standing for a whole checkpoint (a Hugging Face ``*.safetensors`` file or
 from __future__ import annotations
 
 import asyncio
+import builtins
 import concurrent.futures as cf
 import logging
 import os
 import posixpath
 import random
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import fsspec
@@ -26,7 +28,7 @@ from fsspec.core import url_to_fs
 
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
 from . import azure_backend, endpoint, httpget, obstore_backend
-from .backend import Backend, NotFound
+from .backend import Backend, NotFound, ObjectInfo
 from .fsspec_backend import FsspecBackend
 from .local_backend import LocalBackend
 from .obstore_backend import ObstoreBackend
@@ -339,6 +341,51 @@ class Storage:
                 out.append(posixpath.relpath(p, self.root))
         return sorted(n for n in out if n and n != ".")
 
+    def list_info(self, prefix: str = "") -> dict[str, ObjectInfo]:
+        """Every object under ``prefix`` (recursive), name relative to the root to its size and
+        modification time: one request per page of the listing where the client's listing
+        carries them (S3, GCS, Azure, local files); a missing bucket raises."""
+        base = self.path(prefix).rstrip("/")
+        try:
+            found = self._call(f"listing {self.describe(prefix)}", self._reader.backend.listing_info, base)
+        except NotFound as e:
+            if e.bucket is not None:
+                raise self._not_found(prefix, e) from None
+            return {}
+        root = self.root.rstrip("/") + "/"
+        return {p[len(root):]: info for p, info in found if p.startswith(root) and len(p) > len(root)}
+
+    def open_uploads(self, prefix: str = "") -> "builtins.list[OpenUpload]":
+        """The incomplete multipart uploads under ``prefix`` (S3 only: the one store whose API
+        lists them; elsewhere an empty list, see docs/RELIABILITY.md)."""
+        if self._protocol not in _S3_PROTOCOLS:
+            return []
+        fs = self._s3fs().fs
+        bucket, _, key = self.path(prefix).partition("/")
+
+        async def every() -> "builtins.list[OpenUpload]":
+            out: builtins.list[OpenUpload] = []
+            args: dict[str, Any] = {"Bucket": bucket, "Prefix": key}
+            while True:
+                resp = await fs._call_s3("list_multipart_uploads", **args)
+                for up in resp.get("Uploads", []):
+                    when = up.get("Initiated")
+                    out.append(OpenUpload(posixpath.relpath(f"{bucket}/{up['Key']}", self.root), up["UploadId"],
+                                          when.timestamp() if when is not None else None))
+                if not resp.get("IsTruncated"):
+                    return out
+                args.update(KeyMarker=resp.get("NextKeyMarker", ""),
+                            UploadIdMarker=resp.get("NextUploadIdMarker", ""))
+
+        return self._call(f"listing the open uploads under {self.describe(prefix)}", lambda: every())
+
+    def abort_upload(self, upload: OpenUpload) -> None:
+        """Abort one incomplete multipart upload (its parts stop being stored and billed)."""
+        fs = self._s3fs().fs
+        bucket, _, key = self.path(upload.name).partition("/")
+        self._call(f"aborting the upload of {self.describe(upload.name)}",
+                   lambda: fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id))
+
     def read_bytes(self, name: str, start: int | None = None, stop: int | None = None, *,
                    max_bytes: int | None = None) -> bytes:
         """Read a whole (small) object or one range of it, length-checked.
@@ -454,6 +501,28 @@ class Storage:
             for one in [name] + (self.list(name, recursive=True) if recursive else []):
                 self._call(f"deleting {self.describe(one)}", self._s3fs().delete_one, self.path(one))
 
+    def delete_many(self, names: Sequence[str]) -> "builtins.list[tuple[str, CheckpointError]]":
+        """Delete objects, in bulk where the client can (S3: one request per 1000 keys);
+        absent ones are fine. If the bulk request fails, each object is deleted on its own
+        (``delete``, with its fallbacks). Returns ``(name, error)`` of each that could not be."""
+        if not names:
+            return []
+        try:
+            self._call(f"deleting {len(names)} objects under {self.describe('')}", self._write_backend.delete_many,
+                       [self.path(n) for n in names])
+            return []
+        except NotFound:
+            pass
+        except CheckpointError as e:
+            log.info("bulk delete under %s failed (%s): deleting one object at a time", self.describe(""), e)
+        failed: builtins.list[tuple[str, CheckpointError]] = []
+        for name in names:
+            try:
+                self.delete(name)
+            except CheckpointError as e:
+                failed.append((name, e))
+        return failed
+
     def makedirs(self, name: str = "") -> None:
         self._sync(self._write_backend.makedirs(self.path(name)))
 
@@ -463,6 +532,15 @@ class Storage:
         for extra in {id(b): b for b in (self._writer, self._s3fs_backend) if b is not None}.values():
             if extra is not self._reader.backend:
                 extra.close()
+
+
+@dataclass(frozen=True, slots=True)
+class OpenUpload:
+    """An incomplete multipart upload: its object's name (relative to the root), id and start time."""
+
+    name: str
+    upload_id: str
+    initiated: float | None  # POSIX seconds
 
 
 def _unimplemented(text: str) -> bool:

@@ -25,6 +25,10 @@ guaranteed to get through; set it high to model an outage (or ``rate=1.0``).
 always (not counted as faults: a server that lacks an API, as some S3-compatible servers lack
 the bulk delete ``POST /bucket?delete``); ``refused`` counts them.
 
+``deleted`` lists the objects the server was asked to delete, in order (``bucket/key``): each
+``DELETE`` of an object and each key of a bulk delete (S3's ``POST /bucket?delete``), so a test
+can check the order of a deletion whatever request shape the client chose.
+
 ``api="gcs"`` puts it in front of a GCS JSON-API server (``LocalGCS``): object
 requests are then ``.../b/<bucket>/o/<object>`` (media downloads and metadata),
 the body faults (``short``, ``flip``) touch only media bodies (a metadata reply
@@ -41,15 +45,17 @@ account through the proxy.
 
 from __future__ import annotations
 
+import html
 import http.client
 import logging
 import random
+import re
 import socket
 import struct
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable, Mapping
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from . import azureserver, gcsserver
 from .s3server import options_for
@@ -163,6 +169,7 @@ class FaultProxy:
         self._requests = 0
         self._streak: dict[tuple[str, str, str], int] = {}
         self._history: list[tuple[str, str, str | None]] = []
+        self._deleted: list[str] = []
         self._stopping = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -252,6 +259,24 @@ class FaultProxy:
         """(method, path, fault or None) of each request, in order (the first 100 000)."""
         with self._lock:
             return list(self._history)
+
+    @property
+    def deleted(self) -> list[str]:
+        """``bucket/key`` of each object the server was asked to delete, in order (the module docstring)."""
+        with self._lock:
+            return list(self._deleted)
+
+    def _note_deletes(self, method: str, path: str, body: bytes | None) -> None:
+        target, _, query = path.partition("?")
+        keys: list[str] = []
+        if method == "DELETE" and self._object_request(path):
+            keys = [unquote(target.lstrip("/"))]
+        elif method == "POST" and self.api == "s3" and "delete" in query.split("&") and body:
+            bucket = target.strip("/")
+            keys = [f"{bucket}/{html.unescape(k)}" for k in re.findall(r"<Key>(.*?)</Key>", body.decode("utf-8", "replace"))]
+        if keys:
+            with self._lock:
+                self._deleted += keys
 
     @property
     def requests(self) -> int:
@@ -397,6 +422,7 @@ class _Handler(BaseHTTPRequestHandler):
                 proxy.refused += 1
             self._reply(501, "Not Implemented", [("Content-Type", "application/xml")], _NOT_IMPLEMENTED_BODY)
             return
+        proxy._note_deletes(method, self.path, body)
         kind, key, rng = proxy._decide(method, self.path, self.headers.get("Range") or "")
         if kind == "slowdown":
             proxy._record(key, kind)

@@ -1,0 +1,57 @@
+"""Deleting a checkpoint so that it is never half-seen as committed.
+
+The manifest goes first: once it is gone the checkpoint is uncommitted (``latest``,
+``steps`` and loads pass it over), then its data objects. A deletion cut short at any
+point leaves every other checkpoint whole and the rest as garbage that
+``collect_garbage`` finds. One routine for every caller (``CheckpointManager.prune``,
+the Lightning plug-in's ``remove_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from typing import Collection, Iterable
+
+from ..core.manifest import MANIFEST_NAME
+from ..errors import StorageError
+from ..storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+def delete_checkpoint(storage: Storage, prefix: str = "", *, names: Iterable[str] | None = None,
+                      keep: Collection[str] = ()) -> list[str]:
+    """Delete the checkpoint at ``prefix`` (relative to ``storage``'s root; "" for the root
+    itself): its manifest, then each of ``names`` (default: every object under the prefix)
+    except those in ``keep`` (objects another committed checkpoint still references).
+
+    Returns the names deleted, manifest first. A data object that cannot be deleted does not
+    stop the others; the call then raises ``StorageError`` naming what is left (garbage:
+    the manifest is already gone). A manifest that cannot be deleted raises at once, with
+    nothing else deleted.
+    """
+    base = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+    manifest = base + MANIFEST_NAME
+    if names is None:
+        names = [n for n in storage.list(base.rstrip("/"), recursive=True) if _inside(n) and n.startswith(base)]
+    data = [n for n in dict.fromkeys(names) if n != manifest and n not in keep]
+    storage.delete(manifest)
+    failed = dict(storage.delete_many(data))
+    for name, e in failed.items():
+        log.warning("could not delete %s: %s", storage.describe(name), e)
+    deleted = [manifest] + [n for n in data if n not in failed]
+    left = [n for n in data if n in failed]
+    if left:
+        raise StorageError(
+            f"deleted the manifest of {storage.describe(base)} (it is no longer a checkpoint) but "
+            f"{len(left)} of its objects could not be deleted ({', '.join(left[:5])}"
+            f"{', ...' if len(left) > 5 else ''}): they are garbage now; collect_garbage (or "
+            f"'streamckpt gc') removes them once storage accepts deletes again")
+    log.info("deleted %s (%d objects, manifest first)", storage.describe(base), len(deleted))
+    return deleted
+
+
+def _inside(name: str) -> bool:
+    """Only names under the checkpoint's own prefix (never a sibling such as ``x.ckpt-v1/...``)."""
+    return bool(name) and not name.startswith("..") and not posixpath.isabs(name)

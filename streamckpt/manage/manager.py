@@ -1,0 +1,586 @@
+"""``CheckpointManager``: a run's checkpoints under one root, from save to deletion."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ..comm import make_comm, raise_agreed
+from ..errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+                      StorageError)
+from ..results import human_bytes
+from ..storage import Storage
+from .collective import gather_outcome, on_one_rank
+from .deletion import delete_checkpoint
+from .garbage import mark
+from .index import METRICS_KEY, STEP_KEY, Entry, Index, Listing
+from .retention import Policy
+
+log = logging.getLogger(__name__)
+
+FALLBACK_ERRORS = ("CorruptCheckpointError", "UnsupportedVersionError", "CheckpointNotFoundError")
+
+
+@dataclass(slots=True)
+class Restored:
+    """What ``CheckpointManager.restore`` restored.
+
+    Attributes:
+        step: The step restored.
+        uri: The checkpoint's URI.
+        state: The filled ``state_dict`` (the one passed, filled in place), or the saved
+            tree rebuilt by ``sc.load_state`` when none was passed.
+        skipped: ``(uri, why)`` of each newer checkpoint passed over because it could not
+            be read, newest first.
+    """
+
+    step: int
+    uri: str
+    state: Any
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Calls:
+    """The public calls a manager drives (bound by the wiring, ``streamckpt.api``)."""
+
+    save: Callable[..., Any]
+    async_save: Callable[..., Any]
+    load: Callable[..., Any]
+    load_state: Callable[..., Any]
+
+
+class Manager:
+    """The checkpoints of one run under ``root``: saved on schedule, kept by a policy,
+    deleted safely, garbage-collected, restored past a broken newest.
+
+    A context manager (leaving it waits for a pending async save). Collective like
+    ``sc.save`` when torch.distributed is initialized (or ``process_group`` is given): every
+    rank of the group makes the same calls; one rank lists, reads manifests and deletes,
+    and every rank gets the same answers and the same errors. Steps and metrics live in
+    each checkpoint's manifest (``metadata["step"]``, ``metadata["metrics"]``, shown by
+    ``sc.inspect`` and ``streamckpt ls``), never in names. Retention runs after each commit,
+    never before (after an async save commits: on a thread of the manager's own, on the
+    rank that deletes).
+
+    Args:
+        root: The run's prefix (any fsspec URL or local path); each checkpoint is a child
+            of it, ``root/<name>``.
+        storage_options: Passed to fsspec unchanged. Default None: the environment's credentials.
+        process_group: The torch.distributed group whose ranks save and load together.
+            Default None: the default group when initialized, else this process alone.
+        keep_last: Keep the N newest steps. Default None: no such rule.
+        keep_every: Keep the steps divisible by K. Default None: no such rule.
+        keep_best: ``(metric, "min" | "max", k)``: keep the k best steps by a metric given to
+            ``save`` (steps without it are no candidates). Default None: no such rule.
+            A checkpoint is kept when any rule keeps it; the newest step always is; with no
+            rule at all, everything is.
+        save_every: ``should_save(step)`` is true for the steps divisible by it. Default
+            None: for every step.
+        async_save: Save with ``sc.async_save`` (``save`` returns its ``SaveHandle``).
+            Default False: ``sc.save``.
+        incremental: Reserved for incremental saves (not implemented yet). Default False;
+            True raises ``CheckpointError``.
+        name: The child name of a step, a format string with ``{step}`` and no ``/``.
+            Default ``"step-{step}"``.
+
+    Raises:
+        CheckpointError: a bad argument (a rule, ``save_every``, ``name``, ``incremental=True``).
+    """
+
+    _calls: Calls | None = None
+
+    def __init__(self, root: str, *, storage_options: dict[str, Any] | None = None, process_group: Any = None,
+                 keep_last: int | None = None, keep_every: int | None = None,
+                 keep_best: tuple[str, str, int] | None = None, save_every: int | None = None,
+                 async_save: bool = False, incremental: bool = False, name: str = "step-{step}") -> None:
+        if incremental:
+            raise CheckpointError("incremental=True: incremental saves are not implemented yet; "
+                                  "pass incremental=False (the default)")
+        if save_every is not None and (not isinstance(save_every, int) or isinstance(save_every, bool)
+                                       or save_every < 1):
+            raise CheckpointError(f"save_every must be a positive int or None, got {save_every!r}")
+        _check_name(name)
+        self.root = str(root).rstrip("/")
+        self.storage_options = storage_options
+        self.process_group = process_group
+        self.policy = Policy(keep_last, keep_every, keep_best)
+        self.save_every = save_every
+        self.async_save = bool(async_save)
+        self.name = name
+        self._comm = make_comm(process_group)
+        self._index = Index()
+        self._known: Listing | None = None
+        self._storage: Storage | None = None
+        self._lock = threading.RLock()
+        self._pending: Any = None  # the SaveHandle in flight
+        self._after: cf.Future[None] | None = None  # its retention, run once it commits
+        self._worker: cf.ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ context
+
+    def __enter__(self) -> "Manager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.root!r}, {self.policy})"
+
+    def close(self) -> None:
+        """Wait for a pending async save (and the retention after it), then release the
+        manager's storage client and thread. Idempotent.
+
+        Raises:
+            CheckpointError: the pending save's error, as ``wait`` raises it.
+        """
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+            if self._storage is not None:
+                self._storage.close()
+
+    # ------------------------------------------------------------------ saving
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is one to save: divisible by ``save_every`` (every step when it is None).
+
+        Args:
+            step: The training step.
+
+        Returns:
+            bool: True when the step should be saved.
+        """
+        return self.save_every is None or step % self.save_every == 0
+
+    def uri(self, step: int) -> str:
+        """The URI a save of ``step`` writes: ``root/<name with the step>``.
+
+        Args:
+            step: The training step.
+
+        Returns:
+            str: the checkpoint's URI.
+        """
+        return f"{self.root}/{self.name.format(step=step)}"
+
+    def save(self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None,
+             force: bool = False, **save_kwargs: Any) -> Any:
+        """Save ``state`` as the checkpoint of ``step``, then apply retention once it commits.
+
+        Collective like ``sc.save``. The manifest records ``step`` and ``metrics`` (in its
+        metadata). Retention (``prune``) runs after the commit: here for a plain save, after
+        the upload commits for an async one (a failure to prune is logged, never raised by
+        the save: what it left is garbage ``collect_garbage`` removes).
+
+        Args:
+            step: The training step (an int >= 0).
+            state: The state_dict, as ``sc.save`` takes it.
+            metrics: JSON-serializable numbers and strings to record (``{"loss": 0.31}``; tensors
+                with one element are turned into numbers); ``keep_best`` ranks by them.
+                Default None: none.
+            force: Replace a committed checkpoint of ``step``. Default False: refuse it.
+            save_kwargs: More arguments of ``sc.save`` / ``sc.async_save`` (``compression``,
+                ``metadata``, ``progress``, ``staging_budget``); not ``overwrite`` (``force``).
+
+        Returns:
+            SaveResult | SaveHandle: ``sc.save``'s result, or ``sc.async_save``'s handle when
+            the manager was made with ``async_save=True``.
+
+        Raises:
+            CheckpointExistsError: a committed checkpoint of ``step`` exists and ``force`` is False.
+            CheckpointError: a bad argument, or the errors ``sc.save`` raises.
+        """
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+        if "overwrite" in save_kwargs:
+            raise CheckpointError("CheckpointManager.save takes force=True, not overwrite=, to replace a step")
+        metadata = dict(save_kwargs.pop("metadata", None) or {})
+        clash = sorted({STEP_KEY, METRICS_KEY} & set(metadata))
+        if clash:
+            raise CheckpointError(f"metadata keys {clash} are the manager's own (pass metrics= for metrics)")
+        metadata[STEP_KEY] = step
+        metadata[METRICS_KEY] = _plain_metrics(metrics)
+        self.wait()  # one save in flight: the previous one (and its retention) ends first
+        existing = None if force else on_one_rank(self._comm, lambda: self._committed_name(step))
+        if existing is not None:
+            raise CheckpointExistsError(f"step {step} is already committed under {self.root} ({self.root}/{existing}): "
+                                        f"pass force=True to replace it")
+        calls = self._bound()
+        kwargs = dict(storage_options=self.storage_options, process_group=self.process_group,
+                      metadata=metadata, overwrite=force, **save_kwargs)
+        if not self.async_save:
+            result = calls.save(state, self.uri(step), **kwargs)
+            self._retain_after_commit()
+            return result
+        handle = calls.async_save(state, self.uri(step), **kwargs)
+        after: cf.Future[None] = cf.Future()
+        self._pending, self._after = handle, after
+        handle.add_done_callback(lambda h: self._on_async_end(h, after))
+        return handle
+
+    def wait(self) -> None:
+        """Wait for the pending async save to commit and for the retention after it.
+
+        Raises:
+            CheckpointError: the save's error (``StorageError``, ``PeerError``, ...), on every rank.
+        """
+        handle, after = self._pending, self._after
+        if handle is None:
+            return
+        try:
+            handle.result()
+        finally:
+            self._pending = None
+            if after is not None:
+                after.result()
+            self._after = None
+
+    def _committed_name(self, step: int) -> str | None:
+        """The child holding ``step``, from the last listing (listing once, on a manager's first save)."""
+        known = self._known if self._known is not None else self._list_here()
+        return next((e.name for e in known.managed() if e.step == step), None)
+
+    def _on_async_end(self, handle: Any, after: cf.Future[None]) -> None:
+        """From the upload thread: prune on this manager's own thread once the save committed."""
+        try:
+            handle.result(timeout=0)
+        except BaseException:  # noqa: BLE001 - its owner sees the error through wait()/result()
+            after.set_result(None)
+            return
+        if self._comm.rank != 0:  # retention is one rank's work; no collective off the training thread
+            after.set_result(None)
+            return
+        with self._lock:
+            if self._worker is None:
+                self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="streamckpt-retention")
+            worker = self._worker
+
+        def job() -> None:
+            try:
+                self._prune_here(dry_run=False)
+            except Exception as e:  # noqa: BLE001 - logged: the save itself committed
+                log.warning("retention after the save of %s failed: %s", handle.uri, e)
+            finally:
+                after.set_result(None)
+
+        worker.submit(job)
+
+    def _retain_after_commit(self) -> None:
+        if self.policy.keeps_all:
+            self._listing()  # learn the new step (one LIST and one GET on the listing rank)
+            return
+        try:
+            self.prune()
+        except CheckpointError as e:
+            log.warning("retention after a save under %s failed: %s", self.root, e)
+
+    # ------------------------------------------------------------------ reading
+
+    def steps(self) -> list[int]:
+        """The committed steps under the root, ascending (read from the manifests).
+
+        Returns:
+            list[int]: the steps.
+
+        Raises:
+            StorageError: storage kept failing after retries.
+        """
+        return [e.step for e in self._listing().managed()]  # type: ignore[misc]
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when the root holds none.
+
+        Returns:
+            int | None: the step.
+        """
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def metrics(self, step: int) -> dict[str, Any]:
+        """The metrics recorded with ``step`` (``save(metrics=...)``).
+
+        Args:
+            step: A committed step.
+
+        Returns:
+            dict: metric name to value (empty when none were given).
+
+        Raises:
+            CheckpointNotFoundError: no committed checkpoint of that step.
+        """
+        return dict(self._entry(self._listing(), step).metrics)
+
+    def checkpoints(self) -> list[Entry]:
+        """Every committed checkpoint under the root (the manager's, others, unreadable ones),
+        by name: what ``streamckpt ls`` shows.
+
+        Returns:
+            list: one entry each (``name``, ``step``, ``committed_ns``, ``metrics``, ``size``, ``error``).
+        """
+        return list(self._listing().entries)
+
+    # ------------------------------------------------------------------ restoring
+
+    def restore(self, state_dict: Any = None, *, step: int | None = None, max_fallbacks: int = 3,
+                **load_kwargs: Any) -> Restored | None:
+        """Restore the newest committed step (or ``step``), falling back past a broken newest.
+
+        With ``state_dict``, ``sc.load`` fills it in place (resharded to this job's layout, any
+        world size; collective); without, ``sc.load_state`` rebuilds the saved tree on every
+        rank. A checkpoint that cannot be read (a manifest that does not parse, a data object
+        missing, a checksum failing again after the retry) is logged as a WARNING, recorded in
+        ``skipped`` and the next newest is tried, up to ``max_fallbacks`` of them. The caller's
+        own mistakes (shape or dtype mismatch, missing keys, a bad transform) raise at once.
+        A pending async save is waited for first.
+
+        Args:
+            state_dict: The targets to fill in place, as ``sc.load`` takes them. Default None:
+                return the saved tree (``sc.load_state``).
+            step: Restore exactly this step, with no fallback. Default None: the newest.
+            max_fallbacks: How many unreadable checkpoints may be passed over (default 3).
+            load_kwargs: More arguments of ``sc.load`` (``transforms``, ``strict``, ...) or
+                ``sc.load_state`` (``device``, ``keys``, ...).
+
+        Returns:
+            Restored | None: the step, URI, state and what was skipped; None when the root
+            holds no committed checkpoint with a step (checkpoints written by ``sc.save``
+            without the manager carry none: ``sc.latest`` finds those).
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed (or cannot be read).
+            CorruptCheckpointError: ``step``'s checkpoint cannot be read, or more than
+                ``max_fallbacks`` checkpoints could not (naming each and why).
+            IncompatibleStateDictError, MissingKeysError, TransformError: the caller's own
+                mistakes, at once.
+            StorageError, PeerError: as ``sc.load`` raises them.
+        """
+        self._check_open()
+        if not isinstance(max_fallbacks, int) or isinstance(max_fallbacks, bool) or max_fallbacks < 0:
+            raise CheckpointError(f"max_fallbacks must be an int >= 0, got {max_fallbacks!r}")
+        self.wait()
+        listing = self._listing()
+        if step is not None:
+            entry = self._entry(listing, step)
+            return self._restore_one(entry, state_dict, load_kwargs, [], fallback=False)
+        candidates = _candidates(listing)
+        if not candidates:
+            return None
+        skipped: list[tuple[str, str]] = []
+        for entry in candidates:
+            if len(skipped) > max_fallbacks:
+                break
+            if entry.error is not None:
+                self._skip(skipped, entry, entry.error)
+                continue
+            restored = self._restore_one(entry, state_dict, load_kwargs, skipped, fallback=True)
+            if restored is not None:
+                return restored
+        raise CorruptCheckpointError(
+            f"no checkpoint under {self.root} could be restored: passed over {len(skipped)} "
+            f"({'; '.join(f'{u}: {why}' for u, why in skipped)})"
+            + (f", more than max_fallbacks={max_fallbacks}" if len(skipped) > max_fallbacks else ""))
+
+    def _restore_one(self, entry: Entry, state_dict: Any, load_kwargs: dict[str, Any],
+                     skipped: list[tuple[str, str]], *, fallback: bool) -> Restored | None:
+        uri = f"{self.root}/{entry.name}"
+        calls = self._bound()
+        own: BaseException | None = None
+        state: Any = None
+        try:
+            if state_dict is not None:
+                calls.load(state_dict, uri, storage_options=self.storage_options, process_group=self.process_group,
+                           **load_kwargs)
+                state = state_dict
+            else:
+                state = calls.load_state(uri, storage_options=self.storage_options, **load_kwargs)
+        except Exception as e:  # noqa: BLE001 - agreed with the other ranks below
+            own = e
+        failures = gather_outcome(self._comm, own)
+        if not failures:
+            return Restored(entry.step, uri, state, skipped)  # type: ignore[arg-type]
+        if not fallback or any(f["cls"] not in FALLBACK_ERRORS for f in failures) or \
+                (own is not None and not isinstance(own, CheckpointError)):
+            raise_agreed(failures, own)
+        first = failures[0]
+        self._skip(skipped, entry, f"{first['type']}: {first['msg']}")
+        return None
+
+    def _skip(self, skipped: list[tuple[str, str]], entry: Entry, why: str) -> None:
+        uri = f"{self.root}/{entry.name}"
+        log.warning("restore: passing over %s, which cannot be read: %s", uri, why)
+        skipped.append((uri, why))
+
+    # ------------------------------------------------------------------ deleting
+
+    def prune(self, *, dry_run: bool = False) -> list[str]:
+        """Delete the committed checkpoints no retention rule keeps (``save`` calls it after
+        each commit). Each goes manifest first, then its data, so a prune cut short leaves
+        every kept checkpoint whole and the rest as garbage.
+
+        Args:
+            dry_run: Only say what would be deleted. Default False.
+
+        Returns:
+            list[str]: the URIs of the checkpoints deleted (or that would be), oldest first.
+
+        Raises:
+            StorageError: a delete kept failing (what was left is garbage for ``collect_garbage``).
+        """
+        self._check_open()
+        return on_one_rank(self._comm, lambda: self._prune_here(dry_run=dry_run))
+
+    def _prune_here(self, *, dry_run: bool) -> list[str]:
+        with self._lock:
+            listing = self._list_here()
+            doomed = self.policy.to_prune(listing.managed())
+            uris = [f"{self.root}/{e.name}" for e in doomed]
+            if dry_run or not doomed:
+                return uris
+            storage = self._store()
+            for e in doomed:
+                keep = {n for other in listing.entries if other.name != e.name for n in other.objects}
+                names = [n for n in listing.objects if n.startswith(e.name + "/")]
+                self._index.forget(e.name)
+                delete_checkpoint(storage, e.name, names=names, keep=keep)
+            log.info("pruned %d checkpoint(s) under %s: %s", len(doomed), self.root, ", ".join(e.name for e in doomed))
+            self._known = Listing([e for e in listing.entries if e not in doomed], listing.objects)
+            return uris
+
+    def collect_garbage(self, *, older_than: float = 3600, dry_run: bool = False) -> list[str]:
+        """Remove what no committed checkpoint under the root references and that is older
+        than ``older_than`` seconds: the data objects of saves that died before their commit
+        (or checkpoints half-deleted), and incomplete multipart uploads (S3; see
+        docs/RELIABILITY.md for what each store lets us see). A save in progress younger than
+        ``older_than`` is never touched; the objects of a checkpoint whose manifest cannot be
+        read are left alone.
+
+        Args:
+            older_than: The grace period in seconds (default 3600): longer than any save takes.
+            dry_run: Only say what would be removed. Default False.
+
+        Returns:
+            list[str]: each object's URI with its size (``".../data/00000-0000.safetensors (8.0 MiB)"``),
+            or an upload's URI marked as such, in name order.
+
+        Raises:
+            StorageError: listing or deleting kept failing after retries.
+        """
+        self._check_open()
+        if not isinstance(older_than, (int, float)) or isinstance(older_than, bool) or older_than < 0:
+            raise CheckpointError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
+        return on_one_rank(self._comm, lambda: self._collect_here(float(older_than), dry_run))
+
+    def _collect_here(self, older_than: float, dry_run: bool) -> list[str]:
+        with self._lock:
+            storage = self._store()
+            listing = self._list_here()
+            uploads = storage.open_uploads("")
+            found = mark(listing.objects, uploads, listing.referenced(), {e.name for e in listing.entries if e.error},
+                         now=time.time(), older_than=older_than)
+            out = [f"{self.root}/{g.name} (incomplete upload)" if g.upload else
+                   f"{self.root}/{g.name} ({human_bytes(g.size)})" for g in found]
+            if dry_run or not found:
+                return out
+            for g in found:
+                if g.upload is not None:
+                    storage.abort_upload(g.upload)
+            failed = storage.delete_many([g.name for g in found if g.upload is None])
+            if failed:
+                raise StorageError(f"collect_garbage under {self.root}: {len(failed)} object(s) could not be deleted "
+                                   f"({'; '.join(f'{n}: {e}' for n, e in failed[:3])}); run it again later")
+            log.info("collected %d garbage item(s) under %s (%s)", len(found), self.root,
+                     human_bytes(sum(g.size for g in found)))
+            return out
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _bound(self) -> Calls:
+        if self._calls is None:
+            raise CheckpointError("use streamckpt.CheckpointManager (this base class has no save/load calls bound)")
+        return self._calls
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"the CheckpointManager of {self.root} is closed")
+
+    def _store(self) -> Storage:
+        if self._storage is None:
+            self._storage = Storage(self.root, self.storage_options)
+        return self._storage
+
+    def _list_here(self) -> Listing:
+        with self._lock:
+            listing = self._index.list(self._store())
+            self._known = listing
+            return listing
+
+    def _listing(self) -> Listing:
+        """The root now, the same on every rank (listed on rank 0, broadcast)."""
+        if self._comm.world_size == 1:
+            return self._list_here()
+        data = on_one_rank(self._comm, lambda: self._list_here().to_json().decode())
+        listing = Listing.from_json(data.encode()) if self._comm.rank != 0 else self._known
+        self._known = listing
+        return listing  # type: ignore[return-value]
+
+    def _entry(self, listing: Listing, step: int) -> Entry:
+        for e in listing.managed():
+            if e.step == step:
+                return e
+        steps = [e.step for e in listing.managed()]
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint of step {step} under {self.root} "
+            f"(committed steps: {', '.join(map(str, steps[-10:])) or 'none'})")
+
+
+def _candidates(listing: Listing) -> list[Entry]:
+    """What restore tries, newest first: the managed steps, with the unreadable checkpoints
+    whose manifests are not older than the newest readable one's ahead of them (compared by
+    the store's times, the only ones an unreadable manifest has)."""
+    managed = listing.managed()[::-1]
+    newest = managed[0].modified_ns if managed else -1
+    broken = sorted((e for e in listing.entries if e.error is not None and e.modified_ns >= newest),
+                    key=lambda e: e.modified_ns, reverse=True)
+    return broken + managed
+
+
+def _check_name(name: str) -> None:
+    try:
+        a, b = name.format(step=1), name.format(step=2)
+    except (KeyError, IndexError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"name must be a format string with {{step}} only, such as 'step-{{step}}'; "
+                              f"{name!r} fails: {e}") from None
+    if a == b or "/" in a or a in ("", ".", ".."):
+        raise CheckpointError(f"name must hold {{step}} and no '/', such as 'step-{{step}}'; got {name!r}")
+
+
+def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in dict(metrics or {}).items():
+        if not isinstance(k, str):
+            raise CheckpointError(f"metric names must be str, got {k!r}")
+        if hasattr(v, "item") and callable(v.item):
+            v = v.item()
+        out[k] = v
+    try:
+        json.dumps(out, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"metrics must be JSON-serializable numbers and strings: {e}") from None
+    return out
+
+
+__all__ = ["Calls", "Manager", "Restored"]
