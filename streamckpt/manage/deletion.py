@@ -48,6 +48,8 @@ def delete_checkpoint(storage: Storage, prefix: str = "", *, names: Iterable[str
             f"{len(left)} of its objects could not be deleted ({', '.join(left[:5])}"
             f"{', ...' if len(left) > 5 else ''}): they are garbage now; collect_garbage (or "
             f"'streamckpt gc') removes them once storage accepts deletes again")
+    if base:
+        storage.remove_empty_dirs(base.rstrip("/"))  # a local run root would keep an empty folder per step
     log.info("deleted %s (%d objects, manifest first)", storage.describe(base), len(deleted))
     return deleted
 

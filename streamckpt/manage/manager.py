@@ -499,6 +499,8 @@ class Manager:
                 if g.upload is not None:
                     storage.abort_upload(g.upload)
             failed = storage.delete_many([g.name for g in found if g.upload is None])
+            for folder in sorted({g.name.split("/", 1)[0] for g in found if "/" in g.name}):
+                storage.remove_empty_dirs(folder)  # file systems: no empty folder per collected save
             if failed:
                 raise StorageError(f"collect_garbage under {self.root}: {len(failed)} object(s) could not be deleted "
                                    f"({'; '.join(f'{n}: {e}' for n, e in failed[:3])}); run it again later")

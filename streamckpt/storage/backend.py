@@ -172,6 +172,12 @@ class Backend(abc.ABC):
     async def delete(self, path: str, recursive: bool) -> None:
         """Remove an object (or everything under a prefix); absent is fine."""
 
+    async def remove_empty_dirs(self, path: str) -> None:
+        """Remove the empty directories under ``path`` and ``path`` itself if it is left
+        empty. Object stores have no directories (a prefix is gone with its last object):
+        nothing to do here; a file system overrides it."""
+        return None
+
     async def delete_many(self, paths: Sequence[str]) -> None:
         """Remove several objects (absent is fine): one request per object here; a client
         with a bulk delete overrides it (S3: up to 1000 keys a request)."""

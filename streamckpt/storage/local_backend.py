@@ -64,6 +64,9 @@ class LocalBackend(Backend):
     async def delete(self, path: str, recursive: bool) -> None:
         await self._run(path, _delete, path, recursive)
 
+    async def remove_empty_dirs(self, path: str) -> None:
+        await self._run(path, _remove_empty_dirs, path)
+
     async def makedirs(self, path: str) -> None:
         await self._run(path, os.makedirs, path, 0o777, True)
 
@@ -142,6 +145,18 @@ def _delete(path: str, recursive: bool) -> None:
             os.remove(path)
     except FileNotFoundError:
         pass
+
+
+def _remove_empty_dirs(path: str) -> None:
+    """Bottom-up ``rmdir`` of the directories under ``path`` (and ``path``) that are empty;
+    a directory that still holds anything stays (``rmdir`` refuses it)."""
+    if not os.path.isdir(path):
+        return
+    for here, _, _ in sorted(os.walk(path), key=lambda w: -len(w[0])):
+        try:
+            os.rmdir(here)
+        except OSError:
+            pass
 
 
 class LocalSink(PartSink):

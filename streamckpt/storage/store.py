@@ -501,6 +501,15 @@ class Storage:
             for one in [name] + (self.list(name, recursive=True) if recursive else []):
                 self._call(f"deleting {self.describe(one)}", self._s3fs().delete_one, self.path(one))
 
+    def remove_empty_dirs(self, prefix: str = "") -> None:
+        """Best effort: on a file system, remove the directories under ``prefix`` that a
+        deletion left empty (object stores have none)."""
+        try:
+            self._call(f"tidying {self.describe(prefix)}", self._write_backend.remove_empty_dirs,
+                       self.path(prefix).rstrip("/"))
+        except CheckpointError as e:
+            log.info("could not remove empty directories under %s: %s", self.describe(prefix), e)
+
     def delete_many(self, names: Sequence[str]) -> "builtins.list[tuple[str, CheckpointError]]":
         """Delete objects, in bulk where the client can (S3: one request per 1000 keys);
         absent ones are fine. If the bulk request fails, each object is deleted on its own
