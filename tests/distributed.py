@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +38,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
+
+import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_DIR = TESTS_DIR.parent
@@ -436,3 +439,18 @@ def result_dict(res: Any) -> dict[str, Any]:
     import dataclasses
 
     return {f.name: getattr(res, f.name) for f in dataclasses.fields(res)}
+
+
+def kill_when_stalled(child: "subprocess.Popen[str]", proxy: Any, timeout: float = 90.0) -> None:
+    """SIGKILL the child as soon as one of its requests is held by the proxy."""
+    deadline = time.monotonic() + timeout
+    while proxy.stalled_now == 0:
+        if child.poll() is not None:
+            out, err = child.communicate()
+            pytest.fail(f"the child ended before it could be killed (rc={child.returncode}): {out}{err[-2000:]}")
+        if time.monotonic() > deadline:
+            child.kill()
+            pytest.fail("the child never reached the held request")
+        time.sleep(0.02)
+    child.send_signal(signal.SIGKILL)
+    assert child.wait(timeout=30) == -signal.SIGKILL

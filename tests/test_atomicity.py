@@ -23,6 +23,8 @@ from streamckpt.errors import CheckpointExistsError, CheckpointNotFoundError
 from streamckpt.storage import RetryPolicy, Storage
 from streamckpt.testing import FaultProxy, LocalS3
 
+from distributed import kill_when_stalled
+
 REPO = Path(__file__).resolve().parents[1]
 
 # The child saves 20 MiB (three data files of at most 8 MiB, one PUT each, uploaded
@@ -55,21 +57,6 @@ def _spawn(uri: str, opts: dict[str, Any]) -> subprocess.Popen[str]:
     )
 
 
-def _kill_when_stalled(child: subprocess.Popen[str], proxy: FaultProxy, timeout: float = 90.0) -> None:
-    """SIGKILL the child as soon as one of its requests is held by the proxy."""
-    deadline = time.monotonic() + timeout
-    while proxy.stalled_now == 0:
-        if child.poll() is not None:
-            out, err = child.communicate()
-            pytest.fail(f"the save finished before it could be killed (rc={child.returncode}): {out}{err[-2000:]}")
-        if time.monotonic() > deadline:
-            child.kill()
-            pytest.fail("the save never reached the stalled request")
-        time.sleep(0.02)
-    child.send_signal(signal.SIGKILL)
-    assert child.wait(timeout=30) == -signal.SIGKILL
-
-
 def _pending_uploads(s3_opts: dict[str, Any], uri: str) -> list[str]:
     st = Storage(uri, s3_opts)
     bucket, _, key = st.root.partition("/")
@@ -96,7 +83,7 @@ def test_save_killed_mid_way_leaves_previous_checkpoint_latest(
     with FaultProxy(local_s3.endpoint_url, faults=["stall"], rate=1.0, stall_seconds=120,
                     methods=("PUT", "POST"), match=stalled, max_repeats=10**9) as proxy:
         child = _spawn(f"{root}/step-2", proxy.storage_options)
-        _kill_when_stalled(child, proxy)
+        kill_when_stalled(child, proxy)
 
     st = Storage(f"{root}/step-2", s3_opts)
     assert not st.exists("manifest.json")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,8 @@ import torch
 import streamckpt as sc
 from streamckpt.storage import Storage
 from streamckpt.testing import FaultProxy, LocalS3
+
+from distributed import kill_when_stalled
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,17 +58,7 @@ def _killed_mid_way(root: str, what: str, local_s3: LocalS3, held: Callable[[str
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         child = subprocess.Popen([sys.executable, "-c", CHILD, root, json.dumps(proxy.storage_options), what],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        deadline = time.monotonic() + 120
-        while proxy.stalled_now == 0:
-            if child.poll() is not None:
-                out, err = child.communicate()
-                pytest.fail(f"the child ended before it could be killed (rc={child.returncode}): {out}{err[-2000:]}")
-            if time.monotonic() > deadline:
-                child.kill()
-                pytest.fail("the child never reached the held request")
-            time.sleep(0.02)
-        child.send_signal(signal.SIGKILL)
-        assert child.wait(timeout=30) == -signal.SIGKILL
+        kill_when_stalled(child, proxy, timeout=120)
 
 
 def _names(uri: str, opts: dict[str, Any]) -> list[str]:
