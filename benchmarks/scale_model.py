@@ -393,8 +393,10 @@ def round_terms(counts: Counts, m: Machine, strategy: str) -> list[dict[str, flo
     node_in: dict[tuple[int, int], int] = {}
     for (rank, rnd), c in counts.cells.items():
         t = per[rnd]
-        t["store connections"] = max(t["store connections"], c.fetched / (conc * m.conn_Bps))
-        t["first-byte latency"] = max(t["first-byte latency"], math.ceil(c.requests / conc) * m.first_byte_s)
+        # a connection waits a first byte per GET, then streams: the slowest rank's two parts
+        wait, stream = math.ceil(c.requests / conc) * m.first_byte_s, c.fetched / (conc * m.conn_Bps)
+        if wait + stream > t["first-byte latency"] + t["store connections"]:
+            t["first-byte latency"], t["store connections"] = wait, stream
         t["NVLink"] = max(t["NVLink"], max(c.sent_intra, c.recv_intra) / m.nvlink_Bps)
         key = (rank // m.gpus_per_node, rnd)
         node_fetch[key] = node_fetch.get(key, 0) + c.fetched
@@ -418,8 +420,9 @@ def pipeline_seconds(per: list[dict[str, float]], overlap: bool) -> tuple[float,
     charged: dict[str, float] = {}
 
     def fetch(t: dict[str, float]) -> tuple[str, float]:
+        """A rank's GETs (first bytes, then streaming) or its node's share of the store link."""
         k = max(FETCH, key=lambda x: t[x])
-        return k, t[k]
+        return k, max(t["first-byte latency"] + t["store connections"], t["node store bandwidth"])
 
     def xch(t: dict[str, float]) -> tuple[str, float]:
         k = max(("node NIC (exchange)", "NVLink"), key=lambda x: t[x])
