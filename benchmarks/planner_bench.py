@@ -36,8 +36,11 @@ HIDDEN, INTER, KV, VOCAB = 8192, 28672, 1024, 128256
 CHUNK = 256 << 10  # checksum chunk of the native format
 
 
-def _weights(layers: int = LAYERS) -> list[tuple[str, tuple[int, ...], int | None, int]]:
-    """(name, shape, TP split dim or None, layer or -1 (embed) / ``layers`` (head, final norm))."""
+def _weights(layers: int = LAYERS, hidden: int = HIDDEN, inter: int = INTER, kv: int = KV,
+             vocab: int = VOCAB) -> list[tuple[str, tuple[int, ...], int | None, int]]:
+    """(name, shape, TP split dim or None, layer or -1 (embed) / ``layers`` (head, final norm));
+    the sizes are Llama 3 70B's unless given (``scale_model`` passes other models')."""
+    HIDDEN, INTER, KV, VOCAB = hidden, inter, kv, vocab  # noqa: N806 (the table below reads them)
     out: list[tuple[str, tuple[int, ...], int | None, int]] = [("model.embed_tokens.weight", (VOCAB, HIDDEN), 0, -1)]
     for i in range(layers):
         p = f"model.layers.{i}."

@@ -111,15 +111,17 @@ def run_ranks(
     pg_timeout: float = 60.0,
     env: Mapping[str, str] | None = None,
     backend: str = "gloo",
+    spawn: str | None = None,
 ) -> list[RankResult]:
     """Run ``worker(rank, world_size, **kwargs)`` on ``world_size`` ranks (gloo unless ``backend``;
     with "nccl" rank r uses cuda:r).
 
     ``timeout`` bounds the whole run (start-up included); ``pg_timeout`` is the
     process group's collective timeout, so a hung collective fails inside it.
+    ``spawn`` ("subprocess" or "forkserver") overrides ``SC_TEST_SPAWN`` for this run.
     """
     port = free_port()
-    mode = os.environ.get("SC_TEST_SPAWN", "forkserver")
+    mode = spawn or os.environ.get("SC_TEST_SPAWN", "forkserver")
     with tempfile.TemporaryDirectory(prefix="sc-ranks-") as tmp:
         work = Path(tmp)
         child_env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}

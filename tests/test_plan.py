@@ -23,6 +23,7 @@ from streamckpt.plan.planner import (ALIGN, PlanOptions, build_plan, costs_of, r
                              settle_all)
 from streamckpt.core.regions import Box
 from streamckpt.core.targets import TargetSpec
+from streamckpt.plan.gathered import GatheredSpecs
 
 
 def _grid(shape, rng, max_cuts=3):
@@ -115,9 +116,14 @@ def _signature(read):
             tuple((c.target, c.offset, c.length, c.dst_box, c.dst_base) for c in read.copies))
 
 
-def local_plans(manifest, targets, opts):
-    """One plan per rank, each made as that rank makes it, rounds settled across them."""
-    plans = [build_plan(manifest, targets, opts, rank=r) for r in range(len(targets))]
+def local_plans(manifest, targets, opts, wire=False):
+    """One plan per rank, each made as that rank makes it, rounds settled across them;
+    with ``wire`` each from the specs it decodes after the specwire exchange (``GatheredSpecs``
+    and its lazy rows, as a real load plans), not from the plain lists."""
+    seen = test_specwire.simulate(targets)[0] if wire else [targets] * len(targets)
+    if wire:
+        assert all(isinstance(s, GatheredSpecs) and s == targets for s in seen)
+    plans = [build_plan(manifest, seen[r], opts, rank=r) for r in range(len(targets))]
     settle_all(plans)
     return plans
 
@@ -164,12 +170,12 @@ def simulate_local(plans, files, world, targets_by_rank, dtype):
     return dests, fetched
 
 
-def check_per_rank_plans(manifest, files, targets, opts, full, dtype, expected):
-    """Plan per rank, check the plans against the all-ranks one and their staging against
-    the budget, run them, and check every target equals ``expected(spec)``; returns the
-    fetch log."""
+def check_per_rank_plans(manifest, files, targets, opts, full, dtype, expected, wire=False):
+    """Plan per rank (``wire``: from the specs the exchange decodes), check the plans against
+    the all-ranks one and their staging against the budget, run them, and check every target
+    equals ``expected(spec)``; returns the fetch log."""
     world = len(targets)
-    plans = local_plans(manifest, targets, opts)
+    plans = local_plans(manifest, targets, opts, wire)
     check_local_plans_match_full(plans, full)
     check_staging_fits(plans, opts)
     dests, fetched = simulate_local(plans, files, world, targets, dtype)
@@ -319,7 +325,8 @@ def test_private_targets_planned_per_rank_read_once_and_match(seed, ndim, world,
     targets = _zero_targets(rng, shape, world, code)
     opts = PlanOptions(memory_budget=budget, max_gap_bytes=rng.choice([0, 16, 1 << 20]))
     full = build_plan(manifest, targets, opts)
-    fetched = check_per_rank_plans(manifest, files, targets, opts, full, dtype, lambda spec: _expected(original, spec))
+    fetched = check_per_rank_plans(manifest, files, targets, opts, full, dtype, lambda spec: _expected(original, spec),
+                                   wire=True)
     check_read_once(fetched)
     # an edge read carries at most the chunks its ranks share, never a whole slice
     for read in full.edge_reads:
@@ -429,3 +436,7 @@ def test_one_rank_plan_from_gathered_pieces_builds_only_its_pp_stage():
     assert {stage_of[t.spec.key.removeprefix("optim.exp_avg.")] for t in built} == {1}
     assert 0 < len(built) < len(plan.targets) // 10
     assert signature(plan) == signature(build_plan(manifest, targets, PlanOptions(), rank=rank))
+
+
+# last: test_specwire imports this module's layouts, and names are looked up when called
+import test_specwire  # noqa: E402

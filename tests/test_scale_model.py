@@ -1,0 +1,118 @@
+"""The scale model (benchmarks/scale_model.py) on a case small enough to count by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from benchmarks import scale_model as sm
+from streamckpt.core.manifest import Manifest, Shard, TensorMeta
+from streamckpt.core.targets import TargetSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+P5 = ROOT / "configs" / "scale" / "aws_p5.yaml"
+N = 64 << 10  # one fp32 tensor of 64 KiB: one checksum chunk, so one read
+
+
+def _one_tensor(per_node: int = 2, nodes: int = 2):
+    """One stored tensor (one shard, one file) that each of nodes × per_node ranks needs whole."""
+    shape = (N // 4,)
+    shard = Shard((0,), shape, "data/0.safetensors", 0, N, None, "raw", sm.CHUNK, (0,))
+    manifest = Manifest(tensors={"w": TensorMeta("F32", shape, (shard,))}, files={"data/0.safetensors": N})
+    world = per_node * nodes
+    targets = [[TargetSpec("w", "F32", shape, (0,), shape)] for _ in range(world)]
+    return manifest, targets, list(range(world))
+
+
+@pytest.fixture(scope="module")
+def machine() -> sm.Machine:
+    return dataclasses.replace(sm.load_machine(P5), gpus_per_node=2)
+
+
+def test_one_tensor_all_need_it(machine: sm.Machine) -> None:
+    manifest, targets, ranks = _one_tensor()
+    counts = sm.plan_counts(manifest, targets, ranks, machine)
+    ours = counts["streamckpt"]
+    readers = [r for (r, _), c in ours.cells.items() if c.fetched]
+    assert len(readers) == 1  # read once
+    reader = readers[0]
+    cells = list(ours.cells.values())
+    assert sum(c.fetched for c in cells) == N and sum(c.requests for c in cells) == 1
+    # the reader sends N to its node-mate and N to each of the other node's two ranks
+    assert sum(c.sent_intra for c in cells) == N and sum(c.recv_intra for c in cells) == N
+    assert sum(c.sent_inter for c in cells) == 2 * N and sum(c.recv_inter for c in cells) == 2 * N
+    peers = {r: len(c.peers) for (r, _), c in ours.cells.items()}
+    assert peers == {r: 3 if r == reader else 1 for r in ranks}
+    p = sm.predict(ours, machine, "streamckpt")
+    assert (p.max_peers_per_round, p.max_links, p.requests) == (3, 3, 1)
+    assert p.nccl_GiB_per_rank == pytest.approx(3 * 16 / 1024)
+
+
+def test_peers_strategies_by_hand(machine: sm.Machine) -> None:
+    manifest, targets, ranks = _one_tensor()
+    counts = sm.plan_counts(manifest, targets, ranks, machine)
+    dcp = list(counts["dcp"].cells.values())
+    assert [c.fetched for c in dcp] == [N] * 4 and [c.requests for c in dcp] == [1] * 4  # each reads it
+    assert not any(c.peers or c.sent_inter for c in dcp)
+    runai = counts["runai"].cells
+    assert sum(c.fetched for c in runai.values()) == N  # read once by rank 0, then a ring over 2 nodes
+    assert runai[(0, 0)].sent_inter == N and runai[(2, 0)].recv_inter == N
+    assert runai[(1, 0)].recv_intra == N and runai[(3, 0)].recv_intra == N
+
+
+def test_time_by_hand(machine: sm.Machine) -> None:
+    """Each rank's one GET: a first byte (150 ms), then 64 KiB at 88 MB/s (0.74 ms)."""
+    manifest, targets, ranks = _one_tensor()
+    counts = sm.plan_counts(manifest, targets, ranks, machine)
+    p = sm.predict(counts["dcp"], machine, "dcp")
+    assert p.seconds == pytest.approx(0.150 + N / 88e6) and p.bottleneck == "first-byte latency"
+    assert p.requests == 4 and p.fetched_GB == pytest.approx(4 * N / 1e9)
+
+
+def test_prefix_limit_decides_when_gets_pile_up(machine: sm.Machine) -> None:
+    """64 ranks × 320 GETs: each rank's 32 connections wait 10 first bytes (1.5 s), but the
+    prefix takes the job's 20,480 GETs in 20,480 / 5,500 = 3.72 s."""
+    counts = sm.Counts(1)
+    for r in range(64):
+        counts.cell(r, 0).requests = 320
+    p = sm.predict(counts, machine, "streamckpt")
+    assert p.terms == {"first-byte latency": pytest.approx(1.5)}
+    assert p.bottleneck == "S3 prefix GET rate" and p.seconds == pytest.approx(20480 / 5500)
+
+
+def test_every_parameter_has_a_source() -> None:
+    import yaml
+
+    leaves = sm.flatten(yaml.safe_load(P5.read_text()))
+    assert len(leaves) >= 15
+    for name, leaf in leaves.items():
+        assert isinstance(leaf["value"], (int, float)), name
+        src = str(leaf.get("source", ""))
+        assert len(src) > 20, f"{name}: no source"
+        assert src.startswith("assumption:") or "http" in src or "streamckpt" in src or "torch" in src, name
+
+
+def test_layouts_cover_the_model_once() -> None:
+    """The small case's saved and loaded layouts each hold every weight exactly once per replica."""
+    case = sm.Case("tiny", sm.Model("tiny", 2, 64, 128, 32, 256), sm.Layout(2, 2, 1), sm.Layout(2, 1, 2), optim=True)
+    manifest = sm.build_manifest(case)
+    targets = sm.build_targets(case)
+    per_rank = [sum(_bytes(s) for s in t) for t in targets]
+    weights = sum(4 * _numel(t.shape) // 2 for k, t in manifest.tensors.items() if not k.startswith("optim"))
+    optim = sum(4 * _numel(t.shape) for k, t in manifest.tensors.items() if k.startswith("optim"))
+    assert sum(manifest.files.values()) == weights + optim
+    assert sum(per_rank) == 2 * weights + optim  # weights on both DP replicas, the state split
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def _bytes(s: TargetSpec) -> int:
+    size = 4 if s.dtype == "F32" else 2
+    return size * ((s.flat_range[1] - s.flat_range[0]) if s.flat_range else _numel(s.shape))
