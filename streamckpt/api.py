@@ -53,6 +53,7 @@ def save(
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
     progress: Callable[[int], None] | bool | None = None,
+    base: str | None = None,
 ) -> SaveResult:
     """Save a (sharded) state_dict as a streamckpt checkpoint at ``uri``.
 
@@ -87,9 +88,16 @@ def save(
             ``add_total(nbytes)`` method, that is called first with the bytes to expect
             (uncompressed saves). True: a bar on stderr when it is a terminal, a line every
             few seconds otherwise (rank 0's bytes in a group).
+        base: An incremental save's base: the URI of a committed streamckpt checkpoint under
+            the same root as ``uri`` (a sibling, ``root/step-1`` for ``root/step-2``), read with
+            the same ``storage_options``. A shard whose dtype, box (and flat range), codec and
+            content digest (xxh3-128) equal a base shard's is not uploaded: the manifest points
+            at the file that holds its bytes (never at a chain) and lists the siblings it uses.
+            Shards match when both saves cut the state the same way (same layout). Default
+            None: every shard is uploaded.
 
     Returns:
-        SaveResult: this rank's ``bytes_written``, ``files`` and ``seconds``.
+        SaveResult: this rank's ``bytes_written``, ``files``, ``seconds`` and ``bytes_reused``.
 
     Raises:
         CheckpointExistsError: a committed checkpoint is at ``uri`` and ``overwrite`` is False.
@@ -98,7 +106,8 @@ def save(
         CheckpointNotFoundError: the bucket or container does not exist.
         StorageError: storage kept failing after retries.
         PeerError: another rank of the group failed.
-        CheckpointError: a bad argument (``compression``, ``metadata``, a file ``uri``, ``progress``).
+        CheckpointError: a bad argument (``compression``, ``metadata``, a file ``uri``, ``progress``),
+            or a ``base`` that is not a committed streamckpt checkpoint under the same root.
 
     Example:
         >>> import torch, streamckpt as sc
@@ -110,7 +119,7 @@ def save(
     try:
         with reporting(progress, "save", rank=comm.rank, world_size=comm.world_size) as report:
             return run_save(comm, storage, state_dict, compression=compression, metadata=metadata,
-                            overwrite=overwrite, progress=report)
+                            overwrite=overwrite, progress=report, base=base, storage_options=storage_options)
     finally:
         storage.close()
 
@@ -126,6 +135,7 @@ def async_save(
     overwrite: bool = False,
     staging_budget: int | None = None,
     progress: Callable[[int], None] | bool | None = None,
+    base: str | None = None,
 ) -> SaveHandle:
     """Save like ``save``, but return once this rank's share of the state is staged.
 
@@ -160,13 +170,17 @@ def async_save(
             (called from the upload thread; they add up to ``SaveResult.bytes_written``),
             True for a bar or periodic line on stderr (closed when the save ends), None
             (default) for nothing.
+        base: As in ``save``: an incremental save's base checkpoint (a committed sibling
+            under the same root). The digests are computed in the background from the staged
+            copies. Items are cut by ``staging_budget``, so shards match a base saved with the
+            same budget (or by ``save`` when the budget is None). Default None.
 
     Returns:
         SaveHandle: ``result()`` waits for the commit and returns the ``SaveResult``.
 
     Raises:
         CheckpointExistsError, IncompatibleStateDictError, CheckpointError: from the call,
-            as in ``save`` (also for a bad ``staging_budget`` or ``progress``).
+            as in ``save`` (also for a bad ``staging_budget``, ``progress`` or ``base``).
         StorageError, PeerError: from ``SaveHandle.result()``, as in ``save``.
 
     Example:
@@ -180,7 +194,7 @@ def async_save(
     try:
         handle = start_save(state_dict, uri, storage_options=storage_options, process_group=process_group,
                             compression=compression, metadata=metadata, overwrite=overwrite,
-                            staging_budget=staging_budget, progress=report)
+                            staging_budget=staging_budget, progress=report, base=base)
     except BaseException:
         if bar is not None:
             bar.close(failed=True)
