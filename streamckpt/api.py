@@ -15,6 +15,7 @@ from .formats import read_manifest
 from .formats.native import latest_committed
 from .loading.loader import LoadRequest, run_load
 from .manage import Calls, Manager, Restored
+from .manage.copying import copy_checkpoint
 from .plan.planner import PlanOptions
 from .progress import reporter, reporting
 from .results import CheckpointInfo, DtypeName, LoadResult, SaveResult, TensorInfo
@@ -562,10 +563,56 @@ def merge(
                out_storage_options=out_storage_options, process_group=process_group, progress=report)
 
 
+def copy(
+    uri: str,
+    out_uri: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    out_storage_options: dict[str, Any] | None = None,
+) -> None:
+    """Copy the streamckpt checkpoint at ``uri`` to ``out_uri`` as a self-contained checkpoint.
+
+    The files an incremental checkpoint references in sibling checkpoints are copied too
+    (under ``shared/<sibling>/`` in the copy) and the copy's manifest has no references, so
+    it loads after the original root is gone, from another bucket or store. Files are
+    streamed in blocks of about 8 MiB (bounded memory) and every checksum chunk is verified
+    as it passes; the manifest is written last, so a copy cut short is not committed.
+    One process (not collective).
+
+    Args:
+        uri: The checkpoint to copy (a streamckpt checkpoint, full or incremental).
+        out_uri: Where to write the copy: an fsspec URL or local path, not holding a
+            committed checkpoint.
+        storage_options: fsspec options for reading ``uri``. Default None: the environment's
+            credentials.
+        out_storage_options: fsspec options for writing ``out_uri``. Default None: the same
+            as ``storage_options``.
+
+    Returns:
+        None.
+
+    Raises:
+        CheckpointNotFoundError: no committed streamckpt checkpoint at ``uri``.
+        CheckpointExistsError: a committed checkpoint is at ``out_uri`` (delete it first).
+        CorruptCheckpointError: a bad manifest, or a source chunk failing its checksum twice.
+        StorageError: storage kept failing after retries.
+        CheckpointError: ``out_uri`` is ``uri``.
+
+    Example:
+        >>> import torch, streamckpt as sc
+        >>> _ = sc.save({"w": torch.ones(4)}, "/tmp/ckpt-doc-src", overwrite=True)
+        >>> import shutil; shutil.rmtree("/tmp/ckpt-doc-copy", ignore_errors=True)
+        >>> sc.copy("/tmp/ckpt-doc-src", "/tmp/ckpt-doc-copy")
+        >>> sc.load_full("/tmp/ckpt-doc-copy")["w"].tolist()
+        [1.0, 1.0, 1.0, 1.0]
+    """
+    copy_checkpoint(uri, out_uri, storage_options=storage_options, out_storage_options=out_storage_options)
+
+
 class CheckpointManager(Manager):
     __doc__ = Manager.__doc__
     _calls = Calls(save=save, async_save=async_save, load=load, load_state=load_state)
 
 
-__all__ = ["save", "async_save", "load", "load_full", "load_state", "inspect", "latest", "merge",
+__all__ = ["save", "async_save", "load", "load_full", "load_state", "inspect", "latest", "merge", "copy",
            "CheckpointManager", "Restored"]

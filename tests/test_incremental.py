@@ -213,3 +213,58 @@ def test_two_ranks_save_incrementally_one_process_loads_resharded(local_s3: Any)
         target = {"frozen": sc.ShardedTensor(torch.zeros(ROWS, COLS // 4), (ROWS, COLS), (0, COLS // 4))}
         sc.load(target, f"{root}/step-{step}", storage_options=opts, strict=False)  # another layout: columns
         assert torch.equal(target["frozen"].local_tensor, _full(step, "frozen")[:, COLS // 4: COLS // 2])
+
+
+def test_copy_is_self_contained_and_loads_after_the_root_is_gone(local_s3: Any, s3_uri: str, s3_opts: dict[str, Any],
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from streamckpt.cli import main
+    from test_cli import s3_flags
+
+    for step in (1, 2):
+        sc.save(_state(step), f"{s3_uri}/step-{step}", storage_options=s3_opts,
+                base=None if step == 1 else f"{s3_uri}/step-1")
+    bucket = f"incr-copy-{uuid.uuid4().hex[:8]}"
+    local_s3.make_bucket(bucket)
+    sc.copy(f"{s3_uri}/step-2", f"s3://{bucket}/api-copy", storage_options=s3_opts)
+    assert main(["copy", f"{s3_uri}/step-2", f"s3://{bucket}/cli-copy", *s3_flags(s3_opts)]) == 0
+    assert "self-contained" in capsys.readouterr().out
+    with pytest.raises(sc.CheckpointExistsError, match="exists"):
+        sc.copy(f"{s3_uri}/step-2", f"s3://{bucket}/api-copy", storage_options=s3_opts)
+    store = Storage(s3_uri, s3_opts)
+    store.delete_many(list(store.list_info("")))  # the original root, gone
+    store.close()
+    assert _objects(s3_uri, s3_opts) == {}
+    for name in ("api-copy", "cli-copy"):
+        uri = f"s3://{bucket}/{name}"
+        doc = _manifest(uri, s3_opts)
+        assert doc["version"] == 1 and "bases" not in doc and not any(f.startswith("..") for f in doc["files"])
+        assert sorted(_objects(uri, s3_opts)) == sorted(["manifest.json", *doc["files"]])
+        flat = sc.load_full(uri, storage_options=s3_opts)
+        _assert_state({k.removeprefix("model."): t for k, t in flat.items()}, 2)
+
+
+def test_copy_refuses_bytes_that_fail_their_checksum(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    sc.save(_state(1), f"{s3_uri}/step-1", storage_options=s3_opts)
+    store = Storage(f"{s3_uri}/step-1", s3_opts)
+    name = "data/00000-0000.safetensors"
+    data = bytearray(store.read_bytes(name))
+    data[-5] ^= 0xFF  # rot in the last tensor's bytes
+    store.write_bytes(name, bytes(data))
+    store.close()
+    with pytest.raises(sc.CorruptCheckpointError, match="CRC32C twice"):
+        sc.copy(f"{s3_uri}/step-1", f"{s3_uri}/copy", storage_options=s3_opts)
+    assert not any(n.startswith("copy/manifest") for n in _objects(s3_uri, s3_opts))
+
+
+def test_copy_blocks_cover_a_file_and_never_cut_a_chunk() -> None:
+    from streamckpt.manage.copying import BLOCK, _blocks, _Chunk
+
+    step = 300_000
+    chunks = [_Chunk(100 + i * step, 100 + (i + 1) * step, i) for i in range(60)]
+    size = 100 + 60 * step + 50
+    blocks = _blocks(size, chunks)
+    assert blocks[0][0] == 0 and blocks[-1][1] == size
+    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    assert [c for _, _, inside in blocks for c in inside] == chunks
+    assert all(start <= c.start and c.stop <= stop for start, stop, inside in blocks for c in inside)
+    assert len(blocks) == 3 and all(stop - start <= BLOCK + step for start, stop, _ in blocks)
