@@ -82,6 +82,28 @@ def test_unchanged_shards_are_referenced_not_uploaded(s3_uri: str, s3_opts: dict
         assert sc.inspect(uri, storage_options=s3_opts).total_bytes == FROZEN_BYTES + lora_bytes
 
 
+def test_merge_verify_and_the_dcp_reader_read_an_incremental_checkpoint(s3_uri: str, s3_opts: dict[str, Any],
+                                                                        tmp_path: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from streamckpt.cli import main
+    from streamckpt.dcp import StorageReader
+    from test_cli import s3_flags
+
+    sc.save(_state(1), f"{s3_uri}/step-1", storage_options=s3_opts)
+    sc.save(_state(2), f"{s3_uri}/step-2", storage_options=s3_opts, base=f"{s3_uri}/step-1")
+    sc.merge(f"{s3_uri}/step-2", str(tmp_path / "hf"), storage_options=s3_opts, out_storage_options={})
+    merged = {}
+    for f in sorted((tmp_path / "hf").glob("*.safetensors")):
+        merged.update(load_file(str(f)))
+    _assert_state({k.removeprefix("model."): t for k, t in merged.items()}, 2)
+    assert main(["verify", f"{s3_uri}/step-2", *s3_flags(s3_opts)]) == 0
+    target = {f"model.{k}": torch.zeros_like(t) for k, t in _state(0)["model"].items()}
+    dcp.load(target, storage_reader=StorageReader(f"{s3_uri}/step-2", storage_options=s3_opts), no_dist=True)
+    _assert_state({k.removeprefix("model."): t for k, t in target.items()}, 2)
+
+
 def test_a_changed_dtype_or_compression_is_uploaded_again(s3_uri: str, s3_opts: dict[str, Any]) -> None:
     sc.save(_state(1), f"{s3_uri}/a", storage_options=s3_opts)
     r = sc.save(_state(1), f"{s3_uri}/b", storage_options=s3_opts, base=f"{s3_uri}/a", compression="zstd")
