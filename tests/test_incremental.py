@@ -173,6 +173,8 @@ def test_manager_incremental_prune_and_gc_keep_shared_objects(s3_uri: str, s3_op
         objects = _objects(s3_uri, s3_opts)
         assert "step-1/manifest.json" not in objects and "step-1/data/00000-0000.safetensors" in objects
         assert mgr.collect_garbage(older_than=0) == []  # referenced: not garbage
+        with pytest.raises(sc.CheckpointError, match="step 1 .* holds bytes that incremental checkpoints step-2, step-3"):
+            mgr.save(1, _state(1))  # pruned, but its shared file is still in use: writing there would break them
         for step in (2, 3):
             back = mgr.restore(step=step)
             assert back is not None and back.step == step and back.skipped == []

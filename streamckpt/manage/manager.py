@@ -202,7 +202,9 @@ class Manager:
 
         Raises:
             CheckpointExistsError: a committed checkpoint of ``step`` exists and ``force`` is False.
-            CheckpointError: a bad argument, or the errors ``sc.save`` raises.
+            CheckpointError: a bad argument; a step whose prefix holds bytes that other
+                committed (incremental) checkpoints reference (writing there would break
+                them); or the errors ``sc.save`` raises.
         """
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -217,6 +219,12 @@ class Manager:
         metadata[METRICS_KEY] = _plain_metrics(metrics)
         self.wait()  # one save in flight: the previous one (and its retention) ends first
         existing = None if force else on_one_rank(self._comm, lambda: self._committed_name(step))
+        users = on_one_rank(self._comm, lambda: self._users_of(step))
+        if users:
+            raise CheckpointError(
+                f"step {step} ({self.uri(step)}) holds bytes that incremental checkpoints {', '.join(users[:5])} "
+                f"reference: replacing it would break them; delete those first (or sc.copy them out), or save "
+                f"under another step")
         if existing is not None:
             raise CheckpointExistsError(f"step {step} is already committed under {self.root} ({self.root}/{existing}): "
                                         f"pass force=True to replace it")
@@ -252,6 +260,14 @@ class Manager:
             if after is not None:
                 after.result()
             self._after = None
+
+    def _users_of(self, step: int) -> list[str]:
+        """The other committed checkpoints that reference objects under ``step``'s prefix (a
+        pruned base's shared files included), from the last listing."""
+        own = self.name.format(step=step) + "/"
+        known = self._known if self._known is not None else self._list_here()
+        return [e.name for e in known.entries
+                if not e.name + "/" == own and any(o.startswith(own) for o in e.objects)]
 
     def _base_name(self, step: int) -> str | None:
         """An incremental save's base: the newest committed checkpoint other than ``step``'s own."""
