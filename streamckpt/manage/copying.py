@@ -65,18 +65,19 @@ def _blocks(size: int, chunks: list[_Chunk]) -> list[tuple[int, int, list[_Chunk
 
 def _verified(src: Storage, name: str, start: int, stop: int, chunks: list[_Chunk]) -> bytes:
     """Bytes ``[start, stop)`` of ``name`` whose chunks match their CRC32Cs (read again once on a mismatch)."""
-    data = b""
-    for attempt in range(2):
+    for attempt in (1, 2):
         data = src.read_bytes(name, start, stop)
         view = memoryview(data)
         bad = next((c for c in chunks if crc32c(view[c.start - start:c.stop - start]) != c.crc), None)
         if bad is None:
             return data
         log.warning("copy: %s bytes [%d, %d) failed their CRC32C (attempt %d)", src.describe(name), bad.start,
-                    bad.stop, attempt + 1)
-    raise CorruptCheckpointError(
-        f"{src.describe(name)}: bytes [{bad.start}, {bad.stop}) fail their CRC32C twice: the stored object is "
-        f"corrupt; nothing was committed at the copy's destination")
+                    bad.stop, attempt)
+        if attempt == 2:
+            raise CorruptCheckpointError(
+                f"{src.describe(name)}: bytes [{bad.start}, {bad.stop}) fail their CRC32C twice: the stored object "
+                f"is corrupt; nothing was committed at the copy's destination")
+    raise AssertionError("unreachable")
 
 
 def _copy_name(name: str) -> str:

@@ -109,7 +109,7 @@ def digest_of(tensor: torch.Tensor) -> str:
     if t.device.type != "cpu":
         t = t.cpu()
     raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-    return xxhash.xxh3_128(memoryview(raw)).hexdigest()
+    return xxhash.xxh3_128(memoryview(raw)).hexdigest()  # type: ignore[arg-type]
 
 
 def split(mine: Sequence[ShardToWrite], base: BaseShards | None,
