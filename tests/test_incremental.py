@@ -179,7 +179,10 @@ def test_manager_incremental_prune_and_gc_keep_shared_objects(s3_uri: str, s3_op
             back = mgr.restore(step=step)
             assert back is not None and back.step == step and back.skipped == []
             _assert_state(back.state["model"], step)
-        rows = {r["name"]: r for r in report.rows(mgr.checkpoints())}
+        found = report.rows(mgr.checkpoints())
+        rows = {r["name"]: r for r in found}
+        head, *lines = report.table(found).splitlines()
+        assert head.split()[4:7] == ["size", "own", "shared"] and lines[1].split()[:2] == ["3", "step-3"]
         assert rows["step-3"]["shared_bytes"] == objects["step-1/data/00000-0000.safetensors"]
         assert rows["step-3"]["own_bytes"] == sum(n for k, n in objects.items() if k.startswith("step-3/"))
         for step in (4, 5):  # changed frozen weights: a full upload; step-1's file goes with its last user
