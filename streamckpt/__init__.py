@@ -5,7 +5,7 @@ See docs/API.md (or ``help()`` of each name in ``__all__``) for the reference.
 
 from typing import TYPE_CHECKING
 
-from .api import CheckpointManager, Restored, async_save, inspect, latest, load, load_full, load_state, merge, save
+from .api import CheckpointManager, Restored, async_save, copy, inspect, latest, load, load_full, load_state, merge, save
 from .saving.asyncsave import SaveHandle
 from .errors import (
     CheckpointError,
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # imported on first use (``__getattr__``); type checkers see 
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "async_save", "SaveHandle", "load", "load_full", "load_state", "merge", "inspect", "latest",
+    "save", "async_save", "SaveHandle", "load", "load_full", "load_state", "merge", "copy", "inspect", "latest",
     "CheckpointManager", "Restored",
     "ShardedTensor", "LoadResult", "SaveResult", "CheckpointInfo", "TensorInfo",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",

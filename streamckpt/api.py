@@ -15,6 +15,7 @@ from .formats import read_manifest
 from .formats.native import latest_committed
 from .loading.loader import LoadRequest, run_load
 from .manage import Calls, Manager, Restored
+from .manage.copying import copy_checkpoint
 from .plan.planner import PlanOptions
 from .progress import reporter, reporting
 from .results import CheckpointInfo, DtypeName, LoadResult, SaveResult, TensorInfo
@@ -53,6 +54,7 @@ def save(
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
     progress: Callable[[int], None] | bool | None = None,
+    base: str | None = None,
 ) -> SaveResult:
     """Save a (sharded) state_dict as a streamckpt checkpoint at ``uri``.
 
@@ -87,9 +89,16 @@ def save(
             ``add_total(nbytes)`` method, that is called first with the bytes to expect
             (uncompressed saves). True: a bar on stderr when it is a terminal, a line every
             few seconds otherwise (rank 0's bytes in a group).
+        base: An incremental save's base: the URI of a committed streamckpt checkpoint under
+            the same root as ``uri`` (a sibling, ``root/step-1`` for ``root/step-2``), read with
+            the same ``storage_options``. A shard whose dtype, box (and flat range), codec and
+            content digest (xxh3-128) equal a base shard's is not uploaded: the manifest points
+            at the file that holds its bytes (never at a chain) and lists the siblings it uses.
+            Shards match when both saves cut the state the same way (same layout). Default
+            None: every shard is uploaded.
 
     Returns:
-        SaveResult: this rank's ``bytes_written``, ``files`` and ``seconds``.
+        SaveResult: this rank's ``bytes_written``, ``files``, ``seconds`` and ``bytes_reused``.
 
     Raises:
         CheckpointExistsError: a committed checkpoint is at ``uri`` and ``overwrite`` is False.
@@ -98,7 +107,8 @@ def save(
         CheckpointNotFoundError: the bucket or container does not exist.
         StorageError: storage kept failing after retries.
         PeerError: another rank of the group failed.
-        CheckpointError: a bad argument (``compression``, ``metadata``, a file ``uri``, ``progress``).
+        CheckpointError: a bad argument (``compression``, ``metadata``, a file ``uri``, ``progress``),
+            or a ``base`` that is not a committed streamckpt checkpoint under the same root.
 
     Example:
         >>> import torch, streamckpt as sc
@@ -110,7 +120,7 @@ def save(
     try:
         with reporting(progress, "save", rank=comm.rank, world_size=comm.world_size) as report:
             return run_save(comm, storage, state_dict, compression=compression, metadata=metadata,
-                            overwrite=overwrite, progress=report)
+                            overwrite=overwrite, progress=report, base=base, storage_options=storage_options)
     finally:
         storage.close()
 
@@ -126,6 +136,7 @@ def async_save(
     overwrite: bool = False,
     staging_budget: int | None = None,
     progress: Callable[[int], None] | bool | None = None,
+    base: str | None = None,
 ) -> SaveHandle:
     """Save like ``save``, but return once this rank's share of the state is staged.
 
@@ -160,13 +171,17 @@ def async_save(
             (called from the upload thread; they add up to ``SaveResult.bytes_written``),
             True for a bar or periodic line on stderr (closed when the save ends), None
             (default) for nothing.
+        base: As in ``save``: an incremental save's base checkpoint (a committed sibling
+            under the same root). The digests are computed in the background from the staged
+            copies. Items are cut by ``staging_budget``, so shards match a base saved with the
+            same budget (or by ``save`` when the budget is None). Default None.
 
     Returns:
         SaveHandle: ``result()`` waits for the commit and returns the ``SaveResult``.
 
     Raises:
         CheckpointExistsError, IncompatibleStateDictError, CheckpointError: from the call,
-            as in ``save`` (also for a bad ``staging_budget`` or ``progress``).
+            as in ``save`` (also for a bad ``staging_budget``, ``progress`` or ``base``).
         StorageError, PeerError: from ``SaveHandle.result()``, as in ``save``.
 
     Example:
@@ -180,7 +195,7 @@ def async_save(
     try:
         handle = start_save(state_dict, uri, storage_options=storage_options, process_group=process_group,
                             compression=compression, metadata=metadata, overwrite=overwrite,
-                            staging_budget=staging_budget, progress=report)
+                            staging_budget=staging_budget, progress=report, base=base)
     except BaseException:
         if bar is not None:
             bar.close(failed=True)
@@ -548,10 +563,56 @@ def merge(
                out_storage_options=out_storage_options, process_group=process_group, progress=report)
 
 
+def copy(
+    uri: str,
+    out_uri: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    out_storage_options: dict[str, Any] | None = None,
+) -> None:
+    """Copy the streamckpt checkpoint at ``uri`` to ``out_uri`` as a self-contained checkpoint.
+
+    The files an incremental checkpoint references in sibling checkpoints are copied too
+    (under ``shared/<sibling>/`` in the copy) and the copy's manifest has no references, so
+    it loads after the original root is gone, from another bucket or store. Files are
+    streamed in blocks of about 8 MiB (bounded memory) and every checksum chunk is verified
+    as it passes; the manifest is written last, so a copy cut short is not committed.
+    One process (not collective).
+
+    Args:
+        uri: The checkpoint to copy (a streamckpt checkpoint, full or incremental).
+        out_uri: Where to write the copy: an fsspec URL or local path, not holding a
+            committed checkpoint.
+        storage_options: fsspec options for reading ``uri``. Default None: the environment's
+            credentials.
+        out_storage_options: fsspec options for writing ``out_uri``. Default None: the same
+            as ``storage_options``.
+
+    Returns:
+        None.
+
+    Raises:
+        CheckpointNotFoundError: no committed streamckpt checkpoint at ``uri``.
+        CheckpointExistsError: a committed checkpoint is at ``out_uri`` (delete it first).
+        CorruptCheckpointError: a bad manifest, or a source chunk failing its checksum twice.
+        StorageError: storage kept failing after retries.
+        CheckpointError: ``out_uri`` is ``uri``.
+
+    Example:
+        >>> import torch, streamckpt as sc
+        >>> _ = sc.save({"w": torch.ones(4)}, "/tmp/ckpt-doc-src", overwrite=True)
+        >>> import shutil; shutil.rmtree("/tmp/ckpt-doc-copy", ignore_errors=True)
+        >>> sc.copy("/tmp/ckpt-doc-src", "/tmp/ckpt-doc-copy")
+        >>> sc.load_full("/tmp/ckpt-doc-copy")["w"].tolist()
+        [1.0, 1.0, 1.0, 1.0]
+    """
+    copy_checkpoint(uri, out_uri, storage_options=storage_options, out_storage_options=out_storage_options)
+
+
 class CheckpointManager(Manager):
     __doc__ = Manager.__doc__
     _calls = Calls(save=save, async_save=async_save, load=load, load_state=load_state)
 
 
-__all__ = ["save", "async_save", "load", "load_full", "load_state", "inspect", "latest", "merge",
+__all__ = ["save", "async_save", "load", "load_full", "load_state", "inspect", "latest", "merge", "copy",
            "CheckpointManager", "Restored"]

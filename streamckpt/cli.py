@@ -1,4 +1,4 @@
-"""``streamckpt`` command line: inspect, latest, ls, prune, gc, verify, merge, load-bench, demo.
+"""``streamckpt`` command line: inspect, latest, ls, prune, gc, verify, merge, copy, load-bench, demo.
 
 Storage is reached as in the library: any fsspec URL, ``--endpoint-url`` and
 repeated ``--storage-option key=value`` (dotted keys nest, values are parsed as
@@ -231,6 +231,19 @@ def cmd_merge(args: argparse.Namespace) -> int:
           f"{res.seconds:.2f} s, {rate:.1f} MB/s")
     for f in res.files:
         print(f"  {f}")
+    return 0
+
+
+def cmd_copy(args: argparse.Namespace) -> int:
+    import time
+
+    from .manage.copying import copy_checkpoint
+
+    t0 = time.perf_counter()
+    out = copy_checkpoint(args.uri, args.out, storage_options=args.storage_options,
+                          out_storage_options=args.out_storage_options)
+    print(f"copied {args.uri} to {args.out}: {plural(len(out.files) + 1, 'file')}, {human(sum(out.files.values()))} "
+          f"of data (self-contained), {time.perf_counter() - t0:.2f} s")
     return 0
 
 
@@ -513,6 +526,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop tensors whose name ends with SUFFIX (repeatable)")
     s.add_argument("--memory-budget", type=parse_size, default=256 * 2**20, metavar="SIZE",
                    help="staging bytes (default 256MiB)")
+    s.add_argument("--out-storage-option", action="append", default=None, metavar="KEY=VALUE", type=key_value,
+                   help="storage option for OUT (repeatable; default: the same options as for URI)")
+
+    s = _command(sub, "copy", cmd_copy, "copy a checkpoint, self-contained (references materialized)",
+                 "Copy the streamckpt checkpoint at URI to OUT (another prefix, bucket or store) as a "
+                 "self-contained checkpoint: the files an incremental checkpoint shares with its siblings "
+                 "are copied too, every checksum is verified on the way, the manifest is written last.", both)
+    s.add_argument("uri", metavar="URI", help=URI_HELP)
+    s.add_argument("out", metavar="OUT", help="the copy's prefix (any URI, like URI); no committed checkpoint there")
     s.add_argument("--out-storage-option", action="append", default=None, metavar="KEY=VALUE", type=key_value,
                    help="storage option for OUT (repeatable; default: the same options as for URI)")
 

@@ -92,12 +92,15 @@ class SaveResult:
             (``data/00000-0000.safetensors``, ..., ``manifest.json`` on rank 0).
         seconds: Wall time from the call until the commit, on this rank.
         uri: The checkpoint's URI.
+        bytes_reused: Stored bytes of this rank's shards that an incremental save did not
+            upload because its base holds them (the manifest references them); 0 without a base.
     """
 
     bytes_written: int = 0
     files: list[str] = field(default_factory=list)
     seconds: float = 0.0
     uri: str = ""
+    bytes_reused: int = 0
 
 
 class DtypeName(str):

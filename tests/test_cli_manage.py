@@ -43,7 +43,7 @@ def test_ls_prune_gc(run: str, s3_opts: dict[str, Any], capsys: pytest.CaptureFi
                                                     ["40", "step-40"]]
     assert [ln.split("  ")[-1].strip() for ln in lines[1:]] == ["prune", "keep (every)", "keep (last)",
                                                                 "keep (last, every)"]
-    assert "64.7 KiB" in lines[1] and "loss=0.4" in lines[1]  # manifest and data file
+    assert "64.8 KiB" in lines[1] and "loss=0.4" in lines[1]  # manifest (with its digests) and data file
     status, out, _ = _main(capsys, "ls", run, *flags, "--json")
     found = json.loads(out)
     assert status == 0 and [(r["step"], r["files"], r["metrics"]) for r in found] == [

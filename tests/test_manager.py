@@ -62,8 +62,6 @@ def test_save_every_and_existing_step(s3_uri: str, s3_opts: dict[str, Any]) -> N
     assert torch.equal(back.state["model"]["w"], _state(4)["model"]["w"]) and back.state["step"] == 4
     with pytest.raises(sc.CheckpointError, match="metadata keys"):
         mgr.save(6, _state(6), metadata={"step": 1})
-    with pytest.raises(sc.CheckpointError, match="incremental"):
-        sc.CheckpointManager(s3_uri, incremental=True)
     with pytest.raises(sc.CheckpointError, match="keep_best"):
         sc.CheckpointManager(s3_uri, keep_best=("loss", "lowest", 2))
     mgr.close()

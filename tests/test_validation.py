@@ -92,7 +92,7 @@ def test_unknown_format_names_the_field() -> None:
             from_json(_enc(doc))
 
 
-@pytest.mark.parametrize("version", [2, 0, "1", None, 1.5])
+@pytest.mark.parametrize("version", [3, 0, "1", None, 1.5, True])
 def test_unknown_version_is_its_own_error(version: Any) -> None:
     doc = _doc()
     doc["version"] = version

@@ -19,7 +19,10 @@ from . import dtypes, tree as trees, values as vals
 from .regions import Box, flat_range_boxes, intersect
 
 FORMAT_NAME = "streamckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # a self-contained checkpoint
+REFERENCES_VERSION = 2  # a manifest whose shards may lie in sibling checkpoints (``bases``)
+SUPPORTED_VERSIONS = (FORMAT_VERSION, REFERENCES_VERSION)
+DIGEST_HEX = 32  # a shard's content digest: xxh3-128 of its raw bytes, lowercase hex
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20  # ~20M chunk checksums: a multi-TB checkpoint
 MAX_TENSOR_BYTES = 1 << 50  # 1 PiB: anything larger is a hostile shape
@@ -49,6 +52,7 @@ class Shard:
     chunk_size: int = 0
     crc32c: tuple[int, ...] | None = None
     frame_lengths: tuple[int, ...] | None = None
+    digest: str | None = None  # xxh3-128 of the raw (uncompressed) bytes; None: not recorded
 
     @property
     def box(self) -> Box:
@@ -99,6 +103,7 @@ class Manifest:
     version: int = FORMAT_VERSION
     tree: dict[str, Any] | None = None  # the saved state's structure (core.tree); None: a flat dict
     committed_ns: int | None = None  # when the save committed (ns since the epoch, the committing rank's clock)
+    bases: tuple[str, ...] = ()  # sibling checkpoints (names under the same root) whose files shards reference
 
     @property
     def tagged_values(self) -> bool:
@@ -115,13 +120,15 @@ class Manifest:
 
 
 def to_json(m: Manifest) -> bytes:
-    """Serialize a manifest as format v1 JSON (UTF-8, keys in stable order)."""
+    """Serialize a manifest as JSON (UTF-8, keys in stable order): format version 1, or 2
+    when it references files of sibling checkpoints (``bases``)."""
     doc = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": REFERENCES_VERSION if m.bases else FORMAT_VERSION,
         # first, so that ``latest`` finds it in a manifest's first bytes
         **({"committed_ns": m.committed_ns} if m.committed_ns is not None else {}),
         **({"kind": m.kind} if m.kind != FORMAT_NAME else {}),
+        **({"bases": list(m.bases)} if m.bases else {}),
         "files": {name: {"size": size} for name, size in m.files.items()},
         "tensors": {
             name: {
@@ -154,11 +161,14 @@ def _shard_doc(s: Shard) -> dict[str, Any]:
         doc["crc32c"] = list(s.crc32c)
     if s.frame_lengths is not None:
         doc["frame_lengths"] = list(s.frame_lengths)
+    if s.digest is not None:
+        doc["digest"] = s.digest
     return doc
 
 
 def from_json(data: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
-    """Parse and validate format v1 JSON; any defect is a ``CorruptCheckpointError``."""
+    """Parse and validate format v1 or v2 JSON; any defect is a ``CorruptCheckpointError``, a
+    version this streamckpt does not know an ``UnsupportedVersionError``."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{where}: {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
     if not data.strip():
@@ -173,11 +183,18 @@ def from_json(data: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
     if fmt != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: field 'format' is {fmt!r}, expected {FORMAT_NAME!r}")
     version = obj.get("version")
-    if type(version) is not int or version != FORMAT_VERSION:
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
         raise UnsupportedVersionError(
             f"{where}: format version {version!r} is not supported (this streamckpt reads "
-            f"version {FORMAT_VERSION}); upgrade streamckpt to read it"
+            f"versions {', '.join(map(str, SUPPORTED_VERSIONS))}); upgrade streamckpt to read it"
         )
+    raw_bases = obj.get("bases", [])
+    if not isinstance(raw_bases, list):
+        raise p.fail("bases", "must be a list of sibling checkpoint names")
+    bases = tuple(p.string(b, f"bases[{i}]") for i, b in enumerate(raw_bases))
+    if bases and version != REFERENCES_VERSION:
+        raise CorruptCheckpointError(f"{where}: field 'bases' needs format version {REFERENCES_VERSION}, "
+                                     f"the manifest says {version}")
     files = {
         p.string(name, f"files.{name}"): p.int_(p.mapping(v, f"files.{name}").get("size"), f"files.{name}.size")
         for name, v in p.mapping(obj.get("files"), "files").items()
@@ -197,7 +214,8 @@ def from_json(data: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
     if committed is not None:
         committed = p.int_(committed, "committed_ns")
     m = Manifest(tensors=tensors, files=files, values=values, metadata=metadata, kind=kind,
-                 tree=None if tree is None else p.mapping(tree, "tree"), committed_ns=committed)  # type: ignore[arg-type]
+                 tree=None if tree is None else p.mapping(tree, "tree"), committed_ns=committed,  # type: ignore[arg-type]
+                 bases=bases)
     if m.tagged_values:  # tuples, infinities and int-keyed dicts are tagged
         m.values = {k: vals.decode(v, where=f"{where}: values.{k}") for k, v in values.items()}
     validate(m, where=where)
@@ -261,6 +279,7 @@ class _Parser:
             flat = (flat_t[0], flat_t[1])
         crc = s.get("crc32c")
         frames = s.get("frame_lengths")
+        digest = s.get("digest")
         return Shard(
             offset=self.ints(s.get("offset"), f"{path}.offset", max_len=ndim),
             shape=self.ints(s.get("shape"), f"{path}.shape", max_len=ndim),
@@ -272,6 +291,7 @@ class _Parser:
             chunk_size=self.int_(s.get("chunk_size", 0), f"{path}.chunk_size"),
             crc32c=None if crc is None else self.ints(crc, f"{path}.crc32c"),
             frame_lengths=None if frames is None else self.ints(frames, f"{path}.frame_lengths"),
+            digest=None if digest is None else self.string(digest, f"{path}.digest"),
         )
 
 
@@ -297,10 +317,40 @@ def check_relative_name(name: str, *, where: str) -> None:
         )
 
 
+_DIGEST = re.compile(f"^[0-9a-f]{{{DIGEST_HEX}}}$")
+
+
+def split_reference(name: str) -> tuple[str, str] | None:
+    """``("step-1", "data/x")`` for a reference ``../step-1/data/x``; None for a file of the checkpoint itself."""
+    if not name.startswith("../"):
+        return None
+    sibling, _, rest = name[3:].partition("/")
+    return sibling, rest
+
+
+def check_file_name(name: str, bases: tuple[str, ...], *, where: str) -> None:
+    """A file is either inside the checkpoint, or (a reference) inside a sibling checkpoint
+    listed in ``bases``: ``../<sibling>/<plain relative path>``, one level, nothing further up."""
+    ref = split_reference(name)
+    if ref is None:
+        check_relative_name(name, where=where)
+        return
+    sibling, rest = ref
+    if sibling not in bases:
+        raise CorruptCheckpointError(
+            f"{where}: file {name!r} references {sibling!r}, which is not a sibling checkpoint listed in 'bases' "
+            f"({list(bases)}); a referenced file must lie in a listed sibling under the same root")
+    check_relative_name(rest, where=f"{where}: file {name!r} in sibling {sibling!r}")
+
+
 def validate(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
     """Check every invariant of docs/FORMAT.md; raise ``CorruptCheckpointError`` on the first defect."""
+    for b in m.bases:
+        if "/" in b:
+            raise CorruptCheckpointError(f"{where}: base {b!r} is not one sibling name (it has a '/')")
+        check_relative_name(b, where=f"{where}: bases")
     for name, size in m.files.items():
-        check_relative_name(name, where=where)
+        check_file_name(name, m.bases, where=where)
     for key, t in m.tensors.items():
         _validate_tensor(m, key, t, where)
     if m.tree is not None:
@@ -359,7 +409,9 @@ def check_tiling(shape: tuple[int, ...], regions: list[tuple[Box, tuple[int, int
 def _validate_bytes(m: Manifest, s: Shard, raw: int, sp: str, where: str) -> None:
     if s.codec not in CODECS:
         raise CorruptCheckpointError(f"{where}: {sp}.codec {s.codec!r} unknown (known: {', '.join(CODECS)})")
-    check_relative_name(s.file, where=f"{where}: {sp}.file")
+    check_file_name(s.file, m.bases, where=f"{where}: {sp}.file")
+    if s.digest is not None and not _DIGEST.match(s.digest):
+        raise CorruptCheckpointError(f"{where}: {sp}.digest {s.digest[:40]!r} is not {DIGEST_HEX} lowercase hex digits")
     if s.file not in m.files:
         raise CorruptCheckpointError(f"{where}: {sp}.file {s.file!r} is not listed in 'files'")
     size = m.files[s.file]

@@ -48,6 +48,16 @@ class Entry:
     def size(self) -> int:
         return sum(self.objects.values())
 
+    @property
+    def own_bytes(self) -> int:
+        """Bytes stored under the checkpoint's own prefix (its manifest and the data it uploaded)."""
+        return sum(n for name, n in self.objects.items() if name.startswith(self.name + "/"))
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of the files it references in sibling checkpoints (an incremental save's base)."""
+        return self.size - self.own_bytes
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "step": self.step, "committed_ns": self.committed_ns, "metrics": self.metrics,
                 "objects": self.objects, "error": self.error, "modified_ns": self.modified_ns}

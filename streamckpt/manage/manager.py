@@ -84,13 +84,15 @@ class Manager:
             None: for every step.
         async_save: Save with ``sc.async_save`` (``save`` returns its ``SaveHandle``).
             Default False: ``sc.save``.
-        incremental: Reserved for incremental saves (not implemented yet). Default False;
-            True raises ``CheckpointError``.
+        incremental: Save each step incrementally (``sc.save(..., base=...)``) against the
+            newest committed checkpoint under the root: shards equal to its are referenced,
+            not uploaded again. Prune and ``collect_garbage`` keep an object while any
+            committed checkpoint references it. Default False: every save is self-contained.
         name: The child name of a step, a format string with ``{step}`` and no ``/``.
             Default ``"step-{step}"``.
 
     Raises:
-        CheckpointError: a bad argument (a rule, ``save_every``, ``name``, ``incremental=True``).
+        CheckpointError: a bad argument (a rule, ``save_every``, ``name``).
     """
 
     _calls: Calls | None = None
@@ -99,9 +101,6 @@ class Manager:
                  keep_last: int | None = None, keep_every: int | None = None,
                  keep_best: tuple[str, str, int] | None = None, save_every: int | None = None,
                  async_save: bool = False, incremental: bool = False, name: str = "step-{step}") -> None:
-        if incremental:
-            raise CheckpointError("incremental=True: incremental saves are not implemented yet; "
-                                  "pass incremental=False (the default)")
         if save_every is not None and (not isinstance(save_every, int) or isinstance(save_every, bool)
                                        or save_every < 1):
             raise CheckpointError(f"save_every must be a positive int or None, got {save_every!r}")
@@ -112,6 +111,7 @@ class Manager:
         self.policy = Policy(keep_last, keep_every, keep_best)
         self.save_every = save_every
         self.async_save = bool(async_save)
+        self.incremental = bool(incremental)
         self.name = name
         self._comm = make_comm(process_group)
         self._index = Index()
@@ -193,7 +193,8 @@ class Manager:
                 Default None: none.
             force: Replace a committed checkpoint of ``step``. Default False: refuse it.
             save_kwargs: More arguments of ``sc.save`` / ``sc.async_save`` (``compression``,
-                ``metadata``, ``progress``, ``staging_budget``); not ``overwrite`` (``force``).
+                ``metadata``, ``progress``, ``staging_budget``, ``base``: with ``incremental``, the
+                newest committed checkpoint unless given); not ``overwrite`` (``force``).
 
         Returns:
             SaveResult | SaveHandle: ``sc.save``'s result, or ``sc.async_save``'s handle when
@@ -201,7 +202,9 @@ class Manager:
 
         Raises:
             CheckpointExistsError: a committed checkpoint of ``step`` exists and ``force`` is False.
-            CheckpointError: a bad argument, or the errors ``sc.save`` raises.
+            CheckpointError: a bad argument; a step whose prefix holds bytes that other
+                committed (incremental) checkpoints reference (writing there would break
+                them); or the errors ``sc.save`` raises.
         """
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -216,10 +219,19 @@ class Manager:
         metadata[METRICS_KEY] = _plain_metrics(metrics)
         self.wait()  # one save in flight: the previous one (and its retention) ends first
         existing = None if force else on_one_rank(self._comm, lambda: self._committed_name(step))
+        users = on_one_rank(self._comm, lambda: self._users_of(step))
+        if users:
+            raise CheckpointError(
+                f"step {step} ({self.uri(step)}) holds bytes that incremental checkpoints {', '.join(users[:5])} "
+                f"reference: replacing it would break them; delete those first (or sc.copy them out), or save "
+                f"under another step")
         if existing is not None:
             raise CheckpointExistsError(f"step {step} is already committed under {self.root} ({self.root}/{existing}): "
                                         f"pass force=True to replace it")
         calls = self._bound()
+        if self.incremental and "base" not in save_kwargs:
+            newest = on_one_rank(self._comm, lambda: self._base_name(step))
+            save_kwargs["base"] = None if newest is None else f"{self.root}/{newest}"
         kwargs = dict(storage_options=self.storage_options, process_group=self.process_group,
                       metadata=metadata, overwrite=force, **save_kwargs)
         if not self.async_save:
@@ -248,6 +260,20 @@ class Manager:
             if after is not None:
                 after.result()
             self._after = None
+
+    def _users_of(self, step: int) -> list[str]:
+        """The other committed checkpoints that reference objects under ``step``'s prefix (a
+        pruned base's shared files included), from the last listing."""
+        own = self.name.format(step=step) + "/"
+        known = self._known if self._known is not None else self._list_here()
+        return [e.name for e in known.entries
+                if not e.name + "/" == own and any(o.startswith(own) for o in e.objects)]
+
+    def _base_name(self, step: int) -> str | None:
+        """An incremental save's base: the newest committed checkpoint other than ``step``'s own."""
+        own = self.name.format(step=step)
+        found = [e.name for e in self._list_here().managed() if e.name != own]
+        return found[-1] if found else None
 
     def _committed_name(self, step: int) -> str | None:
         """The child holding ``step``, from the last listing (listing once, on a manager's first save)."""
@@ -451,11 +477,15 @@ class Manager:
             if dry_run or not doomed:
                 return uris
             storage = self._store()
+            gone: set[str] = set()
             for e in doomed:
-                keep = {n for other in listing.entries if other.name != e.name for n in other.objects}
+                alive = [other for other in listing.entries if other.name != e.name and other.name not in gone]
+                keep = {n for other in alive for n in other.objects}
                 names = [n for n in listing.objects if n.startswith(e.name + "/")]
+                names += _orphaned_references(e, {other.name for other in alive}, listing)
                 self._index.forget(e.name)
                 delete_checkpoint(storage, e.name, names=names, keep=keep)
+                gone.add(e.name)
             log.info("pruned %d checkpoint(s) under %s: %s", len(doomed), self.root, ", ".join(e.name for e in doomed))
             self._known = Listing([e for e in listing.entries if e not in doomed], listing.objects)
             return uris
@@ -547,6 +577,14 @@ class Manager:
         raise CheckpointNotFoundError(
             f"no committed checkpoint of step {step} under {self.root} "
             f"(committed steps: {', '.join(map(str, steps[-10:])) or 'none'})")
+
+
+def _orphaned_references(entry: Entry, alive: set[str], listing: Listing) -> list[str]:
+    """The files ``entry`` references in siblings that are no longer committed (pruned
+    before it, their shared files kept for it): deleting ``entry`` deletes them too, unless
+    a kept checkpoint references them (``delete_checkpoint``'s ``keep``)."""
+    return [n for n in entry.objects if not n.startswith(entry.name + "/") and n in listing.objects
+            and n.partition("/")[0] not in alive]
 
 
 def _candidates(listing: Listing) -> list[Entry]:

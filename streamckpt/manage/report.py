@@ -12,7 +12,9 @@ from .retention import Policy
 
 def rows(entries: Sequence[Entry], policy: Policy | None = None) -> list[dict[str, Any]]:
     """One dict per checkpoint, by step (the manager's, then the others by name): ``name``,
-    ``step``, ``committed`` (UTC, ISO 8601), ``bytes``, ``files``, ``metrics``, ``error`` and,
+    ``step``, ``committed`` (UTC, ISO 8601), ``bytes`` (all it reads), ``own_bytes`` (stored under
+    its prefix), ``shared_bytes`` (in files of sibling checkpoints it references), ``files``,
+    ``metrics``, ``error`` and,
     with a ``policy``, ``keep`` (the rules that keep it; empty: pruned; None: never pruned)."""
     managed = [e for e in entries if e.step is not None and e.error is None]
     reasons = policy.reasons(managed) if policy is not None else {}
@@ -23,7 +25,8 @@ def rows(entries: Sequence[Entry], policy: Policy | None = None) -> list[dict[st
         row: dict[str, Any] = {
             "name": e.name, "step": e.step,
             "committed": dt.datetime.fromtimestamp(e.committed_ns / 1e9, dt.timezone.utc).isoformat(timespec="seconds"),
-            "bytes": e.size, "files": len(e.objects), "metrics": e.metrics, "error": e.error,
+            "bytes": e.size, "own_bytes": e.own_bytes, "shared_bytes": e.shared_bytes, "files": len(e.objects),
+            "metrics": e.metrics, "error": e.error,
         }
         if policy is not None:
             row["keep"] = reasons.get(e.step) if e in managed else None  # type: ignore[arg-type]
@@ -34,13 +37,16 @@ def rows(entries: Sequence[Entry], policy: Policy | None = None) -> list[dict[st
 def table(found: Sequence[dict[str, Any]]) -> str:
     """The rows as aligned text (sizes human-readable, one line each)."""
     has_keep = any("keep" in r for r in found)
-    head = ["step", "name", "committed (UTC)", "size", "files", "metrics"] + (["policy"] if has_keep else [])
+    shares = any(r.get("shared_bytes") for r in found)  # incremental checkpoints: own and shared bytes too
+    head = ["step", "name", "committed (UTC)", "size"] + (["own", "shared"] if shares else []) + \
+        ["files", "metrics"] + (["policy"] if has_keep else [])
     lines = [head]
     for r in found:
         metrics = ", ".join(f"{k}={_short(v)}" for k, v in r["metrics"].items()) if r["error"] is None else \
             f"unreadable: {abbreviate(r['error'], 50)}"
-        line = ["-" if r["step"] is None else str(r["step"]), r["name"], r["committed"].replace("+00:00", ""),
-                human_bytes(r["bytes"]), str(r["files"]), metrics]
+        sizes = [r["bytes"]] + ([r["own_bytes"], r["shared_bytes"]] if shares else [])
+        line = ["-" if r["step"] is None else str(r["step"]), r["name"], r["committed"].replace("+00:00", "")] + \
+            [human_bytes(n) for n in sizes] + [str(r["files"]), metrics]
         if has_keep:
             keep = r.get("keep")
             line.append("never pruned" if keep is None else "keep (" + ", ".join(keep) + ")" if keep else "prune")

@@ -256,6 +256,7 @@ def start_save(
     staging_budget: int | None = None,
     cuda: CudaApi | None = None,
     progress: Callable[[int], None] | None = None,
+    base: str | None = None,
 ) -> SaveHandle:
     """What ``sc.async_save`` runs (its doc says what each argument does), with the CUDA runtime
     named (``cuda``: a test's stand-in; None: torch's). ``progress``: a callable, called from
@@ -272,7 +273,8 @@ def start_save(
     try:
         max_item = None if staging_budget is None else max(1 << 20, staging_budget // 4)
         prep = prepare(session.comm, storage, state_dict, compression=compression, metadata=metadata,
-                       overwrite=overwrite, max_item_bytes=max_item, cuda=cuda)
+                       overwrite=overwrite, max_item_bytes=max_item, cuda=cuda, base=base,
+                       storage_options=storage_options)
     except BaseException:
         storage.close()
         raise

@@ -31,6 +31,7 @@ from ..results import SaveResult
 from ..storage import Storage
 from ..storage.uploads import delete_written
 from . import writeplan
+from .incremental import BaseShards, read_base, split
 from .writer import DEFAULT_CHUNK_SIZE, ShardToWrite, UploadShape, write_data_files
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class Prepared:
     compression: str | None
     upload: UploadShape
     started: float = field(default_factory=time.perf_counter)
+    base: BaseShards | None = None  # an incremental save's base: shards equal to its are referenced
 
 
 def prepare(
@@ -104,12 +106,16 @@ def prepare(
     overwrite: bool,
     max_item_bytes: int | None = None,
     cuda: CudaApi | None = None,
+    base: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Prepared:
     """Validate, gather every rank's specs and assign writers; raises the agreed error on every rank.
 
     Items larger than a data file (``UploadShape.object_bytes``) or ``max_item_bytes`` are cut
     into pieces (row blocks or flat ranges), so that each fits one upload buffer (and a
-    bounded staging buffer). ``cuda``: the CUDA runtime (a test's stand-in).
+    bounded staging buffer). ``cuda``: the CUDA runtime (a test's stand-in). ``base``: an
+    incremental save's base checkpoint (rank 0 reads its manifest, every rank gets it);
+    ``storage_options``: the base's (the save's own).
     """
     t0 = time.perf_counter()
     own: BaseException | None = None
@@ -118,6 +124,7 @@ def prepare(
     local: list[LocalTarget] = []
     values: dict[str, Any] = {}
     tree: dict[str, Any] = {}
+    base_doc = b""
     try:
         if storage.entry is not None:
             raise CheckpointError(
@@ -148,6 +155,8 @@ def prepare(
                         f"pass overwrite=True to replace it"
                     )
                 storage.delete(mf.MANIFEST_NAME)  # uncommit first: old data files are about to change
+            if base is not None:
+                base_doc = read_base(storage.uri, str(base), storage_options)
     except CheckpointError as e:
         own = e
     all_specs = gather_targets(comm, specs, own)  # compact: distinct layouts travel once
@@ -162,7 +171,10 @@ def prepare(
     except CheckpointError as e:
         own = e
     comm.agree(own)
-    return Prepared(all_specs, items, local, values, tree, metadata or {}, compression, upload, t0)
+    shards = None
+    if base is not None:
+        shards = BaseShards.parse(comm.broadcast_bytes(base_doc if comm.rank == 0 else None), storage.uri, str(base))
+    return Prepared(all_specs, items, local, values, tree, metadata or {}, compression, upload, t0, shards)
 
 
 def write_and_commit(
@@ -182,23 +194,35 @@ def write_and_commit(
     result = SaveResult(uri=storage.describe(""))
     records: list[tuple[str, mf.Shard]] = []
     files: dict[str, int] = {}
+    refs: dict[str, int] = {}
+    upload = list(range(len(mine)))
 
     def written(i: int) -> None:
         if on_written is not None:
-            on_written(i)
+            on_written(upload[i])
         _check_cancelled(cancelled)
 
     try:
-        if mine:
-            records, files = write_data_files(
-                storage, lambda i: _data_name(comm.rank, i, prep.compression), mine, compression=prep.compression,
-                shape=prep.upload, chunk_size=chunk_size, on_written=written, cuda=cuda, progress=progress)
+        if prep.base is not None:
+            upload, reused = split(mine, prep.base, prep.compression)
+            for i, key, shard in reused:
+                records.append((key, shard))
+                refs[shard.file] = prep.base.sizes[shard.file]
+                result.bytes_reused += shard.byte_length
+                if on_written is not None:
+                    on_written(i)
+        if upload:
+            new, files = write_data_files(
+                storage, lambda i: _data_name(comm.rank, i, prep.compression), [mine[i] for i in upload],
+                compression=prep.compression, shape=prep.upload, chunk_size=chunk_size, on_written=written,
+                cuda=cuda, progress=progress)
+            records += new
             result.files.extend(files)
             result.bytes_written += sum(files.values())
         _check_cancelled(cancelled)
     except CheckpointError as e:
         own = e
-    doc = {"files": files, "records": [[k, json.loads(json.dumps(mf._shard_doc(s)))] for k, s in records],
+    doc = {"files": {**files, **refs}, "records": [[k, json.loads(json.dumps(mf._shard_doc(s)))] for k, s in records],
            "tree": prep.tree if comm.rank != 0 and prep.tree else None}
     try:
         per_rank = _gather_json(comm, doc, own)
@@ -241,9 +265,11 @@ def run_save(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     cuda: CudaApi | None = None,
     progress: Callable[[int], None] | None = None,
+    base: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> SaveResult:
     prep = prepare(comm, storage, state_dict, compression=compression, metadata=metadata, overwrite=overwrite,
-                   cuda=cuda)
+                   cuda=cuda, base=base, storage_options=storage_options)
     mine = to_write(prep.items, prep.local)
     return write_and_commit(comm, storage, prep, mine, chunk_size=chunk_size, cuda=cuda, progress=progress)
 
@@ -267,8 +293,9 @@ def _assemble(
         k: mf.TensorMeta(dtype=dt, shape=shape, shards=tuple(sorted(shards[k], key=lambda s: (s.offset, s.flat_range or (0, 0)))))
         for k, (shape, dt) in shapes.items()
     }
+    bases = sorted({ref[0] for ref in map(mf.split_reference, files) if ref is not None})
     manifest = mf.Manifest(tensors=tensors, files=files, values=values, metadata=metadata, tree=tree,
-                           committed_ns=time.time_ns())
+                           committed_ns=time.time_ns(), bases=tuple(bases))
     try:
         mf.validate(manifest, where=f"save to {storage.describe('')}")
     except CorruptCheckpointError as e:

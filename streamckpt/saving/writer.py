@@ -1,4 +1,5 @@
-"""Writing one rank's data files: shards copied into upload buffers with a CRC32C per chunk.
+"""Writing one rank's data files: shards copied into upload buffers with a CRC32C per chunk
+and an xxh3-128 digest of each shard's raw bytes (the same pass).
 
 ``write_data_files`` (what ``save`` uses) packs the shards into files of about
 ``UploadShape.object_bytes``, each one PUT, several in flight; ``write_data_file`` streams
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
+import xxhash
 import zstandard
 
 from ..core import dtypes
@@ -178,8 +180,10 @@ class _Encoder:
         chunk = self.chunk_of(it)
         crcs: list[int] = []
         frames: list[int] = []
+        digest = xxhash.xxh3_128()  # of the raw bytes, in the same pass (incremental saves compare them)
         for span in self.host.spans(index):  # spans hold whole chunks (the last may end short)
             mv = memoryview(span.numpy())
+            digest.update(mv)
             if cctx is None:  # one copy per span; the checksums read the same memory chunk by chunk
                 crcs += [crc32c(mv[lo:lo + chunk]) for lo in range(0, len(mv), chunk)]
                 sink.write(mv)
@@ -195,7 +199,7 @@ class _Encoder:
             byte_offset=start, byte_length=sink.bytes_written - start,
             flat_range=spec.flat_range, codec="zstd" if cctx else "raw",
             chunk_size=chunk, crc32c=tuple(crcs),
-            frame_lengths=tuple(frames) if cctx else None,
+            frame_lengths=tuple(frames) if cctx else None, digest=digest.hexdigest(),
         )
 
 

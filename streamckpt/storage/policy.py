@@ -156,6 +156,9 @@ class Describer:
         self.store = store  # whose words the hints use: "s3" (also gs://, ...) or "azure"
 
     def name(self, name: str) -> str:
+        if name.startswith("../"):  # a file of a sibling checkpoint (an incremental checkpoint's reference)
+            parent = self.public_uri.rstrip("/").rpartition("/")[0]
+            return f"{parent}/{name[3:]}"
         return f"{self.public_uri.rstrip('/')}/{name}"
 
     def scrub(self, text: str) -> str:
@@ -188,3 +191,15 @@ def not_found_message(describe: Describer, name: str, exc: NotFound, doing: str 
         return f"{exc.kind} {exc.bucket!r} does not exist ({doing} {describe.name(name)}): {fix}"
     return f"{describe.name(name)} does not exist"
 
+
+def sibling_path(root: str, name: str, describe: Describer) -> str:
+    """The store path of ``../<sibling>/<rest>`` (a file of a sibling checkpoint) seen from the
+    checkpoint at ``root``: ``<parent of root>/<sibling>/<rest>``. The manifest was validated
+    (one level up, then plain names); a checkpoint with no parent inside its bucket or
+    directory (a bucket's root) has no siblings, and such a name is refused."""
+    parent, sep, _ = root.rstrip("/").rpartition("/")
+    if not sep or not parent or parent.endswith(":/") or parent.endswith(":"):
+        raise CorruptCheckpointError(
+            f"{describe.name('')}: file {name!r} references a sibling checkpoint, but this checkpoint is at the top "
+            f"of its bucket or store and has no siblings; the manifest is damaged or hostile")
+    return f"{parent}/{name[3:]}"

@@ -26,7 +26,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from .backend import Backend, Fetched, NotFound, RangeNotSatisfiable, TooLarge, Transient, WorkerThreads
 from .gate import Gate
 from .policy import (Attempts, ChecksumMismatch, Describer, Mismatches, RetryPolicy, mismatch_attempts, not_found_message,
-                     retryable)
+                     retryable, sibling_path)
 
 T = TypeVar("T")
 MIN_PIECE = 4 << 20  # a batch is never cut into requests smaller than this (``Reader.piece_for``)
@@ -131,7 +131,8 @@ class Reader:
     verify_threads: WorkerThreads = field(default_factory=lambda: WorkerThreads(2, "streamckpt-crc"))
 
     def path(self, name: str) -> str:
-        return f"{self.root}/{name}" if name else self.root
+        return sibling_path(self.root, name, self.describe) if name.startswith("../") else (
+            f"{self.root}/{name}" if name else self.root)
 
     # ----------------------------------------------------------- small calls
 
