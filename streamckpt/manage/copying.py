@@ -4,8 +4,9 @@ Every file the manifest lists is copied, the files an incremental checkpoint ref
 sibling checkpoints included (renamed ``shared/<sibling>/...`` in the copy), then the
 manifest, rewritten without references (format version 1), is written last: the copy
 commits like a save. Each file is streamed in blocks of about ``BLOCK`` bytes cut at
-checksum-chunk boundaries, and every chunk's CRC32C is checked as it passes (a mismatch is
-read again; the same wrong bytes twice are a ``CorruptCheckpointError``), so memory stays
+checksum-chunk boundaries, and every chunk's CRC32C is checked as it passes, by the read
+policy loads use (``Storage.read_into``: a mismatch is fetched again, the same wrong
+content again is a ``CorruptCheckpointError``), so memory stays
 bounded and the copy never holds bytes its source's checksums reject.
 """
 
@@ -17,9 +18,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..core import manifest as mf
-from ..core.checksum import crc32c
-from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
-from ..storage import Storage
+from ..errors import CheckpointError, CheckpointExistsError
+from ..storage import RangeRead, Storage
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +63,14 @@ def _blocks(size: int, chunks: list[_Chunk]) -> list[tuple[int, int, list[_Chunk
     return out
 
 
-def _verified(src: Storage, name: str, start: int, stop: int, chunks: list[_Chunk]) -> bytes:
-    """Bytes ``[start, stop)`` of ``name`` whose chunks match their CRC32Cs (read again once on a mismatch)."""
-    for attempt in (1, 2):
-        data = src.read_bytes(name, start, stop)
-        view = memoryview(data)
-        bad = next((c for c in chunks if crc32c(view[c.start - start:c.stop - start]) != c.crc), None)
-        if bad is None:
-            return data
-        log.warning("copy: %s bytes [%d, %d) failed their CRC32C (attempt %d)", src.describe(name), bad.start,
-                    bad.stop, attempt)
-        if attempt == 2:
-            raise CorruptCheckpointError(
-                f"{src.describe(name)}: bytes [{bad.start}, {bad.stop}) fail their CRC32C twice: the stored object "
-                f"is corrupt; nothing was committed at the copy's destination")
-    raise AssertionError("unreachable")
+def _verified(src: Storage, name: str, start: int, stop: int, chunks: list[_Chunk]) -> bytearray:
+    """Bytes ``[start, stop)`` of ``name``, each chunk checked against its CRC32C by the read
+    policy every load uses (a mismatch is fetched again; the same wrong content again is a
+    ``CorruptCheckpointError`` naming the object and range)."""
+    buf = bytearray(stop - start)
+    checks = tuple((c.start - start, c.stop - c.start, c.crc) for c in chunks)
+    src.read_into([RangeRead(name, start, stop, checks)], [memoryview(buf)]).result()
+    return buf
 
 
 def _copy_name(name: str) -> str:
@@ -92,7 +85,7 @@ def copy_checkpoint(uri: str, out_uri: str, *, storage_options: dict[str, Any] |
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``uri``.
         CheckpointExistsError: a committed checkpoint is at ``out_uri``.
-        CorruptCheckpointError: a source byte fails its checksum twice, or a bad manifest.
+        CorruptCheckpointError: a source chunk fails its checksum again when fetched again, or a bad manifest.
         StorageError: storage kept failing after retries.
     """
     t0 = time.perf_counter()
