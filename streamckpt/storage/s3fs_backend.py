@@ -53,6 +53,25 @@ class S3fsBackend(FsspecBackend):
         bucket, key, _ = self.fs.split_path(path)
         return await classified(path, self.fs._call_s3(method, Bucket=bucket, Key=key, **kwargs), self.request_timeout)
 
+    async def open_uploads(self, path: str) -> list[tuple[str, str, float | None]]:
+        """``(bucket/key, upload id, initiated POSIX seconds)`` of every incomplete multipart
+        upload under the prefix ``path`` (ListMultipartUploads, page by page)."""
+        bucket, prefix, _ = self.fs.split_path(path)
+        out: list[tuple[str, str, float | None]] = []
+        args: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+        while True:
+            resp = await classified(path, self.fs._call_s3("list_multipart_uploads", **args), self.request_timeout)
+            for up in resp.get("Uploads", []):
+                when = up.get("Initiated")
+                out.append((f"{bucket}/{up['Key']}", up["UploadId"], when.timestamp() if when is not None else None))
+            if not resp.get("IsTruncated"):
+                return out
+            args.update(KeyMarker=resp.get("NextKeyMarker", ""), UploadIdMarker=resp.get("NextUploadIdMarker", ""))
+
+    async def abort_upload(self, path: str, upload_id: str) -> None:
+        """Abort one incomplete multipart upload of the object ``path``."""
+        await self.call_s3(path, "abort_multipart_upload", UploadId=upload_id)
+
     async def delete_one(self, path: str) -> None:
         """One DeleteObject (s3fs's ``rm`` posts a bulk delete, which some S3 servers lack)."""
         await self.call_s3(path, "delete_object")

@@ -191,12 +191,10 @@ class Storage:
 
     async def _abort_uploads(self, path: str) -> None:
         """Abort the unfinished multipart uploads of one key (obstore cannot)."""
-        fs = self._s3fs().fs
-        bucket, _, key = path.partition("/")
-        resp = await fs._call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
-        for up in resp.get("Uploads", []):
-            if up.get("Key") == key:
-                await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=up["UploadId"])
+        s3 = self._s3fs()
+        for name, upload_id, _ in await s3.open_uploads(path):
+            if name == path:
+                await s3.abort_upload(path, upload_id)
 
     @property
     def fs(self) -> Any:
@@ -360,31 +358,14 @@ class Storage:
         lists them; elsewhere an empty list, see docs/RELIABILITY.md)."""
         if self._protocol not in _S3_PROTOCOLS:
             return []
-        fs = self._s3fs().fs
-        bucket, _, key = self.path(prefix).partition("/")
-
-        async def every() -> "builtins.list[OpenUpload]":
-            out: builtins.list[OpenUpload] = []
-            args: dict[str, Any] = {"Bucket": bucket, "Prefix": key}
-            while True:
-                resp = await fs._call_s3("list_multipart_uploads", **args)
-                for up in resp.get("Uploads", []):
-                    when = up.get("Initiated")
-                    out.append(OpenUpload(posixpath.relpath(f"{bucket}/{up['Key']}", self.root), up["UploadId"],
-                                          when.timestamp() if when is not None else None))
-                if not resp.get("IsTruncated"):
-                    return out
-                args.update(KeyMarker=resp.get("NextKeyMarker", ""),
-                            UploadIdMarker=resp.get("NextUploadIdMarker", ""))
-
-        return self._call(f"listing the open uploads under {self.describe(prefix)}", lambda: every())
+        found = self._call(f"listing the open uploads under {self.describe(prefix)}", self._s3fs().open_uploads,
+                           self.path(prefix))
+        return [OpenUpload(posixpath.relpath(name, self.root), upload_id, when) for name, upload_id, when in found]
 
     def abort_upload(self, upload: OpenUpload) -> None:
         """Abort one incomplete multipart upload (its parts stop being stored and billed)."""
-        fs = self._s3fs().fs
-        bucket, _, key = self.path(upload.name).partition("/")
-        self._call(f"aborting the upload of {self.describe(upload.name)}",
-                   lambda: fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id))
+        self._call(f"aborting the upload of {self.describe(upload.name)}", self._s3fs().abort_upload,
+                   self.path(upload.name), upload.upload_id)
 
     def read_bytes(self, name: str, start: int | None = None, stop: int | None = None, *,
                    max_bytes: int | None = None) -> bytes:
