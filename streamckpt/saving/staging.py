@@ -11,10 +11,11 @@ share (``size``) and kept for the next save whose share fits it: a training loop
 every N steps pays the block's page faults once (here: 0.05 s instead of 0.17 s to stage
 242 MiB). On the CPU the block is an anonymous mapping left to the kernel's default pages.
 It asked for transparent huge pages (``MADV_HUGEPAGE``) until December 2026: on this
-project's VMs (virtio-balloon free page reporting) a fresh 2 MiB block is one the host
-took back, and first-touching it cost 2.7-3.4 CPU-s per GiB against 0.5 for 4 KiB pages,
-which made the first ``async_save`` of 1 GiB block for ~1 s (0.27 s for DCP, whose staging
-uses default pages too); the loads' targets dropped the advice for the same reason.
+project's VMs (virtio-balloon free page reporting) a free 2 MiB block is mostly one the
+host has taken back, and first-touching it cost 2.7-3.4 CPU-s per GiB against ~0.5 for
+default pages; a fresh process's ``async_save`` of 1 GiB blocked 6.7 s against DCP's 2.1 s
+(after: 1.05 s; BENCHMARKS.md). DCP's staging uses default pages too, and the loads'
+targets dropped the advice for the same reason.
 
 For CUDA tensors the block is page-locked at exactly its size (``CudaApi.pin``: torch's
 pinned allocator would round it up to a power of two and cache it after use: a 17 GB
