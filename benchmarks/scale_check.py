@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -314,19 +315,20 @@ def summarize(case: CheckCase, pred: sm.Prediction, reports: list[dict[str, Any]
         busy.append(cpu.busy(start, end))
         own_cpu.append(sum(x["cpu_seconds"] for x in rs) / ((end - start) * ncpu))
     med = statistics.median(walls)
-    # before the first byte lands (manifest, specs, plan, arenas) and after the last (final barrier)
-    startup = [max(r["reps"][i]["first_progress_s"] or 0.0 for r in reports) for i in range(reps)]
+    # when the slowest rank's progress callback first fired (after its first bytes were placed;
+    # reads that land straight in their targets report only at the end) and what followed its last
+    first_progress = [max(r["reps"][i]["first_progress_s"] or 0.0 for r in reports) for i in range(reps)]
     tail = [max(x["seconds"] for x in rs) - max(x["last_progress_s"] or 0.0 for x in rs)
             for rs in ([r["reps"][i] for r in reports] for i in range(reps))]
-    first = [r["reps"][-1] for r in reports]
+    last = [r["reps"][-1] for r in reports]
     return {
         "case": case.key, "title": case.title, "ranks": case.ranks, "nodes": case.nodes, "read_once": case.read_once,
         "predicted_s": pred.seconds, "bottleneck": pred.bottleneck, "terms": pred.terms, "rounds": pred.rounds,
         "predicted_fetched_MB": pred.fetched_GB * 1e3, "measured_s": walls, "median_s": med,
         "ratio": med / pred.seconds if pred.seconds else float("nan"),
-        "measured_read_MB": sum(x["bytes_read"] for x in first) / 1e6,
-        "requests": sum(x["requests"] for x in first), "predicted_requests": pred.requests,
-        "startup_s": startup, "tail_s": tail, "machine_busy": busy, "ranks_cpu_share": own_cpu,
+        "measured_read_MB": sum(x["bytes_read"] for x in last) / 1e6,
+        "requests": sum(x["requests"] for x in last), "predicted_requests": pred.requests,
+        "first_progress_s": first_progress, "tail_s": tail, "machine_busy": busy, "ranks_cpu_share": own_cpu,
         "elements_checked": sum(r["elements_checked"] for r in reports),
     }
 
@@ -366,6 +368,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="where to write the measured parameter file")
     ap.add_argument("--json", type=Path, help="write every figure here too")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the namespaces are removed on the way out
     why = netns.available()
     if why:
         raise SystemExit(f"scale_check needs network namespaces: {why}")
