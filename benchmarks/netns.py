@@ -93,7 +93,7 @@ def shape(ns: str, dev: str, link: Link) -> None:
     if link.mbit is None:
         return
     rate = link.mbit * 1e6 / 8
-    burst = max(32 << 10, int(rate / 250))  # >= rate / HZ (250 here), so the bucket can reach its rate
+    burst = max(32 << 10, int(rate / 250))  # >= rate / HZ for HZ >= 250, so the bucket can reach its rate
     _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
           f"{link.mbit:g}mbit", "burst", str(burst), "latency", "20ms"])
 
