@@ -31,7 +31,7 @@ from ..results import SaveResult
 from ..storage import Storage
 from ..storage.uploads import delete_written
 from . import writeplan
-from .incremental import BaseShards, read_base, split
+from .incremental import BaseShards, check_unreferenced, read_base, split
 from .writer import DEFAULT_CHUNK_SIZE, ShardToWrite, UploadShape, write_data_files
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ def prepare(
     values: dict[str, Any] = {}
     tree: dict[str, Any] = {}
     base_doc = b""
+    base_manifest: mf.Manifest | None = None
     try:
         if storage.entry is not None:
             raise CheckpointError(
@@ -154,9 +155,10 @@ def prepare(
                         f"{storage.describe(mf.MANIFEST_NAME)} exists: a committed checkpoint is there; "
                         f"pass overwrite=True to replace it"
                     )
+                check_unreferenced(storage.uri, storage_options)  # its bytes may be a later save's base
                 storage.delete(mf.MANIFEST_NAME)  # uncommit first: old data files are about to change
             if base is not None:
-                base_doc = read_base(storage.uri, str(base), storage_options)
+                base_doc, base_manifest = read_base(storage.uri, str(base), storage_options)
     except CheckpointError as e:
         own = e
     all_specs = gather_targets(comm, specs, own)  # compact: distinct layouts travel once
@@ -173,7 +175,9 @@ def prepare(
     comm.agree(own)
     shards = None
     if base is not None:
-        shards = BaseShards.parse(comm.broadcast_bytes(base_doc if comm.rank == 0 else None), storage.uri, str(base))
+        doc = comm.broadcast_bytes(base_doc if comm.rank == 0 else None)
+        shards = BaseShards.of(base_manifest, storage.uri, str(base)) if base_manifest is not None \
+            else BaseShards.parse(doc, storage.uri, str(base))  # rank 0 parsed it already
     return Prepared(all_specs, items, local, values, tree, metadata or {}, compression, upload, t0, shards)
 
 
@@ -196,6 +200,7 @@ def write_and_commit(
     files: dict[str, int] = {}
     refs: dict[str, int] = {}
     upload = list(range(len(mine)))
+    digests: dict[int, str] = {}  # an incremental save's digests of uploads it hashed to compare
 
     def written(i: int) -> None:
         if on_written is not None:
@@ -204,8 +209,9 @@ def write_and_commit(
 
     try:
         if prep.base is not None:
-            upload, reused = split(mine, prep.base, prep.compression)
-            for i, key, shard in reused:
+            decided = split(mine, prep.base, prep.compression)
+            upload, digests = decided.upload, decided.digests
+            for i, key, shard in decided.reused:
                 records.append((key, shard))
                 refs[shard.file] = prep.base.sizes[shard.file]
                 result.bytes_reused += shard.byte_length
@@ -215,7 +221,7 @@ def write_and_commit(
             new, files = write_data_files(
                 storage, lambda i: _data_name(comm.rank, i, prep.compression), [mine[i] for i in upload],
                 compression=prep.compression, shape=prep.upload, chunk_size=chunk_size, on_written=written,
-                cuda=cuda, progress=progress)
+                cuda=cuda, progress=progress, digests=[digests.get(i) for i in upload])
             records += new
             result.files.extend(files)
             result.bytes_written += sum(files.values())
