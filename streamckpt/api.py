@@ -16,6 +16,7 @@ from .formats.native import latest_committed
 from .loading.loader import LoadRequest, run_load
 from .manage import Calls, Manager, Restored
 from .manage.copying import copy_checkpoint
+from .manage.references import check_unreferenced
 from .plan.planner import PlanOptions
 from .progress import reporter, reporting
 from .results import CheckpointInfo, DtypeName, LoadResult, SaveResult, TensorInfo
@@ -124,7 +125,8 @@ def save(
     try:
         with reporting(progress, "save", rank=comm.rank, world_size=comm.world_size) as report:
             return run_save(comm, storage, state_dict, compression=compression, metadata=metadata,
-                            overwrite=overwrite, progress=report, base=base, storage_options=storage_options)
+                            overwrite=overwrite, progress=report, base=base, storage_options=storage_options,
+                            guard=check_unreferenced)
     finally:
         storage.close()
 
@@ -200,7 +202,7 @@ def async_save(
     try:
         handle = start_save(state_dict, uri, storage_options=storage_options, process_group=process_group,
                             compression=compression, metadata=metadata, overwrite=overwrite,
-                            staging_budget=staging_budget, progress=report, base=base)
+                            staging_budget=staging_budget, progress=report, base=base, guard=check_unreferenced)
     except BaseException:
         if bar is not None:
             bar.close(failed=True)

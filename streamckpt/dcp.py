@@ -70,7 +70,7 @@ from .formats.dcpguess import guess_tensors
 from .formats.dcpitem import MAX_VALUE_ITEM_BYTES, RangeCache, item_windows, located_shard, value_from_record
 from .formats.dcpmeta import DcpMetadata, DcpTensor, ItemInfo, parse_metadata
 from .saving import writeplan
-from .saving.incremental import check_unreferenced
+from .manage.references import check_unreferenced
 from .saving.writer import OBJECT_BYTES, ShardToWrite, write_data_files
 from .storage import Landing, RangeRead, Storage
 

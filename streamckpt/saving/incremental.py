@@ -25,8 +25,7 @@ import torch
 import xxhash
 
 from ..core import manifest as mf
-from ..errors import CheckpointError, CheckpointInUseError, CheckpointNotFoundError
-from ..manage.index import Index
+from ..errors import CheckpointError, CheckpointNotFoundError
 from ..storage import Storage
 from .writer import ShardToWrite
 
@@ -35,7 +34,8 @@ log = logging.getLogger(__name__)
 _Key = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, int] | None, str]
 
 
-def _norm(uri: str) -> str:
+def norm_uri(uri: str) -> str:
+    """A URI as compared here: no trailing slash; a local path made absolute."""
     uri = str(uri).rstrip("/")
     if "://" in uri:
         return uri
@@ -48,7 +48,7 @@ def sibling_name(uri: str, base: str) -> str:
     Raises:
         CheckpointError: ``base`` is ``uri`` itself or not under the same root.
     """
-    here, there = _norm(uri), _norm(base)
+    here, there = norm_uri(uri), norm_uri(base)
     parent, _, own = here.rpartition("/")
     bparent, _, name = there.rpartition("/")
     if not parent or bparent != parent or not name:
@@ -83,35 +83,6 @@ def read_base(uri: str, base: str, storage_options: dict | None) -> tuple[bytes,
     return data, manifest
 
 
-def check_unreferenced(uri: str, storage_options: dict | None) -> None:
-    """Rank 0, before a save replaces the committed checkpoint at ``uri``: refuse when a
-    committed sibling (an incremental save that used it as base) references its files.
-
-    Costs a recursive LIST of the parent prefix and a read of each sibling's manifest (the
-    manager's listing, ``manage.index``), paid only when a committed checkpoint is being
-    overwritten. A checkpoint at the top of its bucket or store has no siblings.
-
-    Raises:
-        CheckpointInUseError: names the referencing checkpoints and what to do.
-    """
-    here = _norm(uri)
-    parent, _, own = here.rpartition("/")
-    if not parent or not own or parent.endswith(":/") or parent.endswith(":"):
-        return
-    storage = Storage(parent, storage_options)
-    try:
-        users = Index().list(storage).users_of(own)
-    finally:
-        storage.close()
-    if users:
-        named = ", ".join(f"{parent}/{u}" for u in users[:5]) + (f" and {len(users) - 5} more" if len(users) > 5 else "")
-        raise CheckpointInUseError(
-            f"{uri} holds bytes that the committed incremental checkpoint(s) {named} reference (saved with it as "
-            f"base): overwriting it would break them, so nothing was written or deleted. Save under another name; or "
-            f"first make each of them self-contained (sc.copy(src, dst), or 'streamckpt copy SRC DST') and delete "
-            f"it, or delete them")
-
-
 @dataclass
 class BaseShards:
     """A base checkpoint's shards by region, their files named as seen from the new checkpoint."""
@@ -129,7 +100,7 @@ class BaseShards:
     def of(m: mf.Manifest, uri: str, base: str) -> "BaseShards":
         """From the parsed manifest (rank 0, which read it)."""
         name = sibling_name(uri, base)
-        own = _norm(uri).rpartition("/")[2]
+        own = norm_uri(uri).rpartition("/")[2]
         out = BaseShards(name)
         for key, t in m.tensors.items():
             for s in t.shards:

@@ -31,7 +31,7 @@ from ..results import SaveResult
 from ..storage import Storage
 from ..storage.uploads import delete_written
 from . import writeplan
-from .incremental import BaseShards, check_unreferenced, read_base, split
+from .incremental import BaseShards, read_base, split
 from .writer import DEFAULT_CHUNK_SIZE, ShardToWrite, UploadShape, write_data_files
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 CANCELLED = "the save was cancelled (SaveHandle.cancel, or the process exiting with it in flight); nothing was committed"
 
 COMPRESSIONS = (None, "zstd")
+
+Guard = Callable[[str, "dict[str, Any] | None"], None]  # rank 0's check before replacing a committed checkpoint
 
 
 def _data_name(rank: int, index: int, compression: str | None) -> str:
@@ -108,6 +110,7 @@ def prepare(
     cuda: CudaApi | None = None,
     base: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    guard: Guard | None = None,
 ) -> Prepared:
     """Validate, gather every rank's specs and assign writers; raises the agreed error on every rank.
 
@@ -115,7 +118,10 @@ def prepare(
     into pieces (row blocks or flat ranges), so that each fits one upload buffer (and a
     bounded staging buffer). ``cuda``: the CUDA runtime (a test's stand-in). ``base``: an
     incremental save's base checkpoint (rank 0 reads its manifest, every rank gets it);
-    ``storage_options``: the base's (the save's own).
+    ``storage_options``: the base's (the save's own). ``guard(uri, storage_options)``: called
+    on rank 0 before a committed checkpoint is replaced (``overwrite``), before anything is
+    deleted; its ``CheckpointError`` fails the save on every rank (the wiring passes
+    ``manage.references.check_unreferenced``: saving sits below manage).
     """
     t0 = time.perf_counter()
     own: BaseException | None = None
@@ -155,7 +161,8 @@ def prepare(
                         f"{storage.describe(mf.MANIFEST_NAME)} exists: a committed checkpoint is there; "
                         f"pass overwrite=True to replace it"
                     )
-                check_unreferenced(storage.uri, storage_options)  # its bytes may be a later save's base
+                if guard is not None:  # its bytes may be a later incremental save's base
+                    guard(storage.uri, storage_options)
                 storage.delete(mf.MANIFEST_NAME)  # uncommit first: old data files are about to change
             if base is not None:
                 base_doc, base_manifest = read_base(storage.uri, str(base), storage_options)
@@ -273,9 +280,10 @@ def run_save(
     progress: Callable[[int], None] | None = None,
     base: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    guard: Guard | None = None,
 ) -> SaveResult:
     prep = prepare(comm, storage, state_dict, compression=compression, metadata=metadata, overwrite=overwrite,
-                   cuda=cuda, base=base, storage_options=storage_options)
+                   cuda=cuda, base=base, storage_options=storage_options, guard=guard)
     mine = to_write(prep.items, prep.local)
     return write_and_commit(comm, storage, prep, mine, chunk_size=chunk_size, cuda=cuda, progress=progress)
 
