@@ -207,6 +207,24 @@ def test_overwriting_a_checkpoint_that_later_incremental_saves_reference_is_refu
     _assert_state({k.removeprefix("model."): t for k, t in flat.items()}, 2)
 
 
+def test_a_fresh_save_into_a_pruned_base_prefix_keeps_its_shared_files(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """A base whose manifest is gone (pruned by hand) leaves the files later checkpoints share
+    under its prefix; a save there by hand, with no manifest to overwrite, would reuse their
+    names. It is refused like an overwrite, and costs every other fresh save one LIST."""
+    sc.save(_state(1), f"{s3_uri}/step-1", storage_options=s3_opts)
+    sc.save(_state(2), f"{s3_uri}/step-2", storage_options=s3_opts, base=f"{s3_uri}/step-1")
+    store = Storage(s3_uri, s3_opts)
+    store.delete("step-1/manifest.json")  # what a by-hand prune of step 1 would leave
+    store.close()
+    before = _infos(s3_uri, s3_opts)
+    with pytest.raises(sc.CheckpointInUseError, match=f"{s3_uri}/step-1 holds bytes .*{s3_uri}/step-2 reference"):
+        sc.save(_state(5), f"{s3_uri}/step-1", storage_options=s3_opts)
+    assert _infos(s3_uri, s3_opts) == before
+    flat = sc.load_full(f"{s3_uri}/step-2", storage_options=s3_opts)
+    _assert_state({k.removeprefix("model."): t for k, t in flat.items()}, 2)
+    sc.save(_state(5), f"{s3_uri}/step-5", storage_options=s3_opts)  # an empty prefix: saved as ever
+
+
 class _CountingXxh3:
     """xxhash.xxh3_128 that counts the bytes it is given (the hash library's own entry point:
     no code path of streamckpt is replaced)."""

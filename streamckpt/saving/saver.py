@@ -26,7 +26,8 @@ from ..core.report import expect_total
 from ..core.targets import LocalTarget, TargetSpec, collect
 from ..cuda.device import cuda_devices
 from ..cuda.runtime import CudaApi, TorchCuda
-from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleStateDictError
+from ..errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+                      IncompatibleStateDictError)
 from ..results import SaveResult
 from ..storage import Storage
 from ..storage.uploads import delete_written
@@ -45,6 +46,15 @@ Guard = Callable[[str, "dict[str, Any] | None"], None]  # rank 0's check before 
 
 def _data_name(rank: int, index: int, compression: str | None) -> str:
     return f"data/{rank:05d}-{index:04d}.{'zst' if compression else 'safetensors'}"
+
+
+def _holds_data(storage: Storage) -> bool:
+    """Whether data files lie under a prefix with no manifest (one LIST). A missing bucket is
+    left for the first write to report, as a write."""
+    try:
+        return bool(storage.list("data"))
+    except CheckpointNotFoundError:
+        return False
 
 
 def _check_layout(holders: dict[TargetSpec, list[int]]) -> None:
@@ -119,8 +129,9 @@ def prepare(
     bounded staging buffer). ``cuda``: the CUDA runtime (a test's stand-in). ``base``: an
     incremental save's base checkpoint (rank 0 reads its manifest, every rank gets it);
     ``storage_options``: the base's (the save's own). ``guard(uri, storage_options)``: called
-    on rank 0 before a committed checkpoint is replaced (``overwrite``), before anything is
-    deleted; its ``CheckpointError`` fails the save on every rank (the wiring passes
+    on rank 0 before a committed checkpoint is replaced (``overwrite``), or when a fresh save
+    finds data files under its prefix (a pruned base's shared files stay there), before
+    anything is deleted; its ``CheckpointError`` fails the save on every rank (the wiring passes
     ``manage.references.check_unreferenced``: saving sits below manage).
     """
     t0 = time.perf_counter()
@@ -164,6 +175,8 @@ def prepare(
                 if guard is not None:  # its bytes may be a later incremental save's base
                     guard(storage.uri, storage_options)
                 storage.delete(mf.MANIFEST_NAME)  # uncommit first: old data files are about to change
+            elif guard is not None and _holds_data(storage):  # a pruned base's shared files stay here
+                guard(storage.uri, storage_options)
             if base is not None:
                 base_doc, base_manifest = read_base(storage.uri, str(base), storage_options)
     except CheckpointError as e:
