@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..plan.data import ALIGN, Copy, LoadPlan, Read, is_packed, message_layout, message_size, messages_of
+from ..plan.data import (ALIGN, Copy, LoadPlan, Read, holders_of, is_packed, message_layout, message_size, messages_of,
+                         relay_links)
 from .landing import ReadLanding
 
 
@@ -25,6 +26,8 @@ class Message:
     peer: int
     read_index: int
     copies: list[Copy]
+    relayed: bool = False  # a send from this rank's relay buffer (bytes it received the round before)
+    keep: bool = False  # a receive this rank sends on next round: copied into that round's relay buffer
 
 
 @dataclass(slots=True)
@@ -41,6 +44,9 @@ def local_schedule(plan: LoadPlan, rank: int) -> list[LocalRound]:
     """This rank's part of every round."""
     rounds = [LocalRound() for _ in range(plan.num_rounds)]
     for i, r in enumerate(plan.reads):
+        if r.relay:
+            _relayed(rounds, rank, i, r, plan)
+            continue
         if r.reader == rank:
             rounds[r.round].reads.append((i, r))
             for peer, copies in sorted(messages_of(r, plan.targets).items()):
@@ -52,6 +58,22 @@ def local_schedule(plan: LoadPlan, rank: int) -> list[LocalRound]:
     return rounds
 
 
+def _relayed(rounds: list[LocalRound], rank: int, i: int, r: Read, plan: LoadPlan) -> None:
+    """This rank's part of a relayed read: its fetch, what it receives at some depth and what
+    it sends on at the next (``data.relay_links``)."""
+    holders = holders_of(r, plan.targets)
+    if rank not in holders:
+        return
+    got, send = relay_links(holders, r.reader, r.relay, rank)
+    if got is None:
+        rounds[r.round].reads.append((i, r))
+    else:
+        rounds[r.round + got[0]].recvs.append(Message(got[1], i, r.copies, keep=send is not None))
+    if send is not None:
+        for x in send[1]:
+            rounds[r.round + send[0]].sends.append(Message(x, i, r.copies, relayed=got is not None))
+
+
 @dataclass(slots=True)
 class Layout:
     """Where each buffer of one round lives in its arena."""
@@ -61,6 +83,7 @@ class Layout:
     spans: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # landing read -> (lo, hi, offset)
     pack: dict[tuple[int, int], int] = field(default_factory=dict)  # (read, peer) -> packed message
     recv: dict[tuple[int, int], int] = field(default_factory=dict)  # (read, peer) -> received message
+    relay: dict[int, int] = field(default_factory=dict)  # relayed read -> what this rank sends on
     size: int = 0
 
 
@@ -88,7 +111,12 @@ def layout(rnd: LocalRound, landings: Mapping[int, ReadLanding] | None = None) -
             lay.decode[i] = pos
             pos += r.staging
     for m in rnd.sends:
-        if is_packed(m.copies):
+        if m.relayed:
+            if m.read_index not in lay.relay:
+                pos = align(pos)
+                lay.relay[m.read_index] = pos
+                pos += message_size(m.copies)
+        elif is_packed(m.copies):
             pos = align(pos)
             lay.pack[(m.read_index, m.peer)] = pos
             pos += message_layout(m.copies)[1]

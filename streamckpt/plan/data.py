@@ -27,6 +27,19 @@ class PlanOptions:
     max_request_bytes: int = 16 << 20
     read_once: bool = True
     max_round_bytes: int = 32 << 20
+    max_peers: int = 8
+    min_split_bytes: int = 1 << 20
+
+    @property
+    def relay_above(self) -> int:
+        """Holders a shared read may have and still go straight from its reader to each of
+        them (``max_peers`` receivers); a read with more is relayed along a tree."""
+        return max(2, self.max_peers) + 1
+
+    @property
+    def fanout(self) -> int:
+        """Children of a relay tree's node: with its parent, ``max_peers`` peers."""
+        return max(1, self.max_peers - 1)
 
     @property
     def round_cap(self) -> int:
@@ -187,6 +200,7 @@ class Read:
     private: bool = False  # serves only its reader (no messages)
     round: int = 0
     tag: int = 0  # message tag, the same on every rank that plans this read
+    relay: int = 0  # fan-out of the read's relay tree (``PlanOptions.max_peers``); 0: sent directly
 
     @property
     def length(self) -> int:
@@ -360,12 +374,110 @@ def messages_of(r: Read, targets: Sequence[Target]) -> dict[int, list[Copy]]:
     return out
 
 
+def hops_of(r: Read, targets: Sequence[Target]) -> list[tuple[int, int, int, list[Copy]]]:
+    """(depth, sender, receiver, copies) of every message of read ``r``: the round is
+    ``r.round + depth``. Sent directly, every receiver gets its copies from the reader
+    at depth 0; relayed (``r.relay``), a rank that received the read's message at depth
+    d sends the same message on at depth d + 1."""
+    if not r.relay:
+        return [(0, r.reader, rank, copies) for rank, copies in sorted(messages_of(r, targets).items())]
+    copies = r.copies
+    return [(d, s, x, copies) for d, s, x in relay_hops(holders_of(r, targets), r.reader, r.relay)]
+
+
+def holders_of(r: Read, targets: Sequence[Target]) -> list[int]:
+    """The ranks a relayed read goes to (all its copies go to one holder set)."""
+    return targets[r.copies[0].target].needers
+
+
+# A relay tree over a read's holders, listed from the reader on (wrapping around): the
+# root (position 0) sends to positions 1..fan, every other node p to the next ``fan - 1``
+# positions after those of p - 1 (breadth-first). With its parent no node has more than
+# ``fan`` peers. Readers of a holder set's pieces are spread over its ranks, so each rank
+# is an inner node about as often, and sends about what an all-gather asks of it. A node
+# at level L receives at depth L - 1 and sends at depth L.
+
+
+def _parent(q: int, fan: int) -> int:
+    return 0 if q <= fan else (q - fan - 1) // max(1, fan - 1) + 1
+
+
+def _children(p: int, fan: int, n: int) -> range:
+    if p == 0:
+        return range(1, min(n, fan + 1))
+    f = max(1, fan - 1)
+    first = fan + 1 + (p - 1) * f
+    return range(min(n, first), min(n, first + f))
+
+
+def _level(p: int, fan: int) -> int:
+    level = 0
+    while p:
+        p = _parent(p, fan)
+        level += 1
+    return level
+
+
+def relay_hops(holders: Sequence[int], reader: int, fan: int) -> list[tuple[int, int, int]]:
+    """(depth, sender, receiver) of every hop of the relay tree, by depth then position."""
+    n = len(holders)
+    i = holders.index(reader)
+    at = lambda p: holders[(i + p) % n]  # noqa: E731
+    out: list[tuple[int, int, int]] = []
+    level = [0] * n
+    for q in range(1, n):
+        p = _parent(q, fan)
+        level[q] = level[p] + 1
+        out.append((level[p], at(p), at(q)))
+    return out
+
+
+def relay_links(holders: Sequence[int], reader: int, fan: int, rank: int
+                ) -> tuple[tuple[int, int] | None, tuple[int, list[int]] | None]:
+    """One rank's part of a relay tree, without building it: (depth, sender) it receives
+    from (None for the reader) and (depth, receivers) it sends to (None for a leaf)."""
+    n = len(holders)
+    i = holders.index(reader)
+    p = (holders.index(rank) - i) % n
+    kids = _children(p, fan, n)
+    level = _level(p, fan)
+    got = (level - 1, holders[(i + _parent(p, fan)) % n]) if p else None
+    send = (level, [holders[(i + q) % n] for q in kids]) if len(kids) else None
+    return got, send
+
+
+def relay_costs(r: Read, targets: Sequence[Target]) -> dict[int, list[tuple[int, int, list[int]]]]:
+    """A relayed read's staging and peers per rank and depth: rank -> [(depth, bytes,
+    peers)], depth ascending. The reader stages the read (and a pack buffer per child
+    when the message is packed); a receiver its receive buffer; a forwarder, in the
+    round after it received, one relay buffer it sends from to all its children."""
+    size = message_layout(r.copies)[1]
+    packed = is_packed(r.copies)
+    reader = r.reader
+    cells: dict[int, dict[int, list[Any]]] = {reader: {0: [read_cost(r), []]}}
+    for d, s, x in relay_hops(holders_of(r, targets), reader, r.relay):
+        sc = cells.setdefault(s, {})
+        cell = sc.get(d)
+        if cell is None:
+            cell = sc[d] = [0 if s == reader else size, []]
+        if s == reader and packed:
+            cell[0] += size
+        cell[1].append(x)
+        xc = cells.setdefault(x, {}).setdefault(d, [0, []])
+        xc[0] += size
+        xc[1].append(s)
+    return {rank: [(d, c[0], c[1]) for d, c in sorted(by_depth.items())] for rank, by_depth in cells.items()}
+
+
 def costs_of(r: Read, targets: Sequence[Target]) -> dict[int, int]:
-    """Staging bytes read ``r`` takes on each rank it involves in its round."""
+    """Staging bytes read ``r`` takes on each rank it involves in its round (for a relayed
+    read, in its first round: ``relay_costs`` has every round's)."""
     reader = r.reader
     costs = {reader: read_cost(r)}
     if r.private:
         return costs
+    if r.relay:
+        return {rank: cells[0][1] for rank, cells in relay_costs(r, targets).items() if cells[0][0] == 0}
     needers = [targets[c.target].needers for c in r.copies]
     first = needers[0]
     if all(n is first for n in needers):  # one target set (a replicated box): one message shape

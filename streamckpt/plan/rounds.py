@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .data import Read, Target, costs_of, is_packed, message_layout, read_cost
+from .data import Read, Target, costs_of, is_packed, message_layout, read_cost, relay_costs
 from .needs import Group
 from .ranksets import RankSets
 
@@ -41,11 +41,13 @@ class _Run:
 class RoundPacker:
     """Places reads one after another into rounds within ``cap`` bytes per rank."""
 
-    def __init__(self, world: int, cap: int) -> None:
+    def __init__(self, world: int, cap: int, max_peers: int = 0) -> None:
         self.cap = cap
         self.state = [0] * world
         self.touched: set[int] = set()
         self._run: _Run | None = None
+        self.max_peers = max_peers  # relayed reads: distinct peers per rank and round (0: no limit)
+        self.peers: dict[int, tuple[int, set[int]]] = {}  # rank -> (round, its relay peers there)
 
     def _needs(self, state: int, cost: int) -> int:
         """The earliest round a rank in ``state`` can take ``cost`` more bytes in."""
@@ -57,6 +59,10 @@ class RoundPacker:
         if r.private:
             self._flush()
             self._charge(r, {r.reader: read_cost(r)})
+            return
+        if r.relay:
+            self._flush()
+            self._charge_relay(r, targets)
             return
         uniform = uniform_costs(r, targets)
         if uniform is None or r.reader not in uniform[0]:
@@ -91,6 +97,38 @@ class RoundPacker:
             s = state[rank]
             state[rank] = (s if s >= base else base) + c
         self.touched.update(costs)
+        r.round = rnd
+
+    def _charge_relay(self, r: Read, targets: Sequence[Target]) -> None:
+        """Place a relayed read: the earliest first round where, at every depth, each rank has
+        room for its bytes and stays within ``max_peers`` distinct relay peers. A rank's
+        first depth decides (its later depths fall in rounds after its current one)."""
+        cells = relay_costs(r, targets)
+        state, peers, limit = self.state, self.peers, self.max_peers
+        rnd = 0
+        for rank, per in cells.items():
+            d, c, new = per[0]
+            s = state[rank]
+            cur = s >> SHIFT
+            fit = self._needs(s, c)
+            if fit == cur and limit:
+                seen = peers.get(rank)
+                if seen is not None and seen[0] == cur and len(seen[1].union(new)) > limit:
+                    fit = cur + 1
+            if fit - d > rnd:
+                rnd = fit - d
+        for rank, per in cells.items():
+            s = state[rank]
+            for d, c, new in per:
+                base = (rnd + d) << SHIFT
+                s = (s if s >= base else base) + c
+                seen = peers.get(rank)
+                if seen is None or seen[0] != rnd + d:
+                    peers[rank] = (rnd + d, set(new))
+                else:
+                    seen[1].update(new)
+            state[rank] = s
+        self.touched.update(cells)
         r.round = rnd
 
     def _flush(self) -> None:
