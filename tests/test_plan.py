@@ -21,7 +21,7 @@ from streamckpt.core.manifest import Manifest, Shard, TensorMeta, validate
 from streamckpt.loading.pipeline import Destinations, LocalRound, _layout, local_schedule, pack_message, unpack_message
 from streamckpt.plan.planner import (ALIGN, PlanOptions, build_plan, costs_of, ranks_of, is_packed, message_layout, message_size, messages_of,
                              settle_all)
-from streamckpt.plan.data import hops_of, relay_hops, relay_links
+from streamckpt.plan.data import grid_hops, grid_links, grid_shape, hops_of, relay_hops, relay_links
 from streamckpt.core.regions import Box
 from streamckpt.core.targets import TargetSpec
 from streamckpt.plan.gathered import GatheredSpecs
@@ -156,6 +156,7 @@ def simulate_local(plans, files, world, targets_by_rank, dtype):
     kept = {}  # (rank, read index) -> the message it received and sends on next round
     for k in range(len(schedules[0])):
         delivered = []
+        carried = {}
         for r in range(world):
             rnd = schedules[r][k]
             for m in rnd.recvs:
@@ -174,11 +175,13 @@ def simulate_local(plans, files, world, targets_by_rank, dtype):
                 msg = kept[(r, m.read_index)] if m.relayed else _message(staged[m.read_index], m.copies)
                 sent[(k, r, m.peer)].append((read.tag, msg.numel()))
                 delivered.append((r, m, msg))
+                if m.read_index in rnd.carry:  # sent again next round, from its relay buffer
+                    carried[(r, m.read_index)] = msg
         waiting = defaultdict(list)  # (receiver, sender, tag) -> its receives, in order (its own read indices)
         for r in range(world):
             for m in schedules[r][k].recvs:
                 waiting[(r, m.peer, plans[r].reads[m.read_index].tag)].append(m)
-        kept = {}
+        kept = carried
         for src, m, msg in delivered:
             unpack_message(msg, m.copies, dests[m.peer])
             mine = waiting[(m.peer, src, plans[src].reads[m.read_index].tag)].pop(0)
@@ -474,8 +477,8 @@ def test_many_holders_are_relayed_within_max_peers(seed, ndim, world, max_peers,
     """Targets many ranks hold travel along relay trees: every element lands, every byte is
     read once, each round fits, sends pair with receives (a forwarder sends the bytes it
     received the round before), the ranks' own plans are the all-ranks plan, and no rank
-    exchanges with more than ``max_peers`` ranks in a round over relayed reads (over all of
-    its reads when every target is held by every rank)."""
+    exchanges with more than ``max_peers`` ranks in a round over the relayed reads of one
+    holder set (over all of its reads when every target is held by every rank)."""
     rng = random.Random(seed)
     shape = tuple(rng.randint(2, 24) for _ in range(ndim))
     dtype = rng.choice([torch.float32, torch.int16])
@@ -498,14 +501,15 @@ def test_many_holders_are_relayed_within_max_peers(seed, ndim, world, max_peers,
     relayed = [r for r in full.reads if r.relay]
     if world > opts.relay_above:
         assert everyone <= bool(relayed)
-    peers = defaultdict(lambda: defaultdict(set))
+    peers = defaultdict(set)  # (holder set, rank, round) -> its peers there
     for r in relayed:
         hops = hops_of(r, full.targets)
-        assert sorted(x for _, _, x, _ in hops) == sorted(set(ranks_of(r, full.targets)) - {r.reader})
+        held = ranks_of(r, full.targets)
+        assert sorted(x for _, _, x, _ in hops) == sorted(set(held) - {r.reader})
         for d, a, b, _ in hops:
-            peers[a][r.round + d].add(b)
-            peers[b][r.round + d].add(a)
-    assert all(len(p) <= max_peers for per in peers.values() for p in per.values())
+            peers[(held, a, r.round + d)].add(b)
+            peers[(held, b, r.round + d)].add(a)
+    assert all(len(p) <= max_peers for p in peers.values())
     if everyone:
         for per in peers_per_round([full] * world, world).values():
             assert all(len(p) <= max(max_peers, min(world - 1, opts.relay_above - 1)) for p in per.values())
@@ -530,6 +534,36 @@ def test_relay_tree_links_are_its_hops(n, fan, data):
         assert (0 if got is None else 1) + (len(send[1]) if send else 0) <= fan
     assert sorted(from_links) == sorted(hops)
     assert sorted(y for _, _, y in hops) == sorted(set(holders) - {reader})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 300), st.integers(2, 9), st.integers(0, 7), st.data())
+def test_relay_grid_links_are_its_hops(n, max_peers, start, data):
+    """A relay grid: exact sizes within ``max_peers + 1`` (or none: a tree then), every holder
+    but the reader receives once and then sends at every later depth, each rank's links are
+    the grid's hops, and in each round a rank exchanges only with the line of that round's
+    dimension (at most ``max_peers`` ranks), whatever the piece's reader."""
+    sizes = grid_shape(n, max_peers)
+    if not sizes:
+        assert any(n % q == 0 and all(q % f for f in range(2, q)) for q in range(max_peers + 2, n + 1))
+        return
+    assert math.prod(sizes) == n and max(sizes) <= max_peers + 1
+    holders = sorted(data.draw(st.sets(st.integers(0, 400), min_size=n, max_size=n)))
+    hops = {}
+    for reader in data.draw(st.lists(st.sampled_from(holders), min_size=1, max_size=3)):
+        mine = grid_hops(holders, reader, sizes, start)
+        assert sorted(y for _, _, y in mine) == sorted(set(holders) - {reader})
+        from_links = []
+        for x in holders:
+            got, sends = grid_links(holders, reader, sizes, start, x)
+            assert (got is None) == (x == reader)
+            from_links += [(d, x, y) for d, ys in sends for y in ys]
+            assert all(got is None or d > got[0] for d, _ in sends)
+        assert sorted(from_links) == sorted(mine)
+        for d, a, b in mine:
+            hops.setdefault((a, d), set()).add(b)
+            hops.setdefault((b, d), set()).add(a)
+    assert max(len(v) for v in hops.values()) <= max_peers
 
 
 def test_replicated_model_on_many_ranks_is_split_and_relayed():

@@ -331,14 +331,23 @@ class Executor:
                 self._apply(host, dev, o, c)
 
     def _keep_relayed(self, k: int, landed: Sequence[tuple[Message, torch.Tensor]]) -> None:
-        """Received messages this rank sends on in round k + 1 (a relayed read, ``data.relay_links``)
-        go into that round's relay buffer: round k's arena is reused two rounds on, and the
-        next round's was acquired before this round's exchange."""
+        """Relayed pieces this rank sends in round k + 1 (``data.read_links``), received or sent
+        in round k, go into that round's relay buffer: round k's arena is reused two rounds
+        on, and the next round's was acquired before this round's exchange."""
         for m, buf in landed:
             if m.keep:
                 at = self.layouts[k + 1].relay[m.read_index]
                 host = self.stage.download(buf) if self.placement.is_device(buf) else buf
                 self.arenas[(k + 1) % 2][at: at + host.numel()].copy_(host)
+        rnd = self.schedule[k]
+        if rnd.carry:  # sent this round (from the staged read, a pack or a relay buffer) and again next round
+            reads = dict(rnd.reads)
+            arena = self.arenas[k % 2]
+            for i in rnd.carry:
+                m = next(m for m in rnd.sends if m.read_index == i)
+                src, n = _send_span(m, reads.get(i), self.layouts[k])
+                at = self.layouts[k + 1].relay[i]
+                self.arenas[(k + 1) % 2][at: at + n].copy_(arena[src: src + n])
 
     def _attempt(self, fn: Callable[[], None]) -> BaseException | None:
         """Run a local step; its failure is returned, to be agreed on with the other ranks (an

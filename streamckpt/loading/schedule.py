@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..plan.data import (ALIGN, Copy, LoadPlan, Read, holders_of, is_packed, message_layout, message_size, messages_of,
-                         relay_links)
+                         read_links)
 from .landing import ReadLanding
 
 
@@ -35,6 +35,7 @@ class LocalRound:
     reads: list[tuple[int, Read]] = field(default_factory=list)  # (global read index, read)
     sends: list[Message] = field(default_factory=list)
     recvs: list[Message] = field(default_factory=list)
+    carry: list[int] = field(default_factory=list)  # relayed reads this rank sends again next round
 
     def is_empty(self) -> bool:
         return not (self.reads or self.sends or self.recvs)
@@ -59,19 +60,22 @@ def local_schedule(plan: LoadPlan, rank: int) -> list[LocalRound]:
 
 
 def _relayed(rounds: list[LocalRound], rank: int, i: int, r: Read, plan: LoadPlan) -> None:
-    """This rank's part of a relayed read: its fetch, what it receives at some depth and what
-    it sends on at the next (``data.relay_links``)."""
-    holders = holders_of(r, plan.targets)
-    if rank not in holders:
+    """This rank's part of a relayed read: its fetch, the round it receives the piece in, and
+    the rounds it sends it on in (``data.read_links``). Between two rounds it sends in, the
+    piece is carried into the next round's relay buffer."""
+    if rank not in holders_of(r, plan.targets):
         return
-    got, send = relay_links(holders, r.reader, r.relay, rank)
+    got, sends = read_links(r, plan.targets, rank)
+    depths = {d for d, _ in sends}
     if got is None:
         rounds[r.round].reads.append((i, r))
     else:
-        rounds[r.round + got[0]].recvs.append(Message(got[1], i, r.copies, keep=send is not None))
-    if send is not None:
-        for x in send[1]:
-            rounds[r.round + send[0]].sends.append(Message(x, i, r.copies, relayed=got is not None))
+        rounds[r.round + got[0]].recvs.append(Message(got[1], i, r.copies, keep=got[0] + 1 in depths))
+    for d, peers in sends:
+        for x in peers:
+            rounds[r.round + d].sends.append(Message(x, i, r.copies, relayed=got is not None or d > 0))
+        if d + 1 in depths:
+            rounds[r.round + d].carry.append(i)
 
 
 @dataclass(slots=True)

@@ -201,6 +201,7 @@ class Read:
     round: int = 0
     tag: int = 0  # message tag, the same on every rank that plans this read
     relay: int = 0  # fan-out of the read's relay tree (``PlanOptions.max_peers``); 0: sent directly
+    grid: tuple[int, ...] = ()  # relayed over its holders as a grid of these sizes (``grid_hops``), not a tree
 
     @property
     def length(self) -> int:
@@ -377,12 +378,124 @@ def messages_of(r: Read, targets: Sequence[Target]) -> dict[int, list[Copy]]:
 def hops_of(r: Read, targets: Sequence[Target]) -> list[tuple[int, int, int, list[Copy]]]:
     """(depth, sender, receiver, copies) of every message of read ``r``: the round is
     ``r.round + depth``. Sent directly, every receiver gets its copies from the reader
-    at depth 0; relayed (``r.relay``), a rank that received the read's message at depth
-    d sends the same message on at depth d + 1."""
+    at depth 0; relayed (``r.relay``), a rank that holds the read's message sends the
+    same message on at later depths."""
     if not r.relay:
         return [(0, r.reader, rank, copies) for rank, copies in sorted(messages_of(r, targets).items())]
     copies = r.copies
-    return [(d, s, x, copies) for d, s, x in relay_hops(holders_of(r, targets), r.reader, r.relay)]
+    return [(d, s, x, copies) for d, s, x in read_hops(r, targets)]
+
+
+def read_hops(r: Read, targets: Sequence[Target]) -> list[tuple[int, int, int]]:
+    """(depth, sender, receiver) of a relayed read's hops (its grid's or its tree's)."""
+    holders = holders_of(r, targets)
+    if r.grid:
+        return grid_hops(holders, r.reader, r.grid, r.round)
+    return relay_hops(holders, r.reader, r.relay)
+
+
+def read_links(r: Read, targets: Sequence[Target], rank: int
+               ) -> tuple[tuple[int, int] | None, list[tuple[int, list[int]]]]:
+    """One rank's part of a relayed read: (depth, sender) it receives from (None for the
+    reader) and [(depth, receivers)] it sends to, depth ascending."""
+    holders = holders_of(r, targets)
+    if r.grid:
+        return grid_links(holders, r.reader, r.grid, r.round, rank)
+    got, send = relay_links(holders, r.reader, r.relay, rank)
+    return got, [send] if send is not None else []
+
+
+# A relay grid: the holders (rank order) as the points of a grid of sizes k_0, k_1, ...
+# (their product is the holder count, each k_j <= max_peers + 1). In round t every
+# relayed piece moves along dimension t mod D: each rank holding it sends it to the
+# other k_j - 1 points of its line. So in any round a rank exchanges only with the
+# k_j - 1 ranks of its line along that round's dimension, however many pieces the round
+# carries (a tree per piece would give each rank other peers for every piece, and the
+# rounds could hold only a piece or two), and after D rounds every holder has the piece.
+# Readers spread over the holders, and the grid looks alike from every point, so every
+# rank sends about what an all-gather asks of it.
+
+
+def grid_shape(holders: int, max_peers: int) -> tuple[int, ...]:
+    """Sizes of a grid of exactly ``holders`` points with every size at most
+    ``max_peers + 1`` and as few dimensions as first-fit-decreasing packing of the
+    prime factors finds; () when a prime factor is larger (a tree relays those)."""
+    n, primes, f = holders, [], 2
+    while f * f <= n:
+        while n % f == 0:
+            primes.append(f)
+            n //= f
+        f += 1
+    if n > 1:
+        primes.append(n)
+    cap = max_peers + 1
+    if not primes or primes[-1] > cap:
+        return ()
+    bins: list[int] = []
+    for q in sorted(primes, reverse=True):
+        fits = [i for i, b in enumerate(bins) if b * q <= cap]
+        if fits:
+            best = max(fits, key=lambda i: (bins[i], -i))
+            bins[best] *= q
+        else:
+            bins.append(q)
+    return tuple(sorted(bins, reverse=True))
+
+
+def _strides(sizes: tuple[int, ...]) -> list[int]:
+    out, step = [], 1
+    for k in sizes:
+        out.append(step)
+        step *= k
+    return out
+
+
+def grid_hops(holders: Sequence[int], reader: int, sizes: tuple[int, ...], start: int) -> list[tuple[int, int, int]]:
+    """(depth, sender, receiver) of every hop of a piece read in round ``start``."""
+    dims = len(sizes)
+    strides = _strides(sizes)
+    have = [holders.index(reader)]
+    out: list[tuple[int, int, int]] = []
+    for d in range(dims):
+        j = (start + d) % dims
+        k, step = sizes[j], strides[j]
+        new = []
+        for p in have:
+            digit = (p // step) % k
+            base = p - digit * step
+            for v in range(k):
+                if v != digit:
+                    q = base + v * step
+                    out.append((d, holders[p], holders[q]))
+                    new.append(q)
+        have += new
+    return out
+
+
+def grid_links(holders: Sequence[int], reader: int, sizes: tuple[int, ...], start: int, rank: int
+               ) -> tuple[tuple[int, int] | None, list[tuple[int, list[int]]]]:
+    """``grid_hops`` seen from one rank, without building them: it receives at the depth of
+    the last dimension (in this piece's order) where it differs from the reader, from the
+    point of that line that matches the reader there, and sends at every depth after."""
+    dims = len(sizes)
+    strides = _strides(sizes)
+    r0, p = holders.index(reader), holders.index(rank)
+    got: tuple[int, int] | None = None
+    first_send = 0
+    for d in range(dims):
+        j = (start + d) % dims
+        k, step = sizes[j], strides[j]
+        a, b = (r0 // step) % k, (p // step) % k
+        if a != b:
+            got = (d, holders[p + (a - b) * step])
+            first_send = d + 1
+    sends = []
+    for d in range(first_send, dims):
+        j = (start + d) % dims
+        k, step = sizes[j], strides[j]
+        digit = (p // step) % k
+        sends.append((d, [holders[p + (v - digit) * step] for v in range(k) if v != digit]))
+    return got, sends
 
 
 def holders_of(r: Read, targets: Sequence[Target]) -> list[int]:
@@ -448,19 +561,19 @@ def relay_links(holders: Sequence[int], reader: int, fan: int, rank: int
 
 def relay_costs(r: Read, targets: Sequence[Target]) -> dict[int, list[tuple[int, int, list[int]]]]:
     """A relayed read's staging and peers per rank and depth: rank -> [(depth, bytes,
-    peers)], depth ascending. The reader stages the read (and a pack buffer per child
-    when the message is packed); a receiver its receive buffer; a forwarder, in the
-    round after it received, one relay buffer it sends from to all its children."""
+    peers)], depth ascending. The reader stages the read (and a pack buffer per receiver
+    when the message is packed); a receiver its receive buffer; a rank that sends the
+    piece on, in each later round it sends in, one relay buffer it sends from."""
     size = message_layout(r.copies)[1]
     packed = is_packed(r.copies)
     reader = r.reader
     cells: dict[int, dict[int, list[Any]]] = {reader: {0: [read_cost(r), []]}}
-    for d, s, x in relay_hops(holders_of(r, targets), reader, r.relay):
+    for d, s, x in read_hops(r, targets):
         sc = cells.setdefault(s, {})
         cell = sc.get(d)
         if cell is None:
-            cell = sc[d] = [0 if s == reader else size, []]
-        if s == reader and packed:
+            cell = sc[d] = [0 if s == reader and d == 0 else size, []]
+        if s == reader and d == 0 and packed:
             cell[0] += size
         cell[1].append(x)
         xc = cells.setdefault(x, {}).setdefault(d, [0, []])

@@ -43,6 +43,7 @@ from .data import (
     Targets,
     ViewLike,
     costs_of,
+    grid_shape,
     is_packed,
     message_layout,
     message_size,
@@ -388,8 +389,9 @@ def _plan_component(
 
 def _relay(reads: list[Read], targets: Sequence[Target], options: PlanOptions) -> None:
     """Reads whose one holder set has more than ``options.relay_above`` ranks travel along
-    a relay tree (``data.relay_hops``) instead of from the reader to every holder at once:
-    no rank then exchanges with more than ``max_peers`` ranks for them in a round. A read
+    a relay grid (``data.grid_hops``; a tree, ``data.relay_hops``, when the holder count has a
+    prime factor above ``max_peers + 1``) instead of from the reader to every holder at
+    once: no rank then exchanges with more than ``max_peers`` ranks for them in a round. A read
     whose copies go to different holder sets (overlapping chunks joined them) is sent
     directly, as before."""
     limit = options.relay_above
@@ -399,6 +401,7 @@ def _relay(reads: list[Read], targets: Sequence[Target], options: PlanOptions) -
             continue
         if all(targets[c.target].needers is first or targets[c.target].needers == first for c in r.copies):
             r.relay = max(2, options.max_peers)
+            r.grid = grid_shape(len(first), r.relay)
 
 
 @dataclass(slots=True)

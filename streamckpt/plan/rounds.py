@@ -47,7 +47,10 @@ class RoundPacker:
         self.touched: set[int] = set()
         self._run: _Run | None = None
         self.max_peers = max_peers  # relayed reads: distinct peers per rank and round (0: no limit)
-        self.peers: dict[int, tuple[int, set[int]]] = {}  # rank -> (round, its relay peers there)
+        self.peers: dict[int, dict[int, set[int]]] = {}  # rank -> round -> its tree-relay peers there
+        # bytes a relayed read takes from a rank in rounds after the one its state is in
+        # (the later depths of a relay): the rank still takes reads in its current round
+        self.future: dict[int, dict[int, int]] = {}
 
     def _needs(self, state: int, cost: int) -> int:
         """The earliest round a rank in ``state`` can take ``cost`` more bytes in."""
@@ -65,6 +68,9 @@ class RoundPacker:
             self._charge_relay(r, targets)
             return
         uniform = uniform_costs(r, targets)
+        if uniform is not None and self.future and (self._run is None or self._run.ranks is not uniform[0]) \
+                and any(x in self.future for x in uniform[0]):
+            uniform = None  # a rank with later relay rounds booked: placed read by read
         if uniform is None or r.reader not in uniform[0]:
             self._flush()
             self._charge(r, costs_of(r, targets))
@@ -92,42 +98,100 @@ class RoundPacker:
     def _charge(self, r: Read, costs: dict[int, int]) -> None:
         state = self.state
         rnd = max(self._needs(state[rank], c) for rank, c in costs.items())
-        base = rnd << SHIFT
-        for rank, c in costs.items():
-            s = state[rank]
-            state[rank] = (s if s >= base else base) + c
+        if self.future and any(rank in self.future for rank in costs):
+            rnd = self._first_fit({rank: [(0, c, ())] for rank, c in costs.items()}, rnd, 0)
+            for rank, c in costs.items():
+                self._take(rank, rnd, c, ())
+        else:
+            base = rnd << SHIFT
+            for rank, c in costs.items():
+                s = state[rank]
+                state[rank] = (s if s >= base else base) + c
         self.touched.update(costs)
         r.round = rnd
+
+    def _fits(self, rank: int, t: int, c: int, new: Sequence[int], limit: int) -> bool:
+        """Whether ``rank`` can take ``c`` bytes (and ``new`` relay peers) in round ``t``."""
+        s = self.state[rank]
+        cur = s >> SHIFT
+        if t < cur:
+            return False
+        used = s & USED if t == cur else self.future.get(rank, {}).get(t, 0)
+        if used and used + c > self.cap:
+            return False
+        if limit and new:
+            seen = self.peers.get(rank, {}).get(t)
+            if seen is not None and len(seen.union(new)) > limit:
+                return False
+        return True
+
+    def _first_fit(self, cells: dict[int, list[tuple[int, int, Sequence[int]]]], low: int, limit: int) -> int:
+        """The first round from ``low`` where every rank fits at every depth."""
+        rnd = low
+        for rank, per in cells.items():  # no rank goes back before its current round
+            rnd = max(rnd, (self.state[rank] >> SHIFT) - per[0][0])
+        while True:
+            if all(self._fits(rank, rnd + d, c, new, limit) for rank, per in cells.items() for d, c, new in per):
+                return rnd
+            rnd += 1
+
+    def _take(self, rank: int, t: int, c: int, new: Sequence[int]) -> None:
+        """Charge ``rank`` ``c`` bytes in round ``t``: its current round, a later one it moves
+        to (taking what relays booked there), or, for a relay's later depths, a booking."""
+        s = self.state[rank]
+        cur = s >> SHIFT
+        fut = self.future.get(rank)
+        if t == cur:
+            self.state[rank] = s + c
+        else:
+            booked = fut.pop(t, 0) if fut is not None else 0
+            self.state[rank] = (t << SHIFT) + booked + c
+            if fut is not None:
+                for x in [x for x in fut if x < t]:
+                    del fut[x]
+                if not fut:
+                    del self.future[rank]
+            mine = self.peers.get(rank)
+            if mine is not None:  # rounds behind the rank's current one take nothing more
+                for x in [x for x in mine if x < t]:
+                    del mine[x]
+        if new:
+            self.peers.setdefault(rank, {}).setdefault(t, set()).update(new)
+
+    def _book(self, rank: int, t: int, c: int, new: Sequence[int]) -> None:
+        """A relay's later depth: bytes in round ``t`` after the rank's current one."""
+        fut = self.future.setdefault(rank, {})
+        fut[t] = fut.get(t, 0) + c
+        if new:
+            self.peers.setdefault(rank, {}).setdefault(t, set()).update(new)
 
     def _charge_relay(self, r: Read, targets: Sequence[Target]) -> None:
         """Place a relayed read: the earliest first round where, at every depth, each rank has
         room for its bytes and stays within ``max_peers`` distinct relay peers. A rank's
         first depth decides (its later depths fall in rounds after its current one)."""
-        cells = relay_costs(r, targets)
-        state, peers, limit = self.state, self.peers, self.max_peers
-        rnd = 0
-        for rank, per in cells.items():
-            d, c, new = per[0]
-            s = state[rank]
-            cur = s >> SHIFT
-            fit = self._needs(s, c)
-            if fit == cur and limit:
-                seen = peers.get(rank)
-                if seen is not None and seen[0] == cur and len(seen[1].union(new)) > limit:
-                    fit = cur + 1
-            if fit - d > rnd:
-                rnd = fit - d
-        for rank, per in cells.items():
-            s = state[rank]
+        if r.grid:  # its hops depend on its round's place among the grid's dimensions
+            variants: dict[int, dict[int, list[tuple[int, int, list[int]]]]] = {}
+            rnd = 0
+            while True:
+                r.round = rnd
+                cells = variants.get(rnd % len(r.grid))
+                if cells is None:
+                    cells = variants[rnd % len(r.grid)] = relay_costs(r, targets)
+                need = self._first_fit(cells, rnd, 0)
+                if need == rnd:
+                    break
+                rnd = need
+        else:
+            cells = relay_costs(r, targets)
+            rnd = self._first_fit(cells, 0, self.max_peers)
+        tree = not r.grid  # a grid bounds each round's peers by its shape: only trees are counted
+        for rank, per in cells.items():  # rounds after a rank's current one are booked: it still fills its current one
+            cur = self.state[rank] >> SHIFT
             for d, c, new in per:
-                base = (rnd + d) << SHIFT
-                s = (s if s >= base else base) + c
-                seen = peers.get(rank)
-                if seen is None or seen[0] != rnd + d:
-                    peers[rank] = (rnd + d, set(new))
+                if rnd + d == cur:
+                    self._take(rank, cur, c, new if tree else ())
                 else:
-                    seen[1].update(new)
-            state[rank] = s
+                    self._book(rank, rnd + d, c, new if tree else ())
         self.touched.update(cells)
         r.round = rnd
 
@@ -144,7 +208,9 @@ class RoundPacker:
     def count(self, ranks: Iterable[int]) -> int:
         """Rounds used by the busiest of ``ranks`` so far."""
         self._flush()
-        return max(((self.state[r] >> SHIFT) + 1 for r in ranks if r in self.touched), default=0)
+        last = [(self.state[r] >> SHIFT) + 1 for r in ranks if r in self.touched]
+        last += [max(self.future[r]) + 1 for r in ranks if r in self.future]
+        return max(last, default=0)
 
 
 def uniform_costs(r: Read, targets: Sequence[Target]) -> tuple[list[int], int, int] | None:
