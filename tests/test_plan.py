@@ -21,7 +21,7 @@ from streamckpt.core.manifest import Manifest, Shard, TensorMeta, validate
 from streamckpt.loading.pipeline import Destinations, LocalRound, _layout, local_schedule, pack_message, unpack_message
 from streamckpt.plan.planner import (ALIGN, PlanOptions, build_plan, costs_of, ranks_of, is_packed, message_layout, message_size, messages_of,
                              settle_all)
-from streamckpt.plan.data import grid_hops, grid_links, grid_shape, hops_of, relay_hops, relay_links
+from streamckpt.plan.data import grid_hops, grid_links, grid_shape, hops_of, node_grid, relay_hops, relay_links
 from streamckpt.core.regions import Box
 from streamckpt.core.targets import TargetSpec
 from streamckpt.plan.gathered import GatheredSpecs
@@ -487,7 +487,7 @@ def test_many_holders_are_relayed_within_max_peers(seed, ndim, world, max_peers,
     targets = [a + b for a, b in zip(_many_holder_targets(rng, shape, world, code, "w", everyone),
                                      _many_holder_targets(rng, shape, world, code, "v", everyone))]
     opts = PlanOptions(memory_budget=budget, max_gap_bytes=rng.choice([0, 16, 1 << 20]), max_peers=max_peers,
-                       min_split_bytes=rng.choice([8, 64, 1 << 20]))
+                       min_split_bytes=rng.choice([8, 64, 1 << 20]), ranks_per_node=rng.choice([0, 2, 3, 4]))
     full = build_plan(manifest, targets, opts)
     dests, fetched = simulate(full, files, world, targets, dtype)
     for r in range(world):
@@ -563,6 +563,36 @@ def test_relay_grid_links_are_its_hops(n, max_peers, start, data):
         for d, a, b in mine:
             hops.setdefault((a, d), set()).add(b)
             hops.setdefault((b, d), set()).add(a)
+    assert max(len(v) for v in hops.values()) <= max_peers
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.integers(2, 8), st.integers(2, 9), st.integers(0, 7), st.data())
+def test_node_grid_enters_each_node_once(nodes, per_node, max_peers, start, data):
+    """With nodes known, a piece crosses into each other node once and fans out inside it;
+    each rank's links are the grid's hops; no rank exceeds ``max_peers`` peers in a round."""
+    used = sorted(data.draw(st.sets(st.integers(0, 40), min_size=nodes, max_size=nodes)))
+    g = data.draw(st.integers(1, per_node))
+    holders = [n * per_node + i for n in used for i in range(g)]
+    sizes = node_grid(holders, max_peers, per_node)
+    if not sizes:
+        assert g < 2 or nodes < 2 or g > max_peers or not grid_shape(nodes, max_peers - g + 1)
+        return
+    assert sizes[0] == g and math.prod(sizes) == len(holders)
+    hops = {}
+    for reader in data.draw(st.lists(st.sampled_from(holders), min_size=1, max_size=3)):
+        mine = grid_hops(holders, reader, sizes, start, True)
+        assert sorted(y for _, _, y in mine) == sorted(set(holders) - {reader})
+        entered = defaultdict(int)
+        for d, a, b in mine:
+            if a // per_node != b // per_node:
+                entered[b // per_node] += 1
+            hops.setdefault((a, d), set()).add(b)
+            hops.setdefault((b, d), set()).add(a)
+        assert set(entered.values()) <= {1} and reader // per_node not in entered
+        links = [(d, x, y) for x in holders for d, ys in grid_links(holders, reader, sizes, start, x, True)[1]
+                 for y in ys]
+        assert sorted(links) == sorted(mine)
     assert max(len(v) for v in hops.values()) <= max_peers
 
 

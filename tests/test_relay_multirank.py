@@ -13,6 +13,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import pytest
+
 from conftest import BUCKET
 from distributed import result_dict, run_ranks
 
@@ -33,7 +35,10 @@ def _model() -> dict[str, Any]:
     return out
 
 
-def relayed_worker(rank: int, world: int, root: str, opts: dict[str, Any]) -> dict[str, Any]:
+def relayed_worker(rank: int, world: int, root: str, opts: dict[str, Any], max_peers: int, per_node: int,
+                   ) -> dict[str, Any]:
+    import os
+
     import torch
 
     import streamckpt as sc
@@ -45,22 +50,31 @@ def relayed_worker(rank: int, world: int, root: str, opts: dict[str, Any]) -> di
     model = _model()
     sc.save(model, root, storage_options=opts)  # replicated: stored once
     target = {k: torch.full_like(v, 7) for k, v in model.items()}
+    if per_node:  # as torchrun numbers ranks: node by node
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node))
     storage = Storage(root, opts, max_concurrency=2)
     try:
-        options = PlanOptions(memory_budget=4 << 20, max_peers=2, min_split_bytes=256 << 10)
+        options = PlanOptions(memory_budget=4 << 20, max_peers=max_peers, min_split_bytes=256 << 10)
         res = run_load(make_comm(None), storage, LoadRequest(target, True, options, None))
     finally:
         storage.close()
     for k, v in model.items():
         assert torch.equal(target[k], v), f"rank {rank}: {k} differs"
-    return result_dict(res)
+    from streamckpt.loading.loader import with_nodes
+
+    return {**result_dict(res), "per_node": with_nodes(make_comm(None), options).ranks_per_node}
 
 
-def test_replicated_load_relayed_with_two_peers(local_s3: Any) -> None:
+@pytest.mark.parametrize("max_peers,per_node", [(2, 0), (3, 2)])
+def test_replicated_load_relayed(local_s3: Any, max_peers: int, per_node: int) -> None:
+    """(2, 0): no node known, a grid of 3 x 2 ranks; (3, 2): three nodes of two ranks (torchrun's
+    variables), each piece crosses into a node once and then to the node's other rank."""
     root = f"s3://{BUCKET}/relay-{uuid.uuid4().hex[:10]}"
-    ranks = run_ranks(WORLD, relayed_worker, kwargs={"root": root, "opts": local_s3.storage_options},
+    ranks = run_ranks(WORLD, relayed_worker, kwargs={"root": root, "opts": local_s3.storage_options,
+                                                     "max_peers": max_peers, "per_node": per_node},
                       timeout=240, pg_timeout=60)
     results = [r.unwrap() for r in ranks]
+    assert {r["per_node"] for r in results} == {per_node}
     total = sum(v.numel() * v.element_size() for v in _model().values())
     assert all(r["bytes_needed"] == total for r in results)
     assert sum(r["bytes_read"] for r in results) == total  # every stored byte fetched once, by one rank
@@ -68,6 +82,7 @@ def test_replicated_load_relayed_with_two_peers(local_s3: Any) -> None:
     for r in results:
         assert r["bytes_received"] >= total - r["bytes_read"]
     assert sum(r["bytes_sent"] for r in results) == sum(r["bytes_received"] for r in results)
-    # a reader sends its pieces to two ranks only; whoever sends more passed on what it received
-    assert any(r["bytes_sent"] > 2 * r["bytes_read"] + 4096 for r in results)
+    # a reader sends its pieces to at most max_peers ranks in their first round; whoever sends
+    # more than that passed on what it had received (or sends a piece again a round later)
+    assert any(r["bytes_sent"] > max_peers * r["bytes_read"] + 4096 for r in results)
     assert all(r["rounds"] > 1 for r in results)

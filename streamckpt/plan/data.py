@@ -29,6 +29,7 @@ class PlanOptions:
     max_round_bytes: int = 32 << 20
     max_peers: int = 8
     min_split_bytes: int = 1 << 20
+    ranks_per_node: int = 0  # ranks r // ranks_per_node share a node (its NIC); 0: unknown
 
     @property
     def relay_above(self) -> int:
@@ -202,6 +203,7 @@ class Read:
     tag: int = 0  # message tag, the same on every rank that plans this read
     relay: int = 0  # fan-out of the read's relay tree (``PlanOptions.max_peers``); 0: sent directly
     grid: tuple[int, ...] = ()  # relayed over its holders as a grid of these sizes (``grid_hops``), not a tree
+    grid_nodes: bool = False  # the grid's first dimension is each node's holders, crossed last
 
     @property
     def length(self) -> int:
@@ -390,7 +392,7 @@ def read_hops(r: Read, targets: Sequence[Target]) -> list[tuple[int, int, int]]:
     """(depth, sender, receiver) of a relayed read's hops (its grid's or its tree's)."""
     holders = holders_of(r, targets)
     if r.grid:
-        return grid_hops(holders, r.reader, r.grid, r.round)
+        return grid_hops(holders, r.reader, r.grid, r.round, r.grid_nodes)
     return relay_hops(holders, r.reader, r.relay)
 
 
@@ -400,7 +402,7 @@ def read_links(r: Read, targets: Sequence[Target], rank: int
     reader) and [(depth, receivers)] it sends to, depth ascending."""
     holders = holders_of(r, targets)
     if r.grid:
-        return grid_links(holders, r.reader, r.grid, r.round, rank)
+        return grid_links(holders, r.reader, r.grid, r.round, rank, r.grid_nodes)
     got, send = relay_links(holders, r.reader, r.relay, rank)
     return got, [send] if send is not None else []
 
@@ -442,6 +444,43 @@ def grid_shape(holders: int, max_peers: int) -> tuple[int, ...]:
     return tuple(sorted(bins, reverse=True))
 
 
+def node_grid(holders: Sequence[int], max_peers: int, ranks_per_node: int) -> tuple[int, ...]:
+    """A grid whose first dimension is each node's holders (``g`` of them on every node
+    they span, consecutive in rank order), crossed last by every piece: a piece then
+    enters each node once, over its NIC, and fans out inside it. In a round a rank
+    exchanges with its node's other holders and its line along one other dimension, so
+    those lines are at most ``max_peers - (g - 1) + 1`` long. () when the holders are not
+    spread evenly over nodes or no such grid fits."""
+    if ranks_per_node < 2 or len(holders) < 2:
+        return ()
+    counts: list[int] = []  # holders per node, in rank order (holders ascending)
+    node = -1
+    for x in holders:
+        if x // ranks_per_node != node:
+            node = x // ranks_per_node
+            counts.append(0)
+        counts[-1] += 1
+    g = counts[0]
+    if any(c != g for c in counts):
+        return ()
+    nodes = len(holders) // g
+    if g < 2 or nodes < 2 or g - 1 > max_peers - 1:
+        return ()
+    rest = grid_shape(nodes, max_peers - (g - 1))
+    return (g, *rest) if rest else ()
+
+
+def _dim(start: int, d: int, dims: int, nodes: bool) -> int:
+    """The dimension a piece read in round ``start`` moves along at depth ``d``: the round's
+    (``(start + d) % dims``), or with ``nodes`` the round's among the dimensions across
+    nodes and, at the last depth, the node's own."""
+    if not nodes:
+        return (start + d) % dims
+    if d == dims - 1:
+        return 0
+    return 1 + (start + d) % (dims - 1)
+
+
 def _strides(sizes: tuple[int, ...]) -> list[int]:
     out, step = [], 1
     for k in sizes:
@@ -450,14 +489,15 @@ def _strides(sizes: tuple[int, ...]) -> list[int]:
     return out
 
 
-def grid_hops(holders: Sequence[int], reader: int, sizes: tuple[int, ...], start: int) -> list[tuple[int, int, int]]:
+def grid_hops(holders: Sequence[int], reader: int, sizes: tuple[int, ...], start: int, nodes: bool = False,
+              ) -> list[tuple[int, int, int]]:
     """(depth, sender, receiver) of every hop of a piece read in round ``start``."""
     dims = len(sizes)
     strides = _strides(sizes)
     have = [holders.index(reader)]
     out: list[tuple[int, int, int]] = []
     for d in range(dims):
-        j = (start + d) % dims
+        j = _dim(start, d, dims, nodes)
         k, step = sizes[j], strides[j]
         new = []
         for p in have:
@@ -472,8 +512,8 @@ def grid_hops(holders: Sequence[int], reader: int, sizes: tuple[int, ...], start
     return out
 
 
-def grid_links(holders: Sequence[int], reader: int, sizes: tuple[int, ...], start: int, rank: int
-               ) -> tuple[tuple[int, int] | None, list[tuple[int, list[int]]]]:
+def grid_links(holders: Sequence[int], reader: int, sizes: tuple[int, ...], start: int, rank: int,
+               nodes: bool = False) -> tuple[tuple[int, int] | None, list[tuple[int, list[int]]]]:
     """``grid_hops`` seen from one rank, without building them: it receives at the depth of
     the last dimension (in this piece's order) where it differs from the reader, from the
     point of that line that matches the reader there, and sends at every depth after."""
@@ -483,7 +523,7 @@ def grid_links(holders: Sequence[int], reader: int, sizes: tuple[int, ...], star
     got: tuple[int, int] | None = None
     first_send = 0
     for d in range(dims):
-        j = (start + d) % dims
+        j = _dim(start, d, dims, nodes)
         k, step = sizes[j], strides[j]
         a, b = (r0 // step) % k, (p // step) % k
         if a != b:
@@ -491,7 +531,7 @@ def grid_links(holders: Sequence[int], reader: int, sizes: tuple[int, ...], star
             first_send = d + 1
     sends = []
     for d in range(first_send, dims):
-        j = (start + d) % dims
+        j = _dim(start, d, dims, nodes)
         k, step = sizes[j], strides[j]
         digit = (p // step) % k
         sends.append((d, [holders[p + (v - digit) * step] for v in range(k) if v != digit]))

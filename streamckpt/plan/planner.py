@@ -44,6 +44,7 @@ from .data import (
     ViewLike,
     costs_of,
     grid_shape,
+    node_grid,
     is_packed,
     message_layout,
     message_size,
@@ -401,7 +402,9 @@ def _relay(reads: list[Read], targets: Sequence[Target], options: PlanOptions) -
             continue
         if all(targets[c.target].needers is first or targets[c.target].needers == first for c in r.copies):
             r.relay = max(2, options.max_peers)
-            r.grid = grid_shape(len(first), r.relay)
+            r.grid = node_grid(first, r.relay, options.ranks_per_node)
+            r.grid_nodes = bool(r.grid)
+            r.grid = r.grid or grid_shape(len(first), r.relay)
 
 
 @dataclass(slots=True)

@@ -174,9 +174,10 @@ class RoundPacker:
             rnd = 0
             while True:
                 r.round = rnd
-                cells = variants.get(rnd % len(r.grid))
+                phase = rnd % max(1, len(r.grid) - (1 if r.grid_nodes else 0))
+                cells = variants.get(phase)
                 if cells is None:
-                    cells = variants[rnd % len(r.grid)] = relay_costs(r, targets)
+                    cells = variants[phase] = relay_costs(r, targets)
                 need = self._first_fit(cells, rnd, 0)
                 if need == rnd:
                     break
