@@ -488,10 +488,11 @@ def _max_total(counts: Counts, what: str) -> int:
 
 def plan_counts(manifest: Any, targets: Sequence[Sequence[Any]], ranks: Sequence[int],
                 m: Machine) -> dict[str, Counts]:
-    """The three strategies' counts on one job (the planner's default options)."""
+    """The three strategies' counts on one job (the planner's default options, and its nodes as
+    torchrun's ``LOCAL_WORLD_SIZE`` gives them to a load: the planned ranks are whole nodes, in order)."""
     from streamckpt.plan.planner import PlanOptions, build_plan
 
-    plan = build_plan(manifest, targets, PlanOptions())
+    plan = build_plan(manifest, targets, PlanOptions(ranks_per_node=m.gpus_per_node))
     own = build_plan(manifest, targets, PlanOptions(read_once=False))
     return {
         "streamckpt": count_plan(plan, ranks, m.gpus_per_node),

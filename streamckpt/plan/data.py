@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
+import numpy as np
+
 from ..core import dtypes
 from ..core.manifest import Manifest, Shard
 from ..core.regions import Box, row_major_strides
@@ -607,6 +609,8 @@ def relay_costs(r: Read, targets: Sequence[Target]) -> dict[int, list[tuple[int,
     size = message_layout(r.copies)[1]
     packed = is_packed(r.copies)
     reader = r.reader
+    if r.grid:
+        return _grid_costs(r, holders_of(r, targets), size, packed)
     cells: dict[int, dict[int, list[Any]]] = {reader: {0: [read_cost(r), []]}}
     for d, s, x in read_hops(r, targets):
         sc = cells.setdefault(s, {})
@@ -620,6 +624,43 @@ def relay_costs(r: Read, targets: Sequence[Target]) -> dict[int, list[tuple[int,
         xc[0] += size
         xc[1].append(s)
     return {rank: [(d, c[0], c[1]) for d, c in sorted(by_depth.items())] for rank, by_depth in cells.items()}
+
+
+def grid_entries(r: Read, holders: Sequence[int], size: int, packed: bool) -> tuple[list[int], list[int], int]:
+    """Where a grid read lays its bytes, per holder (in holder order): the depth it first
+    holds the piece at (the reader 0; any other rank the depth of the last dimension where
+    it differs from the reader, when it receives), after which it holds ``size`` bytes (a
+    receive, then a relay buffer) at every depth to the last; and what the reader takes at
+    depth 0 (the read, and a pack buffer per receiver when the message is packed)."""
+    sizes, nodes, start = r.grid, r.grid_nodes, r.round
+    dims = len(sizes)
+    strides = _strides(sizes)
+    order = [_dim(start, d, dims, nodes) for d in range(dims)]
+    n = len(holders)
+    r0 = holders.index(r.reader)
+    pos = np.arange(n)
+    got = np.zeros(n, dtype=np.int64)
+    for d, j in enumerate(order):
+        k, step = sizes[j], strides[j]
+        got[(pos // step) % k != (r0 // step) % k] = d
+    first = read_cost(r) + (size * (sizes[order[0]] - 1) if packed else 0)
+    return got.tolist(), [r0], first
+
+
+def _grid_costs(r: Read, holders: Sequence[int], size: int, packed: bool
+                ) -> dict[int, list[tuple[int, int, list[int]]]]:
+    """``relay_costs`` of a grid read from ``grid_entries`` (peers not listed: a grid bounds
+    them by its shape)."""
+    got, (r0,), first = grid_entries(r, holders, size, packed)
+    dims = len(r.grid)
+    empty: list[int] = []
+    out: dict[int, list[tuple[int, int, list[int]]]] = {}
+    for p, g in enumerate(got):
+        if p == r0:
+            out[holders[p]] = [(0, first, empty)] + [(d, size, empty) for d in range(1, dims)]
+        else:
+            out[holders[p]] = [(d, size, empty) for d in range(g, dims)]
+    return out
 
 
 def costs_of(r: Read, targets: Sequence[Target]) -> dict[int, int]:

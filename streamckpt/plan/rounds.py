@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .data import Read, Target, costs_of, is_packed, message_layout, read_cost, relay_costs
+from .data import Read, Target, costs_of, grid_entries, is_packed, message_layout, read_cost, relay_costs
 from .needs import Group
 from .ranksets import RankSets
 
@@ -51,6 +51,7 @@ class RoundPacker:
         # bytes a relayed read takes from a rank in rounds after the one its state is in
         # (the later depths of a relay): the rank still takes reads in its current round
         self.future: dict[int, dict[int, int]] = {}
+        self.last: dict[tuple[int, ...], int] = {}  # holder set -> round of its last relayed read
 
     def _needs(self, state: int, cost: int) -> int:
         """The earliest round a rank in ``state`` can take ``cost`` more bytes in."""
@@ -116,7 +117,11 @@ class RoundPacker:
         cur = s >> SHIFT
         if t < cur:
             return False
-        used = s & USED if t == cur else self.future.get(rank, {}).get(t, 0)
+        if t == cur:
+            used = s & USED
+        else:
+            fut = self.future.get(rank)
+            used = fut.get(t, 0) if fut is not None else 0
         if used and used + c > self.cap:
             return False
         if limit and new:
@@ -126,14 +131,25 @@ class RoundPacker:
         return True
 
     def _first_fit(self, cells: dict[int, list[tuple[int, int, Sequence[int]]]], low: int, limit: int) -> int:
-        """The first round from ``low`` where every rank fits at every depth."""
+        """The first round from ``low`` where every rank fits at every depth: each pass moves
+        the round to the latest of each entry's next fitting round, until none moves it."""
         rnd = low
-        for rank, per in cells.items():  # no rank goes back before its current round
-            rnd = max(rnd, (self.state[rank] >> SHIFT) - per[0][0])
         while True:
-            if all(self._fits(rank, rnd + d, c, new, limit) for rank, per in cells.items() for d, c, new in per):
+            need = rnd
+            state = self.state
+            for rank, per in cells.items():
+                cur = state[rank] >> SHIFT
+                for d, c, new in per:
+                    t = rnd + d
+                    if t < cur:
+                        t = cur
+                    while not self._fits(rank, t, c, new, limit):
+                        t += 1
+                    if t - d > need:
+                        need = t - d
+            if need == rnd:
                 return rnd
-            rnd += 1
+            rnd = need
 
     def _take(self, rank: int, t: int, c: int, new: Sequence[int]) -> None:
         """Charge ``rank`` ``c`` bytes in round ``t``: its current round, a later one it moves
@@ -169,22 +185,17 @@ class RoundPacker:
         """Place a relayed read: the earliest first round where, at every depth, each rank has
         room for its bytes and stays within ``max_peers`` distinct relay peers. A rank's
         first depth decides (its later depths fall in rounds after its current one)."""
-        if r.grid:  # its hops depend on its round's place among the grid's dimensions
-            variants: dict[int, dict[int, list[tuple[int, int, list[int]]]]] = {}
-            rnd = 0
-            while True:
-                r.round = rnd
-                phase = rnd % max(1, len(r.grid) - (1 if r.grid_nodes else 0))
-                cells = variants.get(phase)
-                if cells is None:
-                    cells = variants[phase] = relay_costs(r, targets)
-                need = self._first_fit(cells, rnd, 0)
-                if need == rnd:
-                    break
-                rnd = need
+        key = tuple(targets[r.copies[0].target].needers)
+        # a holder set's pieces come in file order and take rounds about in that order: the
+        # search starts at the last one's (not at round 0, past every booked round)
+        low = self.last.get(key, 0)
+        if r.grid:
+            self._charge_grid(r, targets, key, low)
+            return
         else:
             cells = relay_costs(r, targets)
-            rnd = self._first_fit(cells, 0, self.max_peers)
+            rnd = self._first_fit(cells, low, self.max_peers)
+        self.last[key] = rnd
         tree = not r.grid  # a grid bounds each round's peers by its shape: only trees are counted
         for rank, per in cells.items():  # rounds after a rank's current one are booked: it still fills its current one
             cur = self.state[rank] >> SHIFT
@@ -194,6 +205,69 @@ class RoundPacker:
                 else:
                     self._book(rank, rnd + d, c, new if tree else ())
         self.touched.update(cells)
+        r.round = rnd
+
+    def _charge_grid(self, r: Read, targets: Sequence[Target], key: tuple[int, ...], low: int) -> None:
+        """``_charge_relay`` for a grid read, in one pass per candidate round over its holders:
+        each holds ``size`` bytes from the depth it first holds the piece at to the last
+        (``data.grid_entries``), the reader its read at depth 0. Its hops depend on its
+        round's place among the grid's dimensions, so the layout is redone per phase."""
+        holders = targets[r.copies[0].target].needers
+        size = message_layout(r.copies)[1]
+        packed = is_packed(r.copies)
+        dims = len(r.grid)
+        period = max(1, dims - (1 if r.grid_nodes else 0))
+        variants: dict[int, tuple[list[int], list[int], int]] = {}
+        state, future, cap = self.state, self.future, self.cap
+        rnd = low
+        while True:
+            r.round = rnd
+            phase = rnd % period
+            entry = variants.get(phase)
+            if entry is None:
+                entry = variants[phase] = grid_entries(r, holders, size, packed)
+            got, (r0,), first = entry
+            need = rnd
+            for p, rank in enumerate(holders):
+                s = state[rank]
+                cur = s >> SHIFT
+                fut = future.get(rank)
+                d = 0 if p == r0 else got[p]
+                c = first if p == r0 else size
+                while d < dims:
+                    t = rnd + d
+                    if t < cur:
+                        t = cur
+                    while True:
+                        u = (s & USED) if t == cur else (fut.get(t, 0) if fut is not None else 0)
+                        if not u or u + c <= cap:
+                            break
+                        t += 1
+                    if t - d > need:
+                        need = t - d
+                    d += 1
+                    c = size
+            if need == rnd:
+                break
+            rnd = need
+        self.last[key] = rnd
+        for p, rank in enumerate(holders):  # rounds after a rank's current one are booked
+            s = state[rank]
+            cur = s >> SHIFT
+            d = 0 if p == r0 else got[p]
+            c = first if p == r0 else size
+            while d < dims:
+                t = rnd + d
+                if t == cur:
+                    self._take(rank, cur, c, ())
+                else:
+                    fut = future.get(rank)
+                    if fut is None:
+                        fut = future[rank] = {}
+                    fut[t] = fut.get(t, 0) + c
+                d += 1
+                c = size
+        self.touched.update(holders)
         r.round = rnd
 
     def _flush(self) -> None:
