@@ -272,8 +272,10 @@ class Executor:
         """Pack the round's packed messages in its arena; on the NCCL plane copy each message
         into its device send buffer."""
         arena = self.arenas[k % 2]
+        packed: set[int] = set()
         for m, at, wire in fills:
-            if is_packed(m.copies) and not m.relayed:
+            if is_packed(m.copies) and not m.relayed and at not in packed:  # a relayed read's pack is shared
+                packed.add(at)
                 pack_message(self._staged(k, m.read_index, reads[m.read_index]), m.copies, arena[at:])
             if self.placement.data_on_device:
                 self.stage.fill_send(wire, arena[at: at + wire.numel()])  # type: ignore[union-attr]

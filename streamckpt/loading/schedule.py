@@ -78,6 +78,12 @@ def _relayed(rounds: list[LocalRound], rank: int, i: int, r: Read, plan: LoadPla
             rounds[r.round + d].carry.append(i)
 
 
+def relayed_pack(rnd: LocalRound, m: Message) -> bool:
+    """Whether message ``m`` is a relayed read's (its copies are the read's own list, the same
+    for every receiver), whose pack buffer all its receivers share."""
+    return any(i == m.read_index and r.relay and m.copies is r.copies for i, r in rnd.reads)
+
+
 @dataclass(slots=True)
 class Layout:
     """Where each buffer of one round lives in its arena."""
@@ -121,6 +127,11 @@ def layout(rnd: LocalRound, landings: Mapping[int, ReadLanding] | None = None) -
                 lay.relay[m.read_index] = pos
                 pos += message_size(m.copies)
         elif is_packed(m.copies):
+            shared = next((at for (i, _), at in lay.pack.items() if i == m.read_index), None) \
+                if relayed_pack(rnd, m) else None
+            if shared is not None:  # a relayed read: every receiver gets the same message, packed once
+                lay.pack[(m.read_index, m.peer)] = shared
+                continue
             pos = align(pos)
             lay.pack[(m.read_index, m.peer)] = pos
             pos += message_layout(m.copies)[1]

@@ -603,22 +603,21 @@ def relay_links(holders: Sequence[int], reader: int, fan: int, rank: int
 
 def relay_costs(r: Read, targets: Sequence[Target]) -> dict[int, list[tuple[int, int, list[int]]]]:
     """A relayed read's staging and peers per rank and depth: rank -> [(depth, bytes,
-    peers)], depth ascending. The reader stages the read (and a pack buffer per receiver
-    when the message is packed); a receiver its receive buffer; a rank that sends the
+    peers)], depth ascending. The reader stages the read (and one pack buffer, which its
+    receivers share, when the message is packed); a receiver its receive buffer; a rank that sends the
     piece on, in each later round it sends in, one relay buffer it sends from."""
     size = message_layout(r.copies)[1]
     packed = is_packed(r.copies)
     reader = r.reader
     if r.grid:
         return _grid_costs(r, holders_of(r, targets), size, packed)
-    cells: dict[int, dict[int, list[Any]]] = {reader: {0: [read_cost(r), []]}}
+    # the reader packs once for all its receivers
+    cells: dict[int, dict[int, list[Any]]] = {reader: {0: [read_cost(r) + (size if packed else 0), []]}}
     for d, s, x in read_hops(r, targets):
         sc = cells.setdefault(s, {})
         cell = sc.get(d)
         if cell is None:
-            cell = sc[d] = [0 if s == reader and d == 0 else size, []]
-        if s == reader and d == 0 and packed:
-            cell[0] += size
+            cell = sc[d] = [size, []]
         cell[1].append(x)
         xc = cells.setdefault(x, {}).setdefault(d, [0, []])
         xc[0] += size
@@ -631,7 +630,7 @@ def grid_entries(r: Read, holders: Sequence[int], size: int, packed: bool) -> tu
     holds the piece at (the reader 0; any other rank the depth of the last dimension where
     it differs from the reader, when it receives), after which it holds ``size`` bytes (a
     receive, then a relay buffer) at every depth to the last; and what the reader takes at
-    depth 0 (the read, and a pack buffer per receiver when the message is packed)."""
+    depth 0 (the read, and one pack buffer when the message is packed)."""
     sizes, nodes, start = r.grid, r.grid_nodes, r.round
     dims = len(sizes)
     strides = _strides(sizes)
@@ -643,7 +642,7 @@ def grid_entries(r: Read, holders: Sequence[int], size: int, packed: bool) -> tu
     for d, j in enumerate(order):
         k, step = sizes[j], strides[j]
         got[(pos // step) % k != (r0 // step) % k] = d
-    first = read_cost(r) + (size * (sizes[order[0]] - 1) if packed else 0)
+    first = read_cost(r) + (size if packed else 0)  # one pack buffer all its receivers share
     return got.tolist(), [r0], first
 
 
