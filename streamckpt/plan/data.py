@@ -29,8 +29,8 @@ class PlanOptions:
     max_request_bytes: int = 16 << 20
     read_once: bool = True
     max_round_bytes: int = 32 << 20
-    max_peers: int = 8
-    min_split_bytes: int = 1 << 20
+    max_peers: int = 8  # ranks one rank exchanges with per round for one holder set's relayed reads
+    min_split_bytes: int = 1 << 20  # smallest piece a relayed holder set's reads are split into
     ranks_per_node: int = 0  # ranks r // ranks_per_node share a node (its NIC); 0: unknown
 
     @property
@@ -203,7 +203,7 @@ class Read:
     private: bool = False  # serves only its reader (no messages)
     round: int = 0
     tag: int = 0  # message tag, the same on every rank that plans this read
-    relay: int = 0  # fan-out of the read's relay tree (``PlanOptions.max_peers``); 0: sent directly
+    relay: int = 0  # relayed among its holders within this many peers per round (``max_peers``); 0: sent directly
     grid: tuple[int, ...] = ()  # relayed over its holders as a grid of these sizes (``grid_hops``), not a tree
     grid_nodes: bool = False  # the grid's first dimension is each node's holders, crossed last
 

@@ -17,7 +17,7 @@ updates the whole set lazily, since ``max(max(s, B) + A, base) + c`` is again
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from .data import Read, Target, costs_of, grid_entries, is_packed, message_layout, read_cost, relay_costs
 from .needs import Group
@@ -130,7 +130,7 @@ class RoundPacker:
                 return False
         return True
 
-    def _first_fit(self, cells: dict[int, list[tuple[int, int, Sequence[int]]]], low: int, limit: int) -> int:
+    def _first_fit(self, cells: Mapping[int, Sequence[tuple[int, int, Sequence[int]]]], low: int, limit: int) -> int:
         """The first round from ``low`` where every rank fits at every depth: each pass moves
         the round to the latest of each entry's next fitting round, until none moves it."""
         rnd = low
