@@ -509,6 +509,10 @@ def test_many_holders_are_relayed_within_max_peers(seed, ndim, world, max_peers,
         for d, a, b, _ in hops:
             peers[(held, a, r.round + d)].add(b)
             peers[(held, b, r.round + d)].add(a)
+        if r.grid_nodes:  # with nodes: the piece crosses into each other node once
+            per = opts.ranks_per_node
+            entered = [b // per for _, a, b, _ in hops if a // per != b // per]
+            assert sorted(entered) == sorted({x // per for x in held} - {r.reader // per})
     assert all(len(p) <= max_peers for p in peers.values())
     if everyone:
         for per in peers_per_round([full] * world, world).values():
