@@ -274,7 +274,7 @@ class Counts:
 
 def count_plan(plan: Any, ranks: Sequence[int], per_node: int) -> Counts:
     """streamckpt: every read of an all-ranks plan, its staging and its messages."""
-    from streamckpt.plan.data import costs_of, message_size, messages_of
+    from streamckpt.plan.data import costs_of, hops_of, message_size, relay_costs
 
     out = Counts(plan.num_rounds)
     for r in plan.reads:
@@ -282,10 +282,15 @@ def count_plan(plan: Any, ranks: Sequence[int], per_node: int) -> Counts:
         c = out.cell(reader, r.round)
         c.fetched += r.length
         c.requests += 1
-        for rank, cost in costs_of(r, plan.targets).items():
-            out.cell(ranks[rank], r.round).staging += cost
-        for rank, copies in messages_of(r, plan.targets).items():
-            out.send(reader, ranks[rank], r.round, message_size(copies), per_node)
+        if r.relay:  # a relayed read spans rounds: each rank's staging in each of them
+            for rank, cells in relay_costs(r, plan.targets).items():
+                for depth, cost, _ in cells:
+                    out.cell(ranks[rank], r.round + depth).staging += cost
+        else:
+            for rank, cost in costs_of(r, plan.targets).items():
+                out.cell(ranks[rank], r.round).staging += cost
+        for depth, src, dst, copies in hops_of(r, plan.targets):
+            out.send(ranks[src], ranks[dst], r.round + depth, message_size(copies), per_node)
     return out
 
 
@@ -492,10 +497,11 @@ def _max_total(counts: Counts, what: str) -> int:
 
 def plan_counts(manifest: Any, targets: Sequence[Sequence[Any]], ranks: Sequence[int],
                 m: Machine) -> dict[str, Counts]:
-    """The three strategies' counts on one job (the planner's default options)."""
+    """The three strategies' counts on one job (the planner's default options, and its nodes as
+    torchrun's ``LOCAL_WORLD_SIZE`` gives them to a load: the planned ranks are whole nodes, in order)."""
     from streamckpt.plan.planner import PlanOptions, build_plan
 
-    plan = build_plan(manifest, targets, PlanOptions())
+    plan = build_plan(manifest, targets, PlanOptions(ranks_per_node=m.gpus_per_node))
     own = build_plan(manifest, targets, PlanOptions(read_once=False))
     return {
         "streamckpt": count_plan(plan, ranks, m.gpus_per_node),
