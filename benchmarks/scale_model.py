@@ -272,16 +272,40 @@ class Counts:
         self.links.setdefault(dst, set()).add(src)
 
 
-def count_plan(plan: Any, ranks: Sequence[int], per_node: int) -> Counts:
-    """streamckpt: every read of an all-ranks plan, its staging and its messages."""
+def _lands_whole(r: Any) -> bool:
+    """A read the executor fetches straight into host targets (``loading.landing``'s pure
+    reads): it feeds no other rank, needs no decoding, and its copies tile it end to end
+    (taken to be in the target's dtype: the checked cases load as saved)."""
+    if not r.private or r.zstd:
+        return False
+    pos = 0
+    for c in sorted(r.copies, key=lambda c: c.offset):
+        if c.offset != pos:
+            return False
+        pos += c.length
+    return pos == r.length
+
+
+def count_plan(plan: Any, ranks: Sequence[int], per_node: int, concurrency: int = 32,
+               piece: int | None = None, host_targets: bool = False) -> Counts:
+    """streamckpt: every read of an all-ranks plan, its staging and its messages. GETs as the
+    reader makes them: each rank's reads of a round are one batch, cut into requests of
+    ``storage.reads.piece_for(batch, piece, concurrency)`` (``piece``: the client's largest
+    GET, default the S3 clients' ``PIECE``), so a small round still spreads over connections.
+    With ``host_targets`` (a CPU load), reads that land whole in this rank's targets are one
+    batch of their own over all rounds, as ``loading.direct`` fetches them."""
     from streamckpt.plan.data import costs_of, hops_of, message_size, relay_costs
+    from streamckpt.storage.obstore_backend import PIECE
+    from streamckpt.storage.reads import piece_for
 
     out = Counts(plan.num_rounds)
+    batches: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for r in plan.reads:
         reader = ranks[r.reader]
         c = out.cell(reader, r.round)
         c.fetched += r.length
-        c.requests += 1
+        batches.setdefault((reader, -1 if host_targets and _lands_whole(r) else r.round), []).append(
+            (r.round, r.length))
         if r.relay:  # a relayed read spans rounds: each rank's staging in each of them
             for rank, cells in relay_costs(r, plan.targets).items():
                 for depth, cost, _ in cells:
@@ -291,6 +315,10 @@ def count_plan(plan: Any, ranks: Sequence[int], per_node: int) -> Counts:
                 out.cell(ranks[rank], r.round).staging += cost
         for depth, src, dst, copies in hops_of(r, plan.targets):
             out.send(ranks[src], ranks[dst], r.round + depth, message_size(copies), per_node)
+    for (rank, _), reads in batches.items():  # the direct batch's reads counted in their plan rounds
+        step = piece_for(sum(n for _, n in reads), PIECE if piece is None else piece, concurrency)
+        for rnd, n in reads:
+            out.cell(rank, rnd).requests += _gets(n, step or 0)
     return out
 
 
@@ -504,7 +532,8 @@ def plan_counts(manifest: Any, targets: Sequence[Sequence[Any]], ranks: Sequence
     plan = build_plan(manifest, targets, PlanOptions(ranks_per_node=m.gpus_per_node))
     own = build_plan(manifest, targets, PlanOptions(read_once=False))
     return {
-        "streamckpt": count_plan(plan, ranks, m.gpus_per_node),
+        "streamckpt": count_plan(plan, ranks, m.gpus_per_node, m.concurrency["streamckpt"],
+                                 m.request_bytes["streamckpt"]),
         "dcp": count_dcp(own, ranks, m.request_bytes["dcp"]),
         "runai": count_runai(manifest, targets, ranks, m.gpus_per_node, m.request_bytes["runai"]),
     }
@@ -518,7 +547,8 @@ def predict_load(manifest: Any, targets: Sequence[Sequence[Any]], m: Machine, *,
     from streamckpt.plan.planner import PlanOptions, build_plan
 
     plan = build_plan(manifest, targets, PlanOptions(read_once=read_once))
-    return predict(count_plan(plan, range(len(targets)), m.gpus_per_node), m, "streamckpt")
+    return predict(count_plan(plan, range(len(targets)), m.gpus_per_node, m.concurrency["streamckpt"],
+                              m.request_bytes["streamckpt"], host_targets=True), m, "streamckpt")
 
 
 def coarsening(case: Case) -> float:

@@ -33,6 +33,16 @@ MIN_PIECE = 4 << 20  # a batch is never cut into requests smaller than this (``R
 CRC_OFFLOAD = 1 << 20  # a read with at least this many checked bytes is verified in a worker thread
 
 
+def piece_for(total: int, top: int | None, max_concurrency: int, held: int = 1 << 62) -> int | None:
+    """``Reader.piece_for`` as a pure function of the batch, so that a model of many ranks'
+    requests (benchmarks/scale_model.py) counts the GETs the reader really makes."""
+    if not top:
+        return None
+    top = min(top, max(MIN_PIECE, held // 4))
+    spread = -(-total // max(1, max_concurrency // 2))
+    return max(min(top, MIN_PIECE), min(top, spread))
+
+
 @dataclass(frozen=True, slots=True)
 class RangeRead:
     """Fetch ``[start, stop)`` of file ``name`` and verify ``checks``.
@@ -211,12 +221,7 @@ class Reader:
         user CPU 0.40 → 0.27 → 0.19 s; at 256 MiB (fresh targets) 8 → 16 MiB took 0.34 → 0.30 s. A small load keeps enough requests in
         flight for a store whose connections are each slower than the link (S3).
         """
-        top = self.piece_size
-        if not top:
-            return None
-        top = min(top, max(MIN_PIECE, held // 4))
-        spread = -(-total // max(1, self.max_concurrency // 2))
-        return max(min(top, MIN_PIECE), min(top, spread))
+        return piece_for(total, self.piece_size, self.max_concurrency, held)
 
     @staticmethod
     async def _landed(i: int, read: Awaitable[None], on_landed: Callable[[int], None] | None) -> None:
