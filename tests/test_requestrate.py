@@ -42,7 +42,7 @@ def test_over_limit_text() -> None:
     assert text is not None
     assert "12000 range GETs in 2.00 s: 6,000 per second on the key prefix s3://b/c/data/" in text
     assert "above the 5,500/s" in text and "3 requests with SlowDown" in text
-    assert "memory_budget" in text and "prefixes" in text
+    assert "max_concurrency" in text and "memory_budget" in text and "prefixes" in text
     assert requestrate.over_limit(job, 6000) is None  # at the limit: not above it
     assert requestrate.over_limit(job, 0) is None  # 0: off
 
