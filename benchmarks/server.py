@@ -319,7 +319,8 @@ def _make_handler(bandwidth_cap: float | None = None, latency: float = 0.0):
     return Handler
 
 
-def serve(root: Path, port: int, bandwidth_cap: float | None = None, latency: float = 0.0) -> None:
+def serve(root: Path, port: int, bandwidth_cap: float | None = None, latency: float = 0.0,
+          host: str = "127.0.0.1") -> None:
     from http.server import ThreadingHTTPServer
 
     root = root.resolve()
@@ -332,7 +333,7 @@ def serve(root: Path, port: int, bandwidth_cap: float | None = None, latency: fl
         # opens many connections at once pays a random extra second.
         request_queue_size = 1024
 
-    server = Server(("127.0.0.1", port), Handler)
+    server = Server((host, port), Handler)
     server.daemon_threads = True
     try:
         server.serve_forever()
@@ -344,12 +345,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="localbucket with counters and sendfile")
     ap.add_argument("--root", type=Path, required=True)
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (benchmarks/netns.py: the store namespace's); default 127.0.0.1")
     ap.add_argument("--bandwidth-cap", default="off",
                     help="total body bandwidth of all connections: 200MB/s, 100MiB/s, 200000000 (B/s); default off")
     ap.add_argument("--latency", type=float, default=0.0,
                     help="seconds each GET waits before its response (a store's time to first byte); default 0")
     args = ap.parse_args()
-    serve(args.root, args.port, parse_rate(args.bandwidth_cap), args.latency)
+    serve(args.root, args.port, parse_rate(args.bandwidth_cap), args.latency, args.host)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from .saving.asyncsave import SaveHandle
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
+    CheckpointInUseError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleStateDictError,
@@ -33,7 +34,7 @@ __all__ = [
     "save", "async_save", "SaveHandle", "load", "load_full", "load_state", "merge", "copy", "inspect", "latest",
     "CheckpointManager", "Restored",
     "ShardedTensor", "LoadResult", "SaveResult", "CheckpointInfo", "TensorInfo",
-    "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
+    "CheckpointError", "CheckpointExistsError", "CheckpointInUseError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompatibleStateDictError", "MissingKeysError", "PeerError", "StagingMemoryError", "StorageError", "StorageOptionError",
     "TransformError",
     "UnsupportedVersionError",

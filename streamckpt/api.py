@@ -16,6 +16,7 @@ from .formats.native import latest_committed
 from .loading.loader import LoadRequest, run_load
 from .manage import Calls, Manager, Restored
 from .manage.copying import copy_checkpoint
+from .manage.references import check_unreferenced
 from .plan.planner import PlanOptions
 from .progress import reporter, reporting
 from .results import CheckpointInfo, DtypeName, LoadResult, SaveResult, TensorInfo
@@ -82,7 +83,9 @@ def save(
             frames that cover it).
         metadata: A JSON-serializable dict stored in the manifest (``sc.inspect(uri).metadata``).
             Default None: an empty dict.
-        overwrite: Replace a committed checkpoint at ``uri``. Default False: refuse it.
+        overwrite: Replace a committed checkpoint at ``uri``. Default False: refuse it. A
+            checkpoint whose files later incremental saves reference (it was their ``base``)
+            is refused even so (``CheckpointInUseError``), before anything is written.
         progress: None (default) or False: no report. A callable: called on this rank with the bytes
             this rank has just stored (each data file once uploaded, then the manifest on
             rank 0), so its calls add up to ``SaveResult.bytes_written``; when it has an
@@ -102,6 +105,8 @@ def save(
 
     Raises:
         CheckpointExistsError: a committed checkpoint is at ``uri`` and ``overwrite`` is False.
+        CheckpointInUseError: ``overwrite`` would replace a checkpoint whose files committed
+            incremental checkpoints reference (named in the message, with what to do).
         IncompatibleStateDictError: the ranks' shards do not tile every tensor exactly once
             (a gap or an overlap), or a value cannot be stored.
         CheckpointNotFoundError: the bucket or container does not exist.
@@ -120,7 +125,8 @@ def save(
     try:
         with reporting(progress, "save", rank=comm.rank, world_size=comm.world_size) as report:
             return run_save(comm, storage, state_dict, compression=compression, metadata=metadata,
-                            overwrite=overwrite, progress=report, base=base, storage_options=storage_options)
+                            overwrite=overwrite, progress=report, base=base, storage_options=storage_options,
+                            guard=check_unreferenced)
     finally:
         storage.close()
 
@@ -161,7 +167,8 @@ def async_save(
         compression: None (default) or ``"zstd"``, as in ``save``.
         metadata: A JSON-serializable dict stored in the manifest. Default None.
         overwrite: Replace a committed checkpoint at ``uri``. Default False: refuse it
-            (``CheckpointExistsError`` from this call).
+            (``CheckpointExistsError`` from this call). As in ``save``, never one that
+            incremental checkpoints reference (``CheckpointInUseError`` from this call).
         staging_budget: Host bytes this rank may stage through (page-locked for CUDA
             tensors), kept for the next save until ``SaveHandle.release_staging()``. None
             (default): the size of this rank's share. With a smaller budget, items are cut to
@@ -180,7 +187,7 @@ def async_save(
         SaveHandle: ``result()`` waits for the commit and returns the ``SaveResult``.
 
     Raises:
-        CheckpointExistsError, IncompatibleStateDictError, CheckpointError: from the call,
+        CheckpointExistsError, CheckpointInUseError, IncompatibleStateDictError, CheckpointError: from the call,
             as in ``save`` (also for a bad ``staging_budget``, ``progress`` or ``base``).
         StorageError, PeerError: from ``SaveHandle.result()``, as in ``save``.
 
@@ -195,7 +202,7 @@ def async_save(
     try:
         handle = start_save(state_dict, uri, storage_options=storage_options, process_group=process_group,
                             compression=compression, metadata=metadata, overwrite=overwrite,
-                            staging_budget=staging_budget, progress=report, base=base)
+                            staging_budget=staging_budget, progress=report, base=base, guard=check_unreferenced)
     except BaseException:
         if bar is not None:
             bar.close(failed=True)

@@ -70,6 +70,7 @@ from .formats.dcpguess import guess_tensors
 from .formats.dcpitem import MAX_VALUE_ITEM_BYTES, RangeCache, item_windows, located_shard, value_from_record
 from .formats.dcpmeta import DcpMetadata, DcpTensor, ItemInfo, parse_metadata
 from .saving import writeplan
+from .manage.references import check_unreferenced
 from .saving.writer import OBJECT_BYTES, ShardToWrite, write_data_files
 from .storage import Landing, RangeRead, Storage
 
@@ -114,7 +115,8 @@ class StorageWriter(tdcp.StorageWriter):
         storage_options: Passed to fsspec unchanged. Default None.
         compression: None (default) or ``"zstd"``, as in ``sc.save``.
         overwrite: Replace a committed checkpoint at ``uri``. Default False: refuse it
-            (``CheckpointExistsError``, in DCP's ``CheckpointException``).
+            (``CheckpointExistsError``, in DCP's ``CheckpointException``); never one whose files
+            incremental checkpoints reference (``CheckpointInUseError``, likewise).
         metadata: A JSON-serializable dict kept in the manifest. Default None.
         object_bytes: The size data files are cut to on upload, one request each
             (default 8 MiB).
@@ -161,14 +163,17 @@ class StorageWriter(tdcp.StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Refuse to replace a committed checkpoint (one HEAD), name each rank's files."""
+        """Refuse to replace a committed checkpoint (one HEAD) unless ``overwrite``, and one whose
+        bytes incremental checkpoints reference in any case; name each rank's files."""
         storage = self._open()
         if storage.entry is not None:
             raise CheckpointError(f"{storage.describe(storage.entry)} names one file; a DCP save writes a "
                                   f"directory: pass its directory URI, e.g. {storage.describe('')}")
-        if not self.overwrite and storage.modified(mf.MANIFEST_NAME) is not None:
-            raise CheckpointExistsError(f"{storage.describe(mf.MANIFEST_NAME)} exists: a committed checkpoint is "
-                                        f"there; pass StorageWriter(..., overwrite=True) to replace it")
+        if storage.modified(mf.MANIFEST_NAME) is not None:
+            if not self.overwrite:
+                raise CheckpointExistsError(f"{storage.describe(mf.MANIFEST_NAME)} exists: a committed checkpoint is "
+                                            f"there; pass StorageWriter(..., overwrite=True) to replace it")
+            check_unreferenced(storage.uri, self.storage_options)  # later incremental saves may use its bytes
         save_id = uuid.uuid4().hex[:8]
         return [dataclasses.replace(p, storage_data=_Prefix(f"data/{save_id}-{i:05d}")) for i, p in enumerate(plans)]
 

@@ -111,6 +111,11 @@ class CheckpointExistsError(CheckpointError):
     """A committed checkpoint already exists at the URI and ``overwrite`` is False."""
 
 
+class CheckpointInUseError(CheckpointError):
+    """Writing at the URI would destroy bytes that other committed checkpoints (incremental
+    saves that used it as their base) reference; names them and what to do."""
+
+
 class StagingMemoryError(CheckpointError):
     """A rank could not allocate the pinned or device memory a load stages through
     (names the rank, the memory and the bytes asked for)."""

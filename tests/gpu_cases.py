@@ -48,6 +48,7 @@ class Case:
     current_device: int
     transform: bool  # transpose + cast "b" on the way in (permute and cast on the GPU)
     cpu_targets: bool  # some targets stay on the CPU
+    max_peers: int = 8  # PlanOptions.max_peers: small to relay pieces many ranks hold
 
     def doc(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,7 +172,7 @@ def run_rank(case: Case, rank: int, comm: SoloComm | GroupComm, path: str,
     try:
         manifest = read_manifest(storage)
         specs = layout(case)
-        opts = PlanOptions(memory_budget=case.budget, read_once=case.read_once)
+        opts = PlanOptions(memory_budget=case.budget, read_once=case.read_once, max_peers=case.max_peers)
         plan = build_plan(manifest, specs, opts, view_of(case, manifest), rank=rank)
         settle_rounds(plan, comm.max_ints)
         fake = FakeCuda(current_device=case.current_device, fail_alloc=fail_alloc)
@@ -207,6 +208,7 @@ def run_rank(case: Case, rank: int, comm: SoloComm | GroupComm, path: str,
             "recv_only_rounds": sum(1 for r in ex.schedule if r.recvs and not r.reads),
             "send_only_rounds": sum(1 for r in ex.schedule if r.sends and not r.recvs),
             "received_bytes": stats.bytes_received,
+            "relay_sends": sum(1 for r in ex.schedule for m in r.sends if m.relayed),
             "copies": fake.counts.get("copy", 0),
             "target_writes": len(fake.target_writes()),
         }

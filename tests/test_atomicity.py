@@ -228,3 +228,15 @@ def _expect_peer_error(err: Any, collective: str) -> None:
     assert err.cls == "PeerError", f"{err.cls}: {err.msg[:300]}"
     assert err.msg.startswith(f"{collective} failed: a peer rank died"), err.msg[:300]
     assert "closed by peer" in err.msg or "reset by peer" in err.msg, err.msg[:300]
+
+
+def test_upload_aborted_by_caller_leaves_no_multipart_upload(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """A data file abandoned mid-way by the caller (another rank failed, Ctrl-C): no multipart
+    upload is left open on the server, whichever client writes (obstore cannot abort one
+    itself: the store aborts it through s3fs), and nothing is visible."""
+    st = Storage(s3_uri, s3_opts)
+    up = st.open_write("data/00000.safetensors", block_size=5 << 20)
+    up.write(b"\x01" * (11 << 20))  # two whole parts handed over: the multipart upload has begun
+    up.abort()
+    assert _pending_uploads(s3_opts, s3_uri) == []
+    assert Storage(s3_uri, s3_opts).list("", recursive=True) == []

@@ -147,6 +147,23 @@ def test_receive_only_rounds_and_the_nccl_plane_are_covered() -> None:
             assert sum(r["send_only_rounds"] for r in reps) >= 2, "too few send-only rounds"
 
 
+def test_relays_keep_the_rules_on_both_data_planes() -> None:
+    """Relayed reads (``max_peers`` 2: pieces 4 and 5 ranks hold go over a grid or a tree): a
+    rank sends in round k + 1 what it received (a device buffer on the NCCL plane, downloaded
+    into its relay buffer) or sent in round k; the rules hold and every target is right."""
+    base = dict(budget=4096, read_once=True, zstd=False, chunk=64, current_device=0, transform=False,
+                cpu_targets=False, max_peers=2)
+    batch = [Case(seed=61, world=4, data_on_device=True, agree_every=1, **base),
+             Case(seed=62, world=5, data_on_device=True, agree_every=3, **base),
+             Case(seed=63, world=4, data_on_device=False, agree_every=1, **{**base, "zstd": True})]
+    per_rank = _run_cases(batch)
+    for i, case in enumerate(batch):
+        reps = [per_rank[r][i] for r in range(case.world)]
+        for rank, rep in enumerate(reps):
+            check_report(case, rank, rep)
+        assert sum(r["relay_sends"] for r in reps) > 0, f"no relay in {case}"
+
+
 def test_failures_agreed_every_k_rounds_raise_on_every_rank() -> None:
     """A failed rank keeps exchanging until the next agreement: with agreement every 1 or 3
     rounds, on host and device data planes, every rank raises the same error and none hangs."""

@@ -165,6 +165,113 @@ def test_a_reference_from_a_bucket_root_checkpoint_is_refused(local_s3: Any, s3_
         sc.load_full(f"s3://{bucket}", storage_options=s3_opts)
 
 
+def _infos(uri: str, opts: dict[str, Any]) -> dict[str, tuple[int, Any]]:
+    store = Storage(uri, opts)
+    try:
+        return {n: (info.size, info.etag) for n, info in store.list_info("").items()}
+    finally:
+        store.close()
+
+
+def test_overwriting_a_checkpoint_that_later_incremental_saves_reference_is_refused(
+        s3_uri: str, s3_opts: dict[str, Any], tmp_path: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from streamckpt.dcp import StorageWriter
+
+    sc.save(_state(1), f"{s3_uri}/step-1", storage_options=s3_opts)
+    sc.save(_state(2), f"{s3_uri}/step-2", storage_options=s3_opts, base=f"{s3_uri}/step-1")
+    sc.save(_state(3), f"{s3_uri}/step-3", storage_options=s3_opts, base=f"{s3_uri}/step-2")  # refs step-1 too
+    before = _infos(s3_uri, s3_opts)
+    other = {"model": {k: t + 7 for k, t in _state(9)["model"].items()}, "step": 9}
+    users = f"{s3_uri}/step-2, {s3_uri}/step-3"
+    with pytest.raises(sc.CheckpointInUseError, match=f"{s3_uri}/step-1 holds bytes .*{users} reference.*sc.copy"):
+        sc.save(other, f"{s3_uri}/step-1", storage_options=s3_opts, overwrite=True)
+    with pytest.raises(sc.CheckpointInUseError, match=users):
+        sc.async_save(other, f"{s3_uri}/step-1", storage_options=s3_opts, overwrite=True)
+    with pytest.raises(dcp.api.CheckpointException, match="CheckpointInUseError"):
+        dcp.save({f"model.{k}": t for k, t in other["model"].items()}, no_dist=True,
+                 storage_writer=StorageWriter(f"{s3_uri}/step-1", storage_options=s3_opts, overwrite=True))
+    assert _infos(s3_uri, s3_opts) == before  # nothing deleted, nothing uploaded: same objects, same ETags
+    for step in (1, 2, 3):  # the referencing checkpoints (and the base) still load bit-exact
+        flat = sc.load_full(f"{s3_uri}/step-{step}", storage_options=s3_opts)
+        _assert_state({k.removeprefix("model."): t for k, t in flat.items()}, step)
+    sc.save(_state(4), f"{s3_uri}/step-3", storage_options=s3_opts, overwrite=True)  # no one references step-3
+    sc.copy(f"{s3_uri}/step-2", f"{s3_uri}-kept/step-2", storage_options=s3_opts)  # what the error says to do
+    store = Storage(s3_uri, s3_opts)
+    store.delete_many([n for n in store.list_info("") if n.startswith(("step-2/", "step-3/"))])
+    store.close()
+    r = sc.save(other, f"{s3_uri}/step-1", storage_options=s3_opts, overwrite=True)  # no users left: replaced
+    assert r.bytes_written > FROZEN_BYTES
+    flat = sc.load_full(f"{s3_uri}-kept/step-2", storage_options=s3_opts)
+    _assert_state({k.removeprefix("model."): t for k, t in flat.items()}, 2)
+
+
+def test_a_fresh_save_into_a_pruned_base_prefix_keeps_its_shared_files(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """A base whose manifest is gone (pruned by hand) leaves the files later checkpoints share
+    under its prefix; a save there by hand, with no manifest to overwrite, would reuse their
+    names. It is refused like an overwrite, and costs every other fresh save one LIST."""
+    sc.save(_state(1), f"{s3_uri}/step-1", storage_options=s3_opts)
+    sc.save(_state(2), f"{s3_uri}/step-2", storage_options=s3_opts, base=f"{s3_uri}/step-1")
+    store = Storage(s3_uri, s3_opts)
+    store.delete("step-1/manifest.json")  # what a by-hand prune of step 1 would leave
+    store.close()
+    before = _infos(s3_uri, s3_opts)
+    with pytest.raises(sc.CheckpointInUseError, match=f"{s3_uri}/step-1 holds bytes .*{s3_uri}/step-2 reference"):
+        sc.save(_state(5), f"{s3_uri}/step-1", storage_options=s3_opts)
+    assert _infos(s3_uri, s3_opts) == before
+    flat = sc.load_full(f"{s3_uri}/step-2", storage_options=s3_opts)
+    _assert_state({k.removeprefix("model."): t for k, t in flat.items()}, 2)
+    sc.save(_state(5), f"{s3_uri}/step-5", storage_options=s3_opts)  # an empty prefix: saved as ever
+
+
+class _CountingXxh3:
+    """xxhash.xxh3_128 that counts the bytes it is given (the hash library's own entry point:
+    no code path of streamckpt is replaced)."""
+
+    hashed = 0
+
+    def __init__(self, data: Any = b"") -> None:
+        self._h = _REAL_XXH3()
+        self.update(data)
+
+    def update(self, data: Any) -> None:
+        _CountingXxh3.hashed += memoryview(data).nbytes
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+import xxhash  # noqa: E402
+
+_REAL_XXH3 = xxhash.xxh3_128
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_an_incremental_save_hashes_each_byte_once(s3_uri: str, s3_opts: dict[str, Any], asynchronous: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    sc.save(_state(1), f"{s3_uri}/step-1", storage_options=s3_opts)
+    state = _state(2)  # every shard is a candidate; the adapters differ from the base's
+    total = sum(t.numel() * t.element_size() for t in state["model"].values())
+    monkeypatch.setattr(xxhash, "xxh3_128", _CountingXxh3)
+    _CountingXxh3.hashed = 0
+    uri, base = f"{s3_uri}/step-2", f"{s3_uri}/step-1"
+    if asynchronous:
+        r = sc.async_save(state, uri, storage_options=s3_opts, base=base).result(timeout=60)
+    else:
+        r = sc.save(state, uri, storage_options=s3_opts, base=base)
+    assert r.bytes_reused == FROZEN_BYTES
+    assert _CountingXxh3.hashed == total  # once each: the changed adapters are not hashed again on upload
+    monkeypatch.undo()
+    doc = _manifest(uri, s3_opts)
+    for k, t in state["model"].items():  # the digests the writer recorded without hashing are the true ones
+        (shard,) = doc["tensors"][f"model.{k}"]["shards"]
+        assert shard["digest"] == xxhash.xxh3_128(t.numpy().tobytes()).hexdigest(), k
+    flat = sc.load_full(uri, storage_options=s3_opts)
+    _assert_state({k.removeprefix("model."): t for k, t in flat.items()}, 2)
+
+
 def test_manager_incremental_prune_and_gc_keep_shared_objects(s3_uri: str, s3_opts: dict[str, Any]) -> None:
     with sc.CheckpointManager(s3_uri, storage_options=s3_opts, incremental=True, keep_last=2) as mgr:
         results = [mgr.save(step, _state(step)) for step in (1, 2, 3)]
@@ -173,7 +280,7 @@ def test_manager_incremental_prune_and_gc_keep_shared_objects(s3_uri: str, s3_op
         objects = _objects(s3_uri, s3_opts)
         assert "step-1/manifest.json" not in objects and "step-1/data/00000-0000.safetensors" in objects
         assert mgr.collect_garbage(older_than=0) == []  # referenced: not garbage
-        with pytest.raises(sc.CheckpointError, match="step 1 .* holds bytes that incremental checkpoints step-2, step-3"):
+        with pytest.raises(sc.CheckpointInUseError, match="step 1 .* holds bytes that incremental checkpoints step-2, step-3"):
             mgr.save(1, _state(1))  # pruned, but its shared file is still in use: writing there would break them
         for step in (2, 3):
             back = mgr.restore(step=step)
@@ -221,6 +328,12 @@ def incremental2_worker(rank: int, world: int, root: str, opts: dict[str, Any]) 
         out["error"] = None
     except sc.CheckpointError as e:
         out["error"] = type(e).__name__
+    try:  # rank 0 finds that step-2 and step-3 reference step-1: every rank refuses, nothing deleted
+        sc.save({name: sc.ShardedTensor(torch.zeros(rows, COLS), (ROWS, COLS), (rows * rank, 0))
+                 for name in ("frozen", "adapter")}, f"{root}/step-1", storage_options=opts, overwrite=True)
+        out["overwrite"] = None
+    except sc.CheckpointError as e:
+        out["overwrite"] = type(e).__name__
     return out
 
 
@@ -233,6 +346,7 @@ def test_two_ranks_save_incrementally_one_process_loads_resharded(local_s3: Any)
     assert [g["reused2"] for g in got] == [half, half]  # each rank decided for its own frozen rows
     assert [g["reused3"] for g in got] == [half, half]  # async_save too
     assert all(g["error"] is not None for g in got)  # a bad base on rank 0 fails the save on every rank
+    assert [g["overwrite"] for g in got] == ["CheckpointInUseError"] * 2
     assert not any(n.startswith("step-9/") for n in _objects(root, opts))
     for step in (2, 3):
         back = sc.load_full(f"{root}/step-{step}", storage_options=opts)

@@ -21,6 +21,7 @@ from streamckpt.core.manifest import Manifest, Shard, TensorMeta, validate
 from streamckpt.loading.pipeline import Destinations, LocalRound, _layout, local_schedule, pack_message, unpack_message
 from streamckpt.plan.planner import (ALIGN, PlanOptions, build_plan, costs_of, ranks_of, is_packed, message_layout, message_size, messages_of,
                              settle_all)
+from streamckpt.plan.data import grid_hops, grid_links, grid_shape, hops_of, node_grid, relay_hops, relay_links
 from streamckpt.core.regions import Box
 from streamckpt.core.targets import TargetSpec
 from streamckpt.plan.gathered import GatheredSpecs
@@ -136,8 +137,10 @@ def check_local_plans_match_full(plans, full):
 
 
 def simulate_local(plans, files, world, targets_by_rank, dtype):
-    """Run each rank's schedule from its own plan; sends and receives must pair up
-    exactly (round, peers, tag, size, order) as gloo would match them."""
+    """Run each rank's schedule from its own plan, round by round over all ranks; sends and
+    receives must pair up exactly (round, peers, tag, size, order) as gloo would match them.
+    A relayed send goes out from the bytes its rank received the round before, kept only
+    where its receive said so (``Message.keep``), as the executor keeps them."""
     dests = []
     for r in range(world):
         tensors = {}
@@ -145,29 +148,57 @@ def simulate_local(plans, files, world, targets_by_rank, dtype):
             shape = spec.shape if spec.flat_range is None else (spec.numel,)
             tensors[uid] = torch.full(shape, -7, dtype=dtype)
         dests.append(Destinations(tensors))
+    schedules = [local_schedule(plans[r], r) for r in range(world)]
+    assert len({len(s) for s in schedules}) == 1
     sent = defaultdict(list)  # (round, src, dst) -> [(tag, size)]
     posted = defaultdict(list)
     fetched = []
-    for r in range(world):
-        for k, rnd in enumerate(local_schedule(plans[r], r)):
+    kept = {}  # (rank, read index) -> the message it received and sends on next round
+    for k in range(len(schedules[0])):
+        delivered = []
+        carried = {}
+        for r in range(world):
+            rnd = schedules[r][k]
             for m in rnd.recvs:
                 read = plans[r].reads[m.read_index]
                 posted[(k, m.peer, r)].append((read.tag, message_size(m.copies)))
+            staged = {}
             for i, read in rnd.reads:
                 data = files[read.file][read.start:read.stop]
                 fetched.append((read.file, read.start, read.stop))
-                staged = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                staged[i] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 for c in read.copies:
                     if c.target in dests[r].tensors:
-                        dests[r].apply(staged[c.offset:], c)
-                for m in rnd.sends:
-                    if m.read_index != i:
-                        continue
-                    msg = _message(staged, m.copies)
-                    sent[(k, r, m.peer)].append((read.tag, msg.numel()))
-                    unpack_message(msg, m.copies, dests[m.peer])
+                        dests[r].apply(staged[i][c.offset:], c)
+            for m in rnd.sends:
+                read = plans[r].reads[m.read_index]
+                msg = kept[(r, m.read_index)] if m.relayed else _message(staged[m.read_index], m.copies)
+                sent[(k, r, m.peer)].append((read.tag, msg.numel()))
+                delivered.append((r, m, msg))
+                if m.read_index in rnd.carry:  # sent again next round, from its relay buffer
+                    carried[(r, m.read_index)] = msg
+        waiting = defaultdict(list)  # (receiver, sender, tag) -> its receives, in order (its own read indices)
+        for r in range(world):
+            for m in schedules[r][k].recvs:
+                waiting[(r, m.peer, plans[r].reads[m.read_index].tag)].append(m)
+        kept = carried
+        for src, m, msg in delivered:
+            unpack_message(msg, m.copies, dests[m.peer])
+            mine = waiting[(m.peer, src, plans[src].reads[m.read_index].tag)].pop(0)
+            if mine.keep:
+                kept[(m.peer, mine.read_index)] = msg
     assert dict(sent) == dict(posted)
     return dests, fetched
+
+
+def peers_per_round(plans, world):
+    """Rank -> round -> the distinct ranks it sends to or receives from (each rank's own plan)."""
+    out = defaultdict(lambda: defaultdict(set))
+    for r in range(world):
+        for k, rnd in enumerate(local_schedule(plans[r], r)):
+            out[r][k].update(m.peer for m in rnd.sends)
+            out[r][k].update(m.peer for m in rnd.recvs)
+    return out
 
 
 def check_per_rank_plans(manifest, files, targets, opts, full, dtype, expected, wire=False):
@@ -191,8 +222,11 @@ def _units(plan, rnd, edge):
     round, keyed by its group (in an edge round, the ranks its read serves)."""
     out = []
     for i, r in rnd.reads:
-        unit = LocalRound(reads=[(i, r)], sends=[m for m in rnd.sends if m.read_index == i])
+        unit = LocalRound(reads=[(i, r)], sends=[m for m in rnd.sends if m.read_index == i and not m.relayed])
         out.append((ranks_of(r, plan.targets) if edge else None, unit))
+    for i in sorted({m.read_index for m in rnd.sends if m.relayed}):  # a relay buffer and its sends
+        unit = LocalRound(sends=[m for m in rnd.sends if m.read_index == i and m.relayed])
+        out.append((ranks_of(plan.reads[i], plan.targets) if edge else None, unit))
     for m in rnd.recvs:
         r = plan.reads[m.read_index]
         out.append((ranks_of(r, plan.targets) if edge else None, LocalRound(recvs=[m])))
@@ -419,6 +453,179 @@ def test_small_replicated_tensor_rides_on_the_neighbouring_edge_read():
                                    lambda spec: _expected(originals[spec.key], spec))
     check_read_once(fetched)
     assert sum(stop - start for _, start, stop in fetched) == len(blob)
+
+
+def _many_holder_targets(rng, shape, world, dtype_code, key, everyone):
+    """Grid boxes each held by many ranks (every rank with ``everyone``), some small sets too."""
+    specs = [[] for _ in range(world)]
+    for box in _grid(shape, rng):
+        n = world if everyone else rng.choice([world, world - 1, rng.randint(1, world)])
+        holders = sorted(rng.sample(range(world), n))
+        flat = None
+        if rng.random() < 0.2 and box.numel > 1:
+            a = rng.randint(0, box.numel - 1)
+            flat = (a, rng.randint(a + 1, box.numel))
+        for r in holders:
+            specs[r].append(TargetSpec(key, dtype_code, tuple(shape), box.offset, box.shape, flat))
+    return specs
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.integers(4, 14), st.integers(2, 4), st.booleans(),
+       st.sampled_from([1024, 4096, 1 << 20]))
+def test_many_holders_are_relayed_within_max_peers(seed, ndim, world, max_peers, everyone, budget):
+    """Targets many ranks hold travel along relay trees: every element lands, every byte is
+    read once, each round fits, sends pair with receives (a forwarder sends the bytes it
+    received the round before), the ranks' own plans are the all-ranks plan, and no rank
+    exchanges with more than ``max_peers`` ranks in a round over the relayed reads of one
+    holder set (over all of its reads when every target is held by every rank)."""
+    rng = random.Random(seed)
+    shape = tuple(rng.randint(2, 24) for _ in range(ndim))
+    dtype = rng.choice([torch.float32, torch.int16])
+    manifest, files, originals = _make_checkpoint(rng, shape, dtype, keys=("w", "v"))
+    code = manifest.tensors["w"].dtype
+    targets = [a + b for a, b in zip(_many_holder_targets(rng, shape, world, code, "w", everyone),
+                                     _many_holder_targets(rng, shape, world, code, "v", everyone))]
+    opts = PlanOptions(memory_budget=budget, max_gap_bytes=rng.choice([0, 16, 1 << 20]), max_peers=max_peers,
+                       min_split_bytes=rng.choice([8, 64, 1 << 20]), ranks_per_node=rng.choice([0, 2, 3, 4]))
+    full = build_plan(manifest, targets, opts)
+    dests, fetched = simulate(full, files, world, targets, dtype)
+    for r in range(world):
+        for uid, spec in zip(full.rank_targets[r], targets[r]):
+            assert torch.equal(dests[r].tensors[uid], _expected(originals[spec.key], spec)), (r, spec)
+    check_read_once(fetched)
+    check_staging_fits([full] * world, opts)
+    fetched = check_per_rank_plans(manifest, files, targets, opts, full, dtype,
+                                   lambda spec: _expected(originals[spec.key], spec))
+    check_read_once(fetched)
+    relayed = [r for r in full.reads if r.relay]
+    if world > opts.relay_above:
+        assert everyone <= bool(relayed)
+    peers = defaultdict(set)  # (holder set, rank, round) -> its peers there
+    for r in relayed:
+        hops = hops_of(r, full.targets)
+        held = ranks_of(r, full.targets)
+        assert sorted(x for _, _, x, _ in hops) == sorted(set(held) - {r.reader})
+        for d, a, b, _ in hops:
+            peers[(held, a, r.round + d)].add(b)
+            peers[(held, b, r.round + d)].add(a)
+        if r.grid_nodes:  # with nodes: the piece crosses into each other node once
+            per = opts.ranks_per_node
+            entered = [b // per for _, a, b, _ in hops if a // per != b // per]
+            assert sorted(entered) == sorted({x // per for x in held} - {r.reader // per})
+    assert all(len(p) <= max_peers for p in peers.values())
+    if everyone:
+        for per in peers_per_round([full] * world, world).values():
+            assert all(len(p) <= max(max_peers, min(world - 1, opts.relay_above - 1)) for p in per.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 80), st.integers(2, 9), st.data())
+def test_relay_tree_links_are_its_hops(n, fan, data):
+    """Each rank's own part of a relay tree (what its schedule posts) is the tree's hops: every
+    holder but the reader receives once, one level after its parent, and no rank has more
+    than ``fan`` peers."""
+    holders = sorted(data.draw(st.sets(st.integers(0, 200), min_size=n, max_size=n)))
+    reader = data.draw(st.sampled_from(holders))
+    hops = relay_hops(holders, reader, fan)
+    from_links = []
+    for x in holders:
+        got, send = relay_links(holders, reader, fan, x)
+        assert (got is None) == (x == reader)
+        if send is not None:
+            from_links += [(send[0], x, y) for y in send[1]]
+            assert got is None or got[0] + 1 == send[0]
+        assert (0 if got is None else 1) + (len(send[1]) if send else 0) <= fan
+    assert sorted(from_links) == sorted(hops)
+    assert sorted(y for _, _, y in hops) == sorted(set(holders) - {reader})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 300), st.integers(2, 9), st.integers(0, 7), st.data())
+def test_relay_grid_links_are_its_hops(n, max_peers, start, data):
+    """A relay grid: exact sizes within ``max_peers + 1`` (or none: a tree then), every holder
+    but the reader receives once and then sends at every later depth, each rank's links are
+    the grid's hops, and in each round a rank exchanges only with the line of that round's
+    dimension (at most ``max_peers`` ranks), whatever the piece's reader."""
+    sizes = grid_shape(n, max_peers)
+    if not sizes:
+        assert any(n % q == 0 and all(q % f for f in range(2, q)) for q in range(max_peers + 2, n + 1))
+        return
+    assert math.prod(sizes) == n and max(sizes) <= max_peers + 1
+    holders = sorted(data.draw(st.sets(st.integers(0, 400), min_size=n, max_size=n)))
+    hops = {}
+    for reader in data.draw(st.lists(st.sampled_from(holders), min_size=1, max_size=3)):
+        mine = grid_hops(holders, reader, sizes, start)
+        assert sorted(y for _, _, y in mine) == sorted(set(holders) - {reader})
+        from_links = []
+        for x in holders:
+            got, sends = grid_links(holders, reader, sizes, start, x)
+            assert (got is None) == (x == reader)
+            from_links += [(d, x, y) for d, ys in sends for y in ys]
+            assert all(got is None or d > got[0] for d, _ in sends)
+        assert sorted(from_links) == sorted(mine)
+        for d, a, b in mine:
+            hops.setdefault((a, d), set()).add(b)
+            hops.setdefault((b, d), set()).add(a)
+    assert max(len(v) for v in hops.values()) <= max_peers
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.integers(2, 8), st.integers(2, 9), st.integers(0, 7), st.data())
+def test_node_grid_enters_each_node_once(nodes, per_node, max_peers, start, data):
+    """With nodes known, a piece crosses into each other node once and fans out inside it;
+    each rank's links are the grid's hops; no rank exceeds ``max_peers`` peers in a round."""
+    used = sorted(data.draw(st.sets(st.integers(0, 40), min_size=nodes, max_size=nodes)))
+    g = data.draw(st.integers(1, per_node))
+    holders = [n * per_node + i for n in used for i in range(g)]
+    sizes = node_grid(holders, max_peers, per_node)
+    if not sizes:
+        assert g < 2 or nodes < 2 or g > max_peers or not grid_shape(nodes, max_peers - g + 1)
+        return
+    assert sizes[0] == g and math.prod(sizes) == len(holders)
+    hops = {}
+    for reader in data.draw(st.lists(st.sampled_from(holders), min_size=1, max_size=3)):
+        mine = grid_hops(holders, reader, sizes, start, True)
+        assert sorted(y for _, _, y in mine) == sorted(set(holders) - {reader})
+        entered = defaultdict(int)
+        for d, a, b in mine:
+            if a // per_node != b // per_node:
+                entered[b // per_node] += 1
+            hops.setdefault((a, d), set()).add(b)
+            hops.setdefault((b, d), set()).add(a)
+        assert set(entered.values()) <= {1} and reader // per_node not in entered
+        links = [(d, x, y) for x in holders for d, ys in grid_links(holders, reader, sizes, start, x, True)[1]
+                 for y in ys]
+        assert sorted(links) == sorted(mine)
+    assert max(len(v) for v in hops.values()) <= max_peers
+
+
+def test_replicated_model_on_many_ranks_is_split_and_relayed():
+    """The issue's case, small: 4 tensors of 64 KiB loaded whole on 32 ranks (max_peers 4,
+    pieces of at least 8 KiB): every rank reads one piece (no byte twice), no rank exchanges
+    with more than 4 ranks in a round, and no rank sends much more than a ring all-gather
+    asks of each (the model less its own piece)."""
+    world, n, per = 32, 16384, 4
+    blob = b"".join(torch.arange(n * j, n * (j + 1), dtype=torch.float32).numpy().tobytes() for j in range(per))
+    m = Manifest(tensors={f"t{j}": TensorMeta("F32", (n,), (Shard((0,), (n,), "f", j * n * 4, n * 4),))
+                          for j in range(per)}, files={"f": len(blob)})
+    targets = [[TargetSpec(f"t{j}", "F32", (n,), (0,), (n,)) for j in range(per)] for _ in range(world)]
+    opts = PlanOptions(max_peers=4, min_split_bytes=8192)
+    full = build_plan(m, targets, opts)
+    assert sorted(r.reader for r in full.reads) == list(range(world))  # 32 pieces of 8 KiB, one per rank
+    assert all(r.relay == 4 and r.length == 8192 for r in full.reads)
+    fetched = check_per_rank_plans(m, {"f": blob}, targets, opts, full, torch.float32,
+                                   lambda spec: torch.arange(n * int(spec.key[1:]), n * (int(spec.key[1:]) + 1),
+                                                             dtype=torch.float32))
+    check_read_once(fetched)
+    assert sum(b - a for _, a, b in fetched) == len(blob)
+    peers = peers_per_round([full] * world, world)
+    assert max(len(p) for per_rank in peers.values() for p in per_rank.values()) <= 4
+    sent = defaultdict(int)
+    for r in full.reads:
+        for d, a, b, _ in hops_of(r, full.targets):
+            sent[a] += r.length
+    assert max(sent.values()) <= 2 * len(blob)  # an all-gather: len(blob) - 8192 each; today's plan: 31 × 64 KiB
 
 
 def test_one_rank_plan_from_gathered_pieces_builds_only_its_pp_stage():

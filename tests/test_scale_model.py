@@ -116,3 +116,39 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _bytes(s: TargetSpec) -> int:
     size = 4 if s.dtype == "F32" else 2
     return size * ((s.flat_range[1] - s.flat_range[0]) if s.flat_range else _numel(s.shape))
+
+
+def test_first_byte_adds_to_a_link_bound_round(machine: sm.Machine) -> None:
+    """One round, each rank fetching 2 GB in 8 GETs. Two ranks on a node: each rank's 32
+    connections (2 GB at 32 × 88 MB/s, 0.71 s) are slower than the node's 100 Gbps store link
+    (4 GB at 12.5 GB/s, 0.32 s): 0.15 s first byte + 0.71 s. Eight ranks on a node: the link
+    (16 GB, 1.28 s) is the limit, and it idles while the round's GETs wait for their first
+    byte: 0.15 + 1.28 s (the first byte had been hidden behind the link; docs/SCALE.md,
+    "Checked against measurement")."""
+    counts = sm.Counts(1)
+    for r in range(2):
+        c = counts.cell(r, 0)
+        c.fetched, c.requests = 2 * 10**9, 8
+    p = sm.predict(counts, machine, "streamckpt")
+    assert p.seconds == pytest.approx(0.150 + 2e9 / (32 * 88e6))
+    many = dataclasses.replace(machine, gpus_per_node=8)
+    counts = sm.Counts(1)
+    for r in range(8):
+        c = counts.cell(r, 0)
+        c.fetched, c.requests = 2 * 10**9, 8
+    p = sm.predict(counts, many, "streamckpt")
+    assert p.seconds == pytest.approx(0.150 + 16e9 / 12.5e9) and p.bottleneck == "node store bandwidth"
+
+
+def test_local_parameters_are_measured() -> None:
+    """configs/scale/local_netns.yaml (written by benchmarks/scale_check.py) loads, and each
+    figure says how it was measured or where it comes from."""
+    path = ROOT / "configs" / "scale" / "local_netns.yaml"
+    m = sm.load_machine(path)
+    assert m.gpus_per_node == 2 and 0 < m.node_store_Bps < m.nic_Bps
+    import yaml
+
+    for name, leaf in sm.flatten(yaml.safe_load(path.read_text())).items():
+        src = str(leaf["source"])
+        assert "measured by benchmarks/scale_check.py" in src or "http" in src or "streamckpt" in src \
+            or "torch" in src or "assumption:" in src or "local server" in src or "ranks per node" in src, name

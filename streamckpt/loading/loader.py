@@ -5,7 +5,9 @@ requests at one per load, whatever the world size."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import json
+import os
 import logging
 import time
 from dataclasses import dataclass
@@ -130,6 +132,7 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
     else:
         manifest, all_specs = _metadata_and_specs(comm, storage, [t.spec for t in targets], own,
                                                   speculative=req.transforms is None)
+    req = dataclasses.replace(req, options=with_nodes(comm, req.options))
     result, mismatch = _attempt(comm, storage, req, manifest, all_specs, targets, values, cuda, t0, throttled0)
     if result is None:
         log.info("streamckpt load %s: a DCP item's layout is not the predicted one (first: %s); "
@@ -139,6 +142,38 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
         if result is None:  # pragma: no cover - an exact manifest predicts nothing
             raise CheckpointError(f"internal: predicted layout after exact locating ({mismatch})")
     return result
+
+
+def with_nodes(comm: SoloComm | GroupComm, options: PlanOptions) -> PlanOptions:
+    """``options`` with ``ranks_per_node`` from torchrun's environment, when every rank agrees.
+
+    The planner relays a piece many ranks need so that it enters each node once
+    (``plan.data.node_grid``), so it must know which ranks share a node, alike on every
+    rank. torchrun numbers ranks node by node (``RANK = node * LOCAL_WORLD_SIZE +
+    LOCAL_RANK``); a rank whose environment says otherwise (another launcher, a
+    sub-group, uneven nodes) reports 0, and one collective of two integers tells every
+    rank whether all reported the same size. Without it the ranks count as one node.
+    Only a group larger than ``max_peers + 1`` (where relays happen) pays for it.
+    """
+    if options.ranks_per_node or comm.world_size <= options.relay_above:
+        return options
+    local = local_world_size(comm.rank)
+    top, neg = comm.max_ints([local, -local])
+    agreed = top if top > 0 and top == -neg and comm.world_size % top == 0 else 0
+    return dataclasses.replace(options, ranks_per_node=agreed) if agreed else options
+
+
+def local_world_size(rank: int) -> int:
+    """Ranks per node by torchrun's variables, if they number this rank node by node; else 0."""
+    try:
+        size = int(os.environ["LOCAL_WORLD_SIZE"])
+        local = int(os.environ["LOCAL_RANK"])
+        global_rank = int(os.environ["RANK"])
+    except (KeyError, ValueError):
+        return 0
+    if size < 1 or global_rank != rank or rank % size != local:
+        return 0
+    return size
 
 
 def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, manifest: mf.Manifest,

@@ -249,7 +249,7 @@ class Executor:
         sends: list[P2P] = []
         fills: list[tuple[Message, int, torch.Tensor]] = []
         for m in rnd.sends:
-            at, n = _send_span(m, reads[m.read_index], lay)
+            at, n = _send_span(m, reads.get(m.read_index), lay)
             wire = stage.send_buffer(slot, at, n) if on_device else arena[at: at + n]  # type: ignore[union-attr]
             self.stats.bytes_sent += n
             sends.append(P2P(m.peer, wire, self.plan.reads[m.read_index].tag))
@@ -277,8 +277,10 @@ class Executor:
         """Pack the round's packed messages in its arena; on the NCCL plane copy each message
         into its device send buffer."""
         arena = self.arenas[k % 2]
+        packed: set[int] = set()
         for m, at, wire in fills:
-            if is_packed(m.copies):
+            if is_packed(m.copies) and not m.relayed and at not in packed:  # a relayed read's pack is shared
+                packed.add(at)
                 pack_message(self._staged(k, m.read_index, reads[m.read_index]), m.copies, arena[at:])
             if self.placement.data_on_device:
                 self.stage.fill_send(wire, arena[at: at + wire.numel()])  # type: ignore[union-attr]
@@ -336,6 +338,25 @@ class Executor:
             host, dev = self._split(buf, 0, buf.numel(), (c.target for c in m.copies))
             for o, c in message_pieces(m.copies):
                 self._apply(host, dev, o, c)
+
+    def _keep_relayed(self, k: int, landed: Sequence[tuple[Message, torch.Tensor]]) -> None:
+        """Relayed pieces this rank sends in round k + 1 (``data.read_links``), received or sent
+        in round k, go into that round's relay buffer: round k's arena is reused two rounds
+        on, and the next round's was acquired before this round's exchange."""
+        for m, buf in landed:
+            if m.keep:
+                at = self.layouts[k + 1].relay[m.read_index]
+                host = self.stage.download(buf) if self.placement.is_device(buf) else buf
+                self.arenas[(k + 1) % 2][at: at + host.numel()].copy_(host)
+        rnd = self.schedule[k]
+        if rnd.carry:  # sent this round (from the staged read, a pack or a relay buffer) and again next round
+            reads = dict(rnd.reads)
+            arena = self.arenas[k % 2]
+            for i in rnd.carry:
+                m = next(m for m in rnd.sends if m.read_index == i)
+                src, n = _send_span(m, reads.get(i), self.layouts[k])
+                at = self.layouts[k + 1].relay[i]
+                self.arenas[(k + 1) % 2][at: at + n].copy_(arena[src: src + n])
 
     def _attempt(self, fn: Callable[[], None]) -> BaseException | None:
         """Run a local step; its failure is returned, to be agreed on with the other ranks (an
@@ -425,6 +446,8 @@ class Executor:
                 self.comm.wait(works)
             if error is None:
                 error = self._attempt(lambda: self._scatter_received(landed))
+            if error is None:
+                error = self._attempt(lambda: self._keep_relayed(k, landed))
             self.stage.release(k % 2)
         except BaseException:
             self._drain(pending)
@@ -445,9 +468,14 @@ class Executor:
             self.storage.stop(pending)
 
 
-def _send_span(m: Message, r: Read, lay: Layout) -> tuple[int, int]:
-    """Where message ``m`` sits in its round's arena, and its length: a packed one in its pack
-    buffer, else the copy's bytes in the staged read (decoded bytes for zstd)."""
+def _send_span(m: Message, r: Read | None, lay: Layout) -> tuple[int, int]:
+    """Where message ``m`` sits in its round's arena, and its length: a relayed one in its relay
+    buffer, a packed one in its pack buffer, else the copy's bytes in the staged read (decoded
+    bytes for zstd)."""
+    if m.relayed:
+        return lay.relay[m.read_index], message_size(m.copies)
+    if r is None:
+        raise CheckpointError(f"internal: a message of read {m.read_index} has no staged read to send from")
     if is_packed(m.copies):
         return lay.pack[(m.read_index, m.peer)], message_size(m.copies)
     c = m.copies[0]
@@ -458,7 +486,7 @@ def _send_span(m: Message, r: Read, lay: Layout) -> tuple[int, int]:
 def _exchange_extent(rnd: LocalRound, lay: Layout) -> int:
     """Bytes of a round's arena its messages span: its device exchange arena mirrors them."""
     reads = dict(rnd.reads)
-    ends = [sum(_send_span(m, reads[m.read_index], lay)) for m in rnd.sends]
+    ends = [sum(_send_span(m, reads.get(m.read_index), lay)) for m in rnd.sends]
     ends += [lay.recv[(m.read_index, m.peer)] + message_size(m.copies) for m in rnd.recvs]
     return max(ends, default=0)
 

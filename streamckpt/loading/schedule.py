@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..plan.data import ALIGN, Copy, LoadPlan, Read, is_packed, message_layout, message_size, messages_of
+from ..plan.data import (ALIGN, Copy, LoadPlan, Read, holders_of, is_packed, message_layout, message_size, messages_of,
+                         read_links)
 from .landing import ReadLanding
 
 
@@ -25,6 +26,8 @@ class Message:
     peer: int
     read_index: int
     copies: list[Copy]
+    relayed: bool = False  # a send from this rank's relay buffer (bytes it received the round before)
+    keep: bool = False  # a receive this rank sends on next round: copied into that round's relay buffer
 
 
 @dataclass(slots=True)
@@ -32,6 +35,7 @@ class LocalRound:
     reads: list[tuple[int, Read]] = field(default_factory=list)  # (global read index, read)
     sends: list[Message] = field(default_factory=list)
     recvs: list[Message] = field(default_factory=list)
+    carry: list[int] = field(default_factory=list)  # relayed reads this rank sends again next round
 
     def is_empty(self) -> bool:
         return not (self.reads or self.sends or self.recvs)
@@ -41,6 +45,9 @@ def local_schedule(plan: LoadPlan, rank: int) -> list[LocalRound]:
     """This rank's part of every round."""
     rounds = [LocalRound() for _ in range(plan.num_rounds)]
     for i, r in enumerate(plan.reads):
+        if r.relay:
+            _relayed(rounds, rank, i, r, plan)
+            continue
         if r.reader == rank:
             rounds[r.round].reads.append((i, r))
             for peer, copies in sorted(messages_of(r, plan.targets).items()):
@@ -52,6 +59,31 @@ def local_schedule(plan: LoadPlan, rank: int) -> list[LocalRound]:
     return rounds
 
 
+def _relayed(rounds: list[LocalRound], rank: int, i: int, r: Read, plan: LoadPlan) -> None:
+    """This rank's part of a relayed read: its fetch, the round it receives the piece in, and
+    the rounds it sends it on in (``data.read_links``). Between two rounds it sends in, the
+    piece is carried into the next round's relay buffer."""
+    if rank not in holders_of(r, plan.targets):
+        return
+    got, sends = read_links(r, plan.targets, rank)
+    depths = {d for d, _ in sends}
+    if got is None:
+        rounds[r.round].reads.append((i, r))
+    else:
+        rounds[r.round + got[0]].recvs.append(Message(got[1], i, r.copies, keep=got[0] + 1 in depths))
+    for d, peers in sends:
+        for x in peers:
+            rounds[r.round + d].sends.append(Message(x, i, r.copies, relayed=got is not None or d > 0))
+        if d + 1 in depths:
+            rounds[r.round + d].carry.append(i)
+
+
+def relayed_pack(rnd: LocalRound, m: Message) -> bool:
+    """Whether message ``m`` is a relayed read's (its copies are the read's own list, the same
+    for every receiver), whose pack buffer all its receivers share."""
+    return any(i == m.read_index and r.relay and m.copies is r.copies for i, r in rnd.reads)
+
+
 @dataclass(slots=True)
 class Layout:
     """Where each buffer of one round lives in its arena."""
@@ -61,6 +93,7 @@ class Layout:
     spans: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # landing read -> (lo, hi, offset)
     pack: dict[tuple[int, int], int] = field(default_factory=dict)  # (read, peer) -> packed message
     recv: dict[tuple[int, int], int] = field(default_factory=dict)  # (read, peer) -> received message
+    relay: dict[int, int] = field(default_factory=dict)  # relayed read -> what this rank sends on
     size: int = 0
 
 
@@ -88,7 +121,17 @@ def layout(rnd: LocalRound, landings: Mapping[int, ReadLanding] | None = None) -
             lay.decode[i] = pos
             pos += r.staging
     for m in rnd.sends:
-        if is_packed(m.copies):
+        if m.relayed:
+            if m.read_index not in lay.relay:
+                pos = align(pos)
+                lay.relay[m.read_index] = pos
+                pos += message_size(m.copies)
+        elif is_packed(m.copies):
+            shared = next((at for (i, _), at in lay.pack.items() if i == m.read_index), None) \
+                if relayed_pack(rnd, m) else None
+            if shared is not None:  # a relayed read: every receiver gets the same message, packed once
+                lay.pack[(m.read_index, m.peer)] = shared
+                continue
             pos = align(pos)
             lay.pack[(m.read_index, m.peer)] = pos
             pos += message_layout(m.copies)[1]

@@ -85,6 +85,12 @@ class Listing:
     def referenced(self) -> set[str]:
         return {name for e in self.entries for name in e.objects}
 
+    def users_of(self, child: str) -> list[str]:
+        """The other committed checkpoints that reference objects under ``child``'s prefix
+        (incremental saves that used it as base; a pruned base's shared files included)."""
+        own = child + "/"
+        return [e.name for e in self.entries if e.name != child and any(o.startswith(own) for o in e.objects)]
+
     def to_json(self) -> bytes:
         return json.dumps([e.to_json() for e in self.entries]).encode()
 

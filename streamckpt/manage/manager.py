@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..comm import make_comm, raise_agreed
-from ..errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                      StorageError)
+from ..errors import (CheckpointError, CheckpointExistsError, CheckpointInUseError, CheckpointNotFoundError,
+                      CorruptCheckpointError, StorageError)
 from ..results import human_bytes
 from ..storage import Storage
 from .collective import gather_outcome, on_one_rank
@@ -202,9 +202,9 @@ class Manager:
 
         Raises:
             CheckpointExistsError: a committed checkpoint of ``step`` exists and ``force`` is False.
-            CheckpointError: a bad argument; a step whose prefix holds bytes that other
-                committed (incremental) checkpoints reference (writing there would break
-                them); or the errors ``sc.save`` raises.
+            CheckpointInUseError: the step's prefix holds bytes that other committed
+                (incremental) checkpoints reference (writing there would break them).
+            CheckpointError: a bad argument, or the errors ``sc.save`` raises.
         """
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -221,7 +221,7 @@ class Manager:
         existing = None if force else on_one_rank(self._comm, lambda: self._committed_name(step))
         users = on_one_rank(self._comm, lambda: self._users_of(step))
         if users:
-            raise CheckpointError(
+            raise CheckpointInUseError(
                 f"step {step} ({self.uri(step)}) holds bytes that incremental checkpoints {', '.join(users[:5])} "
                 f"reference: replacing it would break them; delete those first (or sc.copy them out), or save "
                 f"under another step")
@@ -264,10 +264,8 @@ class Manager:
     def _users_of(self, step: int) -> list[str]:
         """The other committed checkpoints that reference objects under ``step``'s prefix (a
         pruned base's shared files included), from the last listing."""
-        own = self.name.format(step=step) + "/"
         known = self._known if self._known is not None else self._list_here()
-        return [e.name for e in known.entries
-                if not e.name + "/" == own and any(o.startswith(own) for o in e.objects)]
+        return known.users_of(self.name.format(step=step))
 
     def _base_name(self, step: int) -> str | None:
         """An incremental save's base: the newest committed checkpoint other than ``step``'s own."""

@@ -73,10 +73,11 @@ class NeedFinder:
             index = self.indexes[key] = TensorIndex(meta.shards, meta.dtype)
         return index
 
-    def __call__(self, uid: int, spec: TargetSpec) -> list[Need]:
-        """The needs of target ``uid``."""
+    def __call__(self, uid: int, spec: TargetSpec, max_piece: int = 0) -> list[Need]:
+        """The needs of target ``uid``, each at most ``max_piece`` bytes (default: the plan's)."""
+        max_piece = max_piece or self.max_piece
         if spec[5] is not None and (self.identity or _is_identity(self.view, spec[0])):
-            fast = _flat_fast_path(uid, spec, self.index(spec[0]), self.max_piece, self.offsets)
+            fast = _flat_fast_path(uid, spec, self.index(spec[0]), max_piece, self.offsets)
             if fast is not None:
                 return fast
         out: list[Need] = []
@@ -87,7 +88,7 @@ class NeedFinder:
                 if meta is None:
                     raise TransformError(f"{spec.key}: source tensor {seg.source_key!r} is not in the checkpoint")
                 isz = dtypes.itemsize(meta.dtype)
-                max_elems = max(1, self.max_piece // isz)
+                max_elems = max(1, max_piece // isz)
                 gap_elems = self.max_gap // isz
                 to_dst = _to_target(seg, frame_origin)
                 for sp, inter in self.index(seg.source_key).meets(seg.source_box):
@@ -253,6 +254,7 @@ def coalesce_needs(
 def group_needs(
     needs: list[Need], options: PlanOptions, targets: Sequence[Target],
     barriers: Mapping[str, list[tuple[int, int]]] | None = None,
+    split: Mapping[tuple[int, ...], int] | None = None,
 ) -> list[Group]:
     """What each read ``coalesce_needs`` makes holds, in its order. ``owner`` -1 (shared
     needs) merges across gaps only between needs of targets the same ranks hold,
@@ -275,7 +277,39 @@ def group_needs(
         for start, stop, members in coalesce(ranges, opts, keys):
             if members[0] >= len(idxs):
                 continue  # a barrier
+            key = keys[members[0]]
+            if split and owner < 0 and len(key) > options.relay_above:  # type: ignore[arg-type]
+                cap = split[tuple(key)]  # type: ignore[arg-type]
+                if stop - start > cap:
+                    out.extend((file, a, b, [needs[idxs[m]] for m in part], owner)
+                               for a, b, part in _split_relayed(ranges, members, keys, cap))
+                    continue
             out.append((file, start, stop, [needs[idxs[m]] for m in members], owner))
+    return out
+
+
+def _split_relayed(ranges: list[tuple[int, int]], members: list[int], keys: list[object], cap: int,
+                   ) -> list[tuple[int, int, list[int]]]:
+    """A merged group of needs of a relayed holder set, cut back into reads of at most ``cap``
+    bytes where no two needs overlap (a need larger than ``cap`` stays whole): each piece
+    then has its own reader and relay tree. A group that overlapping needs of other holder
+    sets joined stays whole."""
+    first = keys[members[0]]
+    if any(keys[m] is not first and keys[m] != first for m in members):
+        return [(min(ranges[m][0] for m in members), max(ranges[m][1] for m in members), members)]
+    out: list[tuple[int, int, list[int]]] = []
+    part: list[int] = []
+    lo = hi = 0
+    for m in members:  # ascending by range, as ``coalesce`` lists them
+        a, b = ranges[m]
+        if part and a >= hi and max(hi, b) - lo > cap:
+            out.append((lo, hi, part))
+            part = []
+        if not part:
+            lo, hi = a, b
+        part.append(m)
+        hi = max(hi, b)
+    out.append((lo, hi, part))
     return out
 
 
@@ -372,5 +406,36 @@ class PlanContext:
     def __post_init__(self) -> None:
         self.finder = NeedFinder(self.manifest, self.view, self.options, self.offsets)
 
-    def needs(self, uid: int) -> list[Need]:
-        return self.finder(uid, self.targets[uid].spec)
+    def needs(self, uid: int, split: Mapping[tuple[int, ...], int] | None = None) -> list[Need]:
+        """Target ``uid``'s needs; a relayed holder set's in pieces of at most ``split[holders]``."""
+        t = self.targets[uid]
+        if split and len(t.needers) > self.options.relay_above:
+            return self.finder(uid, t.spec, split[tuple(t.needers)])
+        return self.finder(uid, t.spec)
+
+
+def split_sizes(uids: Sequence[int], ctx: PlanContext) -> dict[tuple[int, ...], int]:
+    """Largest read of each holder set with more than ``relay_above`` ranks (relayed) among
+    targets ``uids``: the set's bytes spread over all its holders' reads, so that reading
+    and the relay egress after each read spread too (a 256 MiB model loaded whole on 256
+    ranks: 1 MiB per rank), never over the plan's ``max_piece_bytes`` (a large set of
+    tensors already spreads at that size), nor under ``min_split_bytes`` (a request's
+    first byte costs as much as megabytes of transfer)."""
+    limit = ctx.options.relay_above
+    total: dict[tuple[int, ...], int] = {}
+    targets = ctx.targets
+    for u in uids:
+        t = targets[u]
+        if len(t.needers) > limit:
+            spec = t.spec
+            numel = spec.flat_range[1] - spec.flat_range[0] if spec.flat_range is not None else math.prod(spec.shape)
+            key = tuple(t.needers)
+            total[key] = total.get(key, 0) + numel * dtypes.itemsize(spec.dtype)
+    floor = relay_cap(ctx.options)
+    return {k: max(floor, min(-(-b // len(k)), ctx.options.max_piece_bytes)) for k, b in total.items()}
+
+
+def relay_cap(options: PlanOptions) -> int:
+    """Smallest piece a relayed holder set's reads are cut to: ``min_split_bytes``, within
+    the plan's piece bound."""
+    return max(1, min(options.min_split_bytes, options.max_piece_bytes))

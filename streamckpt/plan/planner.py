@@ -29,7 +29,7 @@ import numpy as np
 from ..core.manifest import Manifest
 from ..errors import IncompatibleStateDictError, TransformError
 from .gathered import Distinct, Kinds, RankTargets, distinct as number_targets, stable_order, unique
-from .needs import Need, PlanContext, coalesce_needs, fresh_copy, group_needs, make_read
+from .needs import Need, PlanContext, coalesce_needs, fresh_copy, group_needs, make_read, split_sizes
 from .data import (
     ALIGN,
     ChunkRun,
@@ -43,6 +43,8 @@ from .data import (
     Targets,
     ViewLike,
     costs_of,
+    grid_shape,
+    node_grid,
     is_packed,
     message_layout,
     message_size,
@@ -144,7 +146,7 @@ def _build_plan(
         mine = census.uids(census.by_key) if rank is None else sorted({u for u in rank_targets[rank] if u >= 0})
         own, edges = _plan_owned(mine, ctx, focus), []
     placed = _plan_shared(shared_keys, census, ctx, distinct.needers, world, private_keys, rank, rank_targets)
-    rounds = RoundPacker(world, options.round_cap)
+    rounds = RoundPacker(world, options.round_cap, max(2, options.max_peers))
     for r in placed:
         rounds.place(r, targets)
     shared = absorb_small_shared(placed, edges, targets)
@@ -367,11 +369,13 @@ def _plan_component(
 ) -> list[Read]:
     """One component's shared reads, tagged by their index among them. Other components'
     shards fence its reads as private shards do (their bytes are read there)."""
-    needs = [n for uid in census.uids(comp.keys) for n in ctx.needs(uid)]
+    uids = census.uids(comp.keys)
+    split = split_sizes(uids, ctx) if ctx.options.read_once else {}
+    needs = [n for uid in uids for n in ctx.needs(uid, split)]
     mine = set(comp.keys)
     fenced = private_keys.union(k for k in keys if k not in mine) if len(mine) < len(keys) else private_keys
     barriers = _barriers(ctx.manifest, fenced, {n.file for n in needs})
-    groups = group_needs(needs, ctx.options, ctx.targets, barriers)
+    groups = group_needs(needs, ctx.options, ctx.targets, barriers, split)
     keep = reachable(groups, rank, world, ctx.targets) if rank is not None else [True] * len(groups)
     reads: list[Read] = []
     for i, (g, k) in enumerate(zip(groups, keep)):
@@ -380,7 +384,27 @@ def _plan_component(
             r.tag = i
             reads.append(r)
     _assign_readers(reads, world, ctx.targets)
+    _relay(reads, ctx.targets, ctx.options)
     return reads
+
+
+def _relay(reads: list[Read], targets: Sequence[Target], options: PlanOptions) -> None:
+    """Reads whose one holder set has more than ``options.relay_above`` ranks travel along
+    a relay grid (``data.grid_hops``; a tree, ``data.relay_hops``, when the holder count has a
+    prime factor above ``max_peers + 1``) instead of from the reader to every holder at
+    once: no rank then exchanges with more than ``max_peers`` ranks for them in a round. A read
+    whose copies go to different holder sets (overlapping chunks joined them) is sent
+    directly, as before."""
+    limit = options.relay_above
+    for r in reads:
+        first = targets[r.copies[0].target].needers
+        if len(first) <= limit:
+            continue
+        if all(targets[c.target].needers is first or targets[c.target].needers == first for c in r.copies):
+            r.relay = max(2, options.max_peers)
+            r.grid = node_grid(first, r.relay, options.ranks_per_node)
+            r.grid_nodes = bool(r.grid)
+            r.grid = r.grid or grid_shape(len(first), r.relay)
 
 
 @dataclass(slots=True)

@@ -17,9 +17,9 @@ updates the whole set lazily, since ``max(max(s, B) + A, base) + c`` is again
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
-from .data import Read, Target, costs_of, is_packed, message_layout, read_cost
+from .data import Read, Target, costs_of, grid_entries, is_packed, message_layout, read_cost, relay_costs
 from .needs import Group
 from .ranksets import RankSets
 
@@ -41,11 +41,17 @@ class _Run:
 class RoundPacker:
     """Places reads one after another into rounds within ``cap`` bytes per rank."""
 
-    def __init__(self, world: int, cap: int) -> None:
+    def __init__(self, world: int, cap: int, max_peers: int = 0) -> None:
         self.cap = cap
         self.state = [0] * world
         self.touched: set[int] = set()
         self._run: _Run | None = None
+        self.max_peers = max_peers  # relayed reads: distinct peers per rank and round (0: no limit)
+        self.peers: dict[int, dict[int, set[int]]] = {}  # rank -> round -> its tree-relay peers there
+        # bytes a relayed read takes from a rank in rounds after the one its state is in
+        # (the later depths of a relay): the rank still takes reads in its current round
+        self.future: dict[int, dict[int, int]] = {}
+        self.last: dict[tuple[int, ...], int] = {}  # holder set -> round of its last relayed read
 
     def _needs(self, state: int, cost: int) -> int:
         """The earliest round a rank in ``state`` can take ``cost`` more bytes in."""
@@ -58,7 +64,14 @@ class RoundPacker:
             self._flush()
             self._charge(r, {r.reader: read_cost(r)})
             return
+        if r.relay:
+            self._flush()
+            self._charge_relay(r, targets)
+            return
         uniform = uniform_costs(r, targets)
+        if uniform is not None and self.future and (self._run is None or self._run.ranks is not uniform[0]) \
+                and any(x in self.future for x in uniform[0]):
+            uniform = None  # a rank with later relay rounds booked: placed read by read
         if uniform is None or r.reader not in uniform[0]:
             self._flush()
             self._charge(r, costs_of(r, targets))
@@ -86,11 +99,175 @@ class RoundPacker:
     def _charge(self, r: Read, costs: dict[int, int]) -> None:
         state = self.state
         rnd = max(self._needs(state[rank], c) for rank, c in costs.items())
-        base = rnd << SHIFT
-        for rank, c in costs.items():
-            s = state[rank]
-            state[rank] = (s if s >= base else base) + c
+        if self.future and any(rank in self.future for rank in costs):
+            rnd = self._first_fit({rank: [(0, c, ())] for rank, c in costs.items()}, rnd, 0)
+            for rank, c in costs.items():
+                self._take(rank, rnd, c, ())
+        else:
+            base = rnd << SHIFT
+            for rank, c in costs.items():
+                s = state[rank]
+                state[rank] = (s if s >= base else base) + c
         self.touched.update(costs)
+        r.round = rnd
+
+    def _fits(self, rank: int, t: int, c: int, new: Sequence[int], limit: int) -> bool:
+        """Whether ``rank`` can take ``c`` bytes (and ``new`` relay peers) in round ``t``."""
+        s = self.state[rank]
+        cur = s >> SHIFT
+        if t < cur:
+            return False
+        if t == cur:
+            used = s & USED
+        else:
+            fut = self.future.get(rank)
+            used = fut.get(t, 0) if fut is not None else 0
+        if used and used + c > self.cap:
+            return False
+        if limit and new:
+            seen = self.peers.get(rank, {}).get(t)
+            if seen is not None and len(seen.union(new)) > limit:
+                return False
+        return True
+
+    def _first_fit(self, cells: Mapping[int, Sequence[tuple[int, int, Sequence[int]]]], low: int, limit: int) -> int:
+        """The first round from ``low`` where every rank fits at every depth: each pass moves
+        the round to the latest of each entry's next fitting round, until none moves it."""
+        rnd = low
+        while True:
+            need = rnd
+            state = self.state
+            for rank, per in cells.items():
+                cur = state[rank] >> SHIFT
+                for d, c, new in per:
+                    t = rnd + d
+                    if t < cur:
+                        t = cur
+                    while not self._fits(rank, t, c, new, limit):
+                        t += 1
+                    if t - d > need:
+                        need = t - d
+            if need == rnd:
+                return rnd
+            rnd = need
+
+    def _take(self, rank: int, t: int, c: int, new: Sequence[int]) -> None:
+        """Charge ``rank`` ``c`` bytes in round ``t``: its current round, a later one it moves
+        to (taking what relays booked there), or, for a relay's later depths, a booking."""
+        s = self.state[rank]
+        cur = s >> SHIFT
+        fut = self.future.get(rank)
+        if t == cur:
+            self.state[rank] = s + c
+        else:
+            booked = fut.pop(t, 0) if fut is not None else 0
+            self.state[rank] = (t << SHIFT) + booked + c
+            if fut is not None:
+                for x in [x for x in fut if x < t]:
+                    del fut[x]
+                if not fut:
+                    del self.future[rank]
+            mine = self.peers.get(rank)
+            if mine is not None:  # rounds behind the rank's current one take nothing more
+                for x in [x for x in mine if x < t]:
+                    del mine[x]
+        if new:
+            self.peers.setdefault(rank, {}).setdefault(t, set()).update(new)
+
+    def _book(self, rank: int, t: int, c: int, new: Sequence[int]) -> None:
+        """A relay's later depth: bytes in round ``t`` after the rank's current one."""
+        fut = self.future.setdefault(rank, {})
+        fut[t] = fut.get(t, 0) + c
+        if new:
+            self.peers.setdefault(rank, {}).setdefault(t, set()).update(new)
+
+    def _charge_relay(self, r: Read, targets: Sequence[Target]) -> None:
+        """Place a relayed read: the earliest first round where, at every depth, each rank has
+        room for its bytes and stays within ``max_peers`` distinct relay peers. A rank's
+        first depth decides (its later depths fall in rounds after its current one)."""
+        key = tuple(targets[r.copies[0].target].needers)
+        # a holder set's pieces come in file order and take rounds about in that order: the
+        # search starts at the last one's (not at round 0, past every booked round)
+        low = self.last.get(key, 0)
+        if r.grid:
+            self._charge_grid(r, targets, key, low)
+            return
+        else:
+            cells = relay_costs(r, targets)
+            rnd = self._first_fit(cells, low, self.max_peers)
+        self.last[key] = rnd
+        tree = not r.grid  # a grid bounds each round's peers by its shape: only trees are counted
+        for rank, per in cells.items():  # rounds after a rank's current one are booked: it still fills its current one
+            cur = self.state[rank] >> SHIFT
+            for d, c, new in per:
+                if rnd + d == cur:
+                    self._take(rank, cur, c, new if tree else ())
+                else:
+                    self._book(rank, rnd + d, c, new if tree else ())
+        self.touched.update(cells)
+        r.round = rnd
+
+    def _charge_grid(self, r: Read, targets: Sequence[Target], key: tuple[int, ...], low: int) -> None:
+        """``_charge_relay`` for a grid read, in one pass per candidate round over its holders:
+        each holds ``size`` bytes from the depth it first holds the piece at to the last
+        (``data.grid_entries``), the reader its read at depth 0. Its hops depend on its
+        round's place among the grid's dimensions, so the layout is redone per phase."""
+        holders = targets[r.copies[0].target].needers
+        size = message_layout(r.copies)[1]
+        packed = is_packed(r.copies)
+        dims = len(r.grid)
+        period = max(1, dims - (1 if r.grid_nodes else 0))
+        variants: dict[int, tuple[list[int], list[int], int]] = {}
+        state, future, cap = self.state, self.future, self.cap
+        rnd = low
+        while True:
+            r.round = rnd
+            phase = rnd % period
+            entry = variants.get(phase)
+            if entry is None:
+                entry = variants[phase] = grid_entries(r, holders, size, packed)
+            got, (r0,), first = entry
+            need = rnd
+            for p, rank in enumerate(holders):
+                s = state[rank]
+                cur = s >> SHIFT
+                fut = future.get(rank)
+                d = 0 if p == r0 else got[p]
+                c = first if p == r0 else size
+                while d < dims:
+                    t = rnd + d
+                    if t < cur:
+                        t = cur
+                    while True:
+                        u = (s & USED) if t == cur else (fut.get(t, 0) if fut is not None else 0)
+                        if not u or u + c <= cap:
+                            break
+                        t += 1
+                    if t - d > need:
+                        need = t - d
+                    d += 1
+                    c = size
+            if need == rnd:
+                break
+            rnd = need
+        self.last[key] = rnd
+        for p, rank in enumerate(holders):  # rounds after a rank's current one are booked
+            s = state[rank]
+            cur = s >> SHIFT
+            d = 0 if p == r0 else got[p]
+            c = first if p == r0 else size
+            while d < dims:
+                t = rnd + d
+                if t == cur:
+                    self._take(rank, cur, c, ())
+                else:
+                    fut = future.get(rank)
+                    if fut is None:
+                        fut = future[rank] = {}
+                    fut[t] = fut.get(t, 0) + c
+                d += 1
+                c = size
+        self.touched.update(holders)
         r.round = rnd
 
     def _flush(self) -> None:
@@ -106,7 +283,9 @@ class RoundPacker:
     def count(self, ranks: Iterable[int]) -> int:
         """Rounds used by the busiest of ``ranks`` so far."""
         self._flush()
-        return max(((self.state[r] >> SHIFT) + 1 for r in ranks if r in self.touched), default=0)
+        last = [(self.state[r] >> SHIFT) + 1 for r in ranks if r in self.touched]
+        last += [max(self.future[r]) + 1 for r in ranks if r in self.future]
+        return max(last, default=0)
 
 
 def uniform_costs(r: Read, targets: Sequence[Target]) -> tuple[list[int], int, int] | None:

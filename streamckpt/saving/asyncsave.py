@@ -57,7 +57,7 @@ from ..errors import CheckpointError
 from ..results import SaveResult
 from ..storage import Storage
 from . import writeplan
-from .saver import CANCELLED, Prepared, prepare, write_and_commit
+from .saver import CANCELLED, Guard, Prepared, prepare, write_and_commit
 from .staging import StagingArea, copy_all
 
 if TYPE_CHECKING:
@@ -257,10 +257,11 @@ def start_save(
     cuda: CudaApi | None = None,
     progress: Callable[[int], None] | None = None,
     base: str | None = None,
+    guard: Guard | None = None,
 ) -> SaveHandle:
     """What ``sc.async_save`` runs (its doc says what each argument does), with the CUDA runtime
     named (``cuda``: a test's stand-in; None: torch's). ``progress``: a callable, called from
-    the upload thread with each object's size once stored."""
+    the upload thread with each object's size once stored. ``guard``: as ``saver.prepare``'s."""
     if staging_budget is not None and (not isinstance(staging_budget, (int, float)) or isinstance(staging_budget, bool)
                                        or not staging_budget > 0):
         raise CheckpointError(f"staging_budget must be a positive number of bytes or None, got {staging_budget!r}")
@@ -274,7 +275,7 @@ def start_save(
         max_item = None if staging_budget is None else max(1 << 20, staging_budget // 4)
         prep = prepare(session.comm, storage, state_dict, compression=compression, metadata=metadata,
                        overwrite=overwrite, max_item_bytes=max_item, cuda=cuda, base=base,
-                       storage_options=storage_options)
+                       storage_options=storage_options, guard=guard)
     except BaseException:
         storage.close()
         raise

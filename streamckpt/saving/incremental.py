@@ -2,13 +2,16 @@
 
 ``read_base`` (rank 0) checks that ``base`` is a committed streamckpt checkpoint that is a
 sibling of the checkpoint being written (same parent prefix, another name) and returns its
-manifest's bytes, which every rank then parses (``BaseShards.parse``: read once, broadcast).
+manifest's bytes and the manifest it parsed from them; rank 0 keeps that manifest
+(``BaseShards.of``), the other ranks parse the broadcast bytes once (``BaseShards.parse``:
+read once, parsed once per rank).
 ``split`` then decides, on each rank for its own shards, which ones to reference: a shard
 whose key, dtype, global shape, box, flat range and codec equal a base shard's and whose
 raw bytes have the same xxh3-128 digest is recorded with the base shard's address,
 rewritten as seen from the new checkpoint (``../<sibling>/data/...``). A base shard that
 itself references a sibling keeps pointing at the file that holds the bytes, so references
-never chain.
+never chain. A candidate's digest is computed once: when its bytes differ from the base's,
+the writer records that digest instead of hashing the shard again as it uploads it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ log = logging.getLogger(__name__)
 _Key = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, int] | None, str]
 
 
-def _norm(uri: str) -> str:
+def norm_uri(uri: str) -> str:
+    """A URI as compared here: no trailing slash; a local path made absolute."""
     uri = str(uri).rstrip("/")
     if "://" in uri:
         return uri
@@ -44,7 +48,7 @@ def sibling_name(uri: str, base: str) -> str:
     Raises:
         CheckpointError: ``base`` is ``uri`` itself or not under the same root.
     """
-    here, there = _norm(uri), _norm(base)
+    here, there = norm_uri(uri), norm_uri(base)
     parent, _, own = here.rpartition("/")
     bparent, _, name = there.rpartition("/")
     if not parent or bparent != parent or not name:
@@ -56,8 +60,9 @@ def sibling_name(uri: str, base: str) -> str:
     return name
 
 
-def read_base(uri: str, base: str, storage_options: dict | None) -> bytes:
-    """Rank 0: the base's manifest bytes, checked (committed, streamckpt, a sibling of ``uri``).
+def read_base(uri: str, base: str, storage_options: dict | None) -> tuple[bytes, mf.Manifest]:
+    """Rank 0: the base's manifest bytes (for the other ranks) and the manifest parsed from
+    them, checked (committed, streamckpt, a sibling of ``uri``).
 
     Raises:
         CheckpointError: the base is not a committed streamckpt checkpoint under the same root.
@@ -75,7 +80,7 @@ def read_base(uri: str, base: str, storage_options: dict | None) -> bytes:
     manifest = mf.from_json(data, where=f"base {base}/{mf.MANIFEST_NAME}")
     if manifest.kind != mf.FORMAT_NAME:
         raise CheckpointError(f"base {base!r} is a {manifest.kind} checkpoint; a base must be a streamckpt checkpoint")
-    return data
+    return data, manifest
 
 
 @dataclass
@@ -88,9 +93,14 @@ class BaseShards:
 
     @staticmethod
     def parse(data: bytes, uri: str, base: str) -> "BaseShards":
+        """From the manifest's bytes (the ranks that did not read it)."""
+        return BaseShards.of(mf.from_json(data, where=f"base {base}/{mf.MANIFEST_NAME}"), uri, base)
+
+    @staticmethod
+    def of(m: mf.Manifest, uri: str, base: str) -> "BaseShards":
+        """From the parsed manifest (rank 0, which read it)."""
         name = sibling_name(uri, base)
-        own = _norm(uri).rpartition("/")[2]
-        m = mf.from_json(data, where=f"base {base}/{mf.MANIFEST_NAME}")
+        own = norm_uri(uri).rpartition("/")[2]
         out = BaseShards(name)
         for key, t in m.tensors.items():
             for s in t.shards:
@@ -112,20 +122,35 @@ def digest_of(tensor: torch.Tensor) -> str:
     return xxhash.xxh3_128(memoryview(raw)).hexdigest()  # type: ignore[arg-type]
 
 
-def split(mine: Sequence[ShardToWrite], base: BaseShards | None,
-          compression: str | None) -> tuple[list[int], list[tuple[int, str, mf.Shard]]]:
-    """Which of ``mine`` to upload (indices) and which to reference: ``(index, key, base shard)``."""
+@dataclass
+class Split:
+    """An incremental save's decision for one rank's shards."""
+
+    upload: list[int]  # indices into the rank's shards: written as usual
+    reused: list[tuple[int, str, mf.Shard]]  # (index, key, base shard): referenced, not uploaded
+    digests: dict[int, str] = field(default_factory=dict)  # an upload's digest, computed to compare
+
+
+def split(mine: Sequence[ShardToWrite], base: BaseShards | None, compression: str | None) -> Split:
+    """Which of ``mine`` to upload and which to reference. A candidate (a base shard with the
+    same region and codec) is hashed here; when it differs, its digest goes to the writer
+    (``Split.digests``), which then does not hash its bytes again."""
     if base is None:
-        return list(range(len(mine))), []
+        return Split(list(range(len(mine))), [])
     codec = "zstd" if compression else "raw"
-    upload: list[int] = []
-    reused: list[tuple[int, str, mf.Shard]] = []
+    out = Split([], [])
     for i, it in enumerate(mine):
         sp = it.spec
         hit = base.shards.get((sp.key, sp.dtype, sp.global_shape, sp.offset, sp.shape, sp.flat_range, codec))
-        if hit is not None and hit.digest == digest_of(it.tensor):
-            reused.append((i, sp.key, hit))
+        if hit is None:
+            out.upload.append(i)
+            continue
+        digest = digest_of(it.tensor)
+        if hit.digest == digest:
+            out.reused.append((i, sp.key, hit))
         else:
-            upload.append(i)
-    log.debug("incremental save against %s: %d shard(s) referenced, %d to upload", base.name, len(reused), len(upload))
-    return upload, reused
+            out.upload.append(i)
+            out.digests[i] = digest
+    log.debug("incremental save against %s: %d shard(s) referenced, %d to upload (%d of them hashed to compare)",
+              base.name, len(out.reused), len(out.upload), len(out.digests))
+    return out

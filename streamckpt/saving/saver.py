@@ -26,7 +26,8 @@ from ..core.report import expect_total
 from ..core.targets import LocalTarget, TargetSpec, collect
 from ..cuda.device import cuda_devices
 from ..cuda.runtime import CudaApi, TorchCuda
-from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleStateDictError
+from ..errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+                      IncompatibleStateDictError)
 from ..results import SaveResult
 from ..storage import Storage
 from ..storage.uploads import delete_written
@@ -40,9 +41,20 @@ CANCELLED = "the save was cancelled (SaveHandle.cancel, or the process exiting w
 
 COMPRESSIONS = (None, "zstd")
 
+Guard = Callable[[str, "dict[str, Any] | None"], None]  # rank 0's check before replacing a committed checkpoint
+
 
 def _data_name(rank: int, index: int, compression: str | None) -> str:
     return f"data/{rank:05d}-{index:04d}.{'zst' if compression else 'safetensors'}"
+
+
+def _holds_data(storage: Storage) -> bool:
+    """Whether data files lie under a prefix with no manifest (one LIST). A missing bucket is
+    left for the first write to report, as a write."""
+    try:
+        return bool(storage.list("data"))
+    except CheckpointNotFoundError:
+        return False
 
 
 def _check_layout(holders: dict[TargetSpec, list[int]]) -> None:
@@ -108,6 +120,7 @@ def prepare(
     cuda: CudaApi | None = None,
     base: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    guard: Guard | None = None,
 ) -> Prepared:
     """Validate, gather every rank's specs and assign writers; raises the agreed error on every rank.
 
@@ -115,7 +128,11 @@ def prepare(
     into pieces (row blocks or flat ranges), so that each fits one upload buffer (and a
     bounded staging buffer). ``cuda``: the CUDA runtime (a test's stand-in). ``base``: an
     incremental save's base checkpoint (rank 0 reads its manifest, every rank gets it);
-    ``storage_options``: the base's (the save's own).
+    ``storage_options``: the base's (the save's own). ``guard(uri, storage_options)``: called
+    on rank 0 before a committed checkpoint is replaced (``overwrite``), or when a fresh save
+    finds data files under its prefix (a pruned base's shared files stay there), before
+    anything is deleted; its ``CheckpointError`` fails the save on every rank (the wiring passes
+    ``manage.references.check_unreferenced``: saving sits below manage).
     """
     t0 = time.perf_counter()
     own: BaseException | None = None
@@ -125,6 +142,7 @@ def prepare(
     values: dict[str, Any] = {}
     tree: dict[str, Any] = {}
     base_doc = b""
+    base_manifest: mf.Manifest | None = None
     try:
         if storage.entry is not None:
             raise CheckpointError(
@@ -154,9 +172,13 @@ def prepare(
                         f"{storage.describe(mf.MANIFEST_NAME)} exists: a committed checkpoint is there; "
                         f"pass overwrite=True to replace it"
                     )
+                if guard is not None:  # its bytes may be a later incremental save's base
+                    guard(storage.uri, storage_options)
                 storage.delete(mf.MANIFEST_NAME)  # uncommit first: old data files are about to change
+            elif guard is not None and _holds_data(storage):  # a pruned base's shared files stay here
+                guard(storage.uri, storage_options)
             if base is not None:
-                base_doc = read_base(storage.uri, str(base), storage_options)
+                base_doc, base_manifest = read_base(storage.uri, str(base), storage_options)
     except CheckpointError as e:
         own = e
     all_specs = gather_targets(comm, specs, own)  # compact: distinct layouts travel once
@@ -173,7 +195,9 @@ def prepare(
     comm.agree(own)
     shards = None
     if base is not None:
-        shards = BaseShards.parse(comm.broadcast_bytes(base_doc if comm.rank == 0 else None), storage.uri, str(base))
+        doc = comm.broadcast_bytes(base_doc if comm.rank == 0 else None)
+        shards = BaseShards.of(base_manifest, storage.uri, str(base)) if base_manifest is not None \
+            else BaseShards.parse(doc, storage.uri, str(base))  # rank 0 parsed it already
     return Prepared(all_specs, items, local, values, tree, metadata or {}, compression, upload, t0, shards)
 
 
@@ -196,6 +220,7 @@ def write_and_commit(
     files: dict[str, int] = {}
     refs: dict[str, int] = {}
     upload = list(range(len(mine)))
+    digests: dict[int, str] = {}  # an incremental save's digests of uploads it hashed to compare
 
     def written(i: int) -> None:
         if on_written is not None:
@@ -204,8 +229,9 @@ def write_and_commit(
 
     try:
         if prep.base is not None:
-            upload, reused = split(mine, prep.base, prep.compression)
-            for i, key, shard in reused:
+            decided = split(mine, prep.base, prep.compression)
+            upload, digests = decided.upload, decided.digests
+            for i, key, shard in decided.reused:
                 records.append((key, shard))
                 refs[shard.file] = prep.base.sizes[shard.file]
                 result.bytes_reused += shard.byte_length
@@ -215,7 +241,7 @@ def write_and_commit(
             new, files = write_data_files(
                 storage, lambda i: _data_name(comm.rank, i, prep.compression), [mine[i] for i in upload],
                 compression=prep.compression, shape=prep.upload, chunk_size=chunk_size, on_written=written,
-                cuda=cuda, progress=progress)
+                cuda=cuda, progress=progress, digests=[digests.get(i) for i in upload])
             records += new
             result.files.extend(files)
             result.bytes_written += sum(files.values())
@@ -267,9 +293,10 @@ def run_save(
     progress: Callable[[int], None] | None = None,
     base: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    guard: Guard | None = None,
 ) -> SaveResult:
     prep = prepare(comm, storage, state_dict, compression=compression, metadata=metadata, overwrite=overwrite,
-                   cuda=cuda, base=base, storage_options=storage_options)
+                   cuda=cuda, base=base, storage_options=storage_options, guard=guard)
     mine = to_write(prep.items, prep.local)
     return write_and_commit(comm, storage, prep, mine, chunk_size=chunk_size, cuda=cuda, progress=progress)
 

@@ -174,16 +174,19 @@ class _Encoder:
         """``shard`` will be called for ``items``, in this order (their indices)."""
         self.host.plan(items, [self.chunk_of(it) for it in items])
 
-    def shard(self, sink: _Sink, name: str, it: ShardToWrite, index: int) -> Shard:
+    def shard(self, sink: _Sink, name: str, it: ShardToWrite, index: int, digest: str | None = None) -> Shard:
+        """``digest``: the shard's xxh3-128 when already known (an incremental save hashed it to
+        compare with its base), so that no byte is hashed twice; None: hashed in this pass."""
         cctx = self.cctx
         start = sink.bytes_written
         chunk = self.chunk_of(it)
         crcs: list[int] = []
         frames: list[int] = []
-        digest = xxhash.xxh3_128()  # of the raw bytes, in the same pass (incremental saves compare them)
+        hasher = xxhash.xxh3_128() if digest is None else None  # of the raw bytes, in the same pass
         for span in self.host.spans(index):  # spans hold whole chunks (the last may end short)
             mv = memoryview(span.numpy())
-            digest.update(mv)
+            if hasher is not None:
+                hasher.update(mv)
             if cctx is None:  # one copy per span; the checksums read the same memory chunk by chunk
                 crcs += [crc32c(mv[lo:lo + chunk]) for lo in range(0, len(mv), chunk)]
                 sink.write(mv)
@@ -199,7 +202,8 @@ class _Encoder:
             byte_offset=start, byte_length=sink.bytes_written - start,
             flat_range=spec.flat_range, codec="zstd" if cctx else "raw",
             chunk_size=chunk, crc32c=tuple(crcs),
-            frame_lengths=tuple(frames) if cctx else None, digest=digest.hexdigest(),
+            frame_lengths=tuple(frames) if cctx else None,
+            digest=hasher.hexdigest() if hasher is not None else digest,
         )
 
 
@@ -292,6 +296,7 @@ def write_data_files(
     cuda: CudaApi | None = None,
     on_written: Callable[[int], None] | None = None,
     progress: Callable[[int], None] | None = None,
+    digests: Sequence[str | None] | None = None,
 ) -> tuple[list[tuple[str, Shard]], dict[str, int]]:
     """Write ``items`` as data files ``name_of(0)``, ``name_of(1)``, … of about
     ``shape.object_bytes`` each, uploaded several at once, one request per file; return the
@@ -299,8 +304,9 @@ def write_data_files(
     CRC32C, or zstd) into a free upload buffer while earlier files are in flight; a tensor
     is read once. ``on_written`` as in ``write_data_file``; ``progress(nbytes)``: each file's
     size once uploaded (and ``progress.add_total`` first, when it has one and the sizes are
-    known in advance: uncompressed). On failure the files already written are deleted (best
-    effort) and the error raised."""
+    known in advance: uncompressed). ``digests[i]``: item ``i``'s content digest when the caller
+    has computed it already (not hashed again), else None. On failure the files already
+    written are deleted (best effort) and the error raised."""
     shape = shape or UploadShape.from_env()
     enc = _Encoder(compression, chunk_size, _host_for(cuda))
     groups = pack([it.spec.nbytes for it in items], shape.object_bytes)
@@ -318,7 +324,7 @@ def write_data_files(
             body = _Body(queue.buffer(len(head) + sum(it.spec.nbytes for it in mine)))
             body.write(memoryview(head))
             for i, it in zip(group, mine):
-                records.append((it.spec.key, enc.shard(body, name, it, i)))
+                records.append((it.spec.key, enc.shard(body, name, it, i, digests[i] if digests else None)))
                 if on_written is not None:
                     on_written(i)
             queue.submit(name, body.buf, body.bytes_written)

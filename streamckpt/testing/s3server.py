@@ -154,10 +154,11 @@ def main() -> None:
     import threading
 
     ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--bucket", action="append", default=[])
     args = ap.parse_args()
-    with LocalS3(port=args.port) as s3:
+    with LocalS3(host=args.host, port=args.port) as s3:
         for b in args.bucket:
             s3.make_bucket(b)
         print(f"endpoint_url={s3.endpoint_url} key={TEST_KEY} secret={TEST_SECRET}", flush=True)
