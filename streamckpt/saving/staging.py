@@ -9,8 +9,13 @@ freed tensors, and the block is reused by the next save instead of paying its pa
 faults (and, pinned, its registration) again. Without a budget the block is sized to the
 share (``size``) and kept for the next save whose share fits it: a training loop saving
 every N steps pays the block's page faults once (here: 0.05 s instead of 0.17 s to stage
-242 MiB). On the CPU the block asks the kernel for huge pages (``MADV_HUGEPAGE``), which
-takes fewer page faults where the kernel grants them; the kernel still zeroes every page.
+242 MiB). On the CPU the block is an anonymous mapping left to the kernel's default pages.
+It asked for transparent huge pages (``MADV_HUGEPAGE``) until December 2026: on this
+project's VMs (virtio-balloon free page reporting) a free 2 MiB block is mostly one the
+host has taken back, and first-touching it cost 2.7-3.4 CPU-s per GiB against ~0.5 for
+default pages; a fresh process's ``async_save`` of 1 GiB blocked 6.7 s against DCP's 2.1 s
+(after: 1.05 s; BENCHMARKS.md). DCP's staging uses default pages too, and the loads'
+targets dropped the advice for the same reason.
 
 For CUDA tensors the block is page-locked at exactly its size (``CudaApi.pin``: torch's
 pinned allocator would round it up to a power of two and cache it after use: a 17 GB
@@ -86,9 +91,7 @@ class StagingArea:
     def _block(self, n: int) -> torch.Tensor:
         if self.gpu is not None or n == 0:
             return self._own(n)
-        mem = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            mem.madvise(mmap.MADV_HUGEPAGE)
+        mem = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # default pages: see the module doc
         return torch.frombuffer(mem, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
     def close(self) -> None:
