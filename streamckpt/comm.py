@@ -95,6 +95,9 @@ class SoloComm:
     def max_ints(self, values: list[int]) -> list[int]:
         return list(values)
 
+    def gather_ints(self, values: list[int]) -> list[list[int]]:
+        return [list(values)]
+
     def open_exchange(self) -> None:
         return None
 
@@ -242,6 +245,16 @@ class GroupComm:
         except RuntimeError as e:
             raise _backend_failure("agreeing on the plan's rounds with all ranks", e) from None
         return [int(x) for x in t.tolist()]
+
+    def gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (the same length everywhere), in rank order, on every rank:
+        one all-gather."""
+        out = [self._int_tensor([0] * len(values)) for _ in range(self.world_size)]
+        try:
+            self.dist.all_gather(out, self._int_tensor(values), group=self.group)
+        except RuntimeError as e:
+            raise _backend_failure("gathering the load's request counts from all ranks", e) from None
+        return [[int(x) for x in t.tolist()] for t in out]
 
     def agree(self, exc: BaseException | None) -> None:
         """All ranks learn whether any failed; if so every rank raises."""

@@ -49,6 +49,19 @@ class LoadResult:
         kind: The checkpoint's kind: ``"streamckpt"``, ``"safetensors"`` or ``"dcp"``.
         bytes_direct: Of ``bytes_read``, the bytes that landed straight in this rank's
             targets, with no staging copy.
+        throttled_requests: Responses this rank's storage client saw that throttled it (S3's
+            503 SlowDown, 429, Azure's ServerBusy), each retried (or failing the load when
+            retries ran out). The default S3 client counts every one; through obstore, s3fs
+            and others only those that outlast the client's own retries.
+        job_requests: Range requests of every rank of the load together (``requests`` summed;
+            alone: ``requests``).
+        job_throttled_requests: ``throttled_requests`` summed over every rank.
+        job_requests_per_s: ``job_requests`` divided by the longest rank's data phase: the
+            average GET rate on ``request_prefix``, the figure S3 limits (5,500/s per prefix);
+            rank 0 logs a warning when it passes ``STREAMCKPT_GET_RATE_LIMIT`` (default 5500).
+        request_prefix: The longest key prefix (a URI ending in ``/``) that every data file of
+            the checkpoint shares: the partition that takes the job's requests until the store
+            splits it.
     """
 
     missing_keys: list[str] = field(default_factory=list)
@@ -63,6 +76,11 @@ class LoadResult:
     staging_bytes: int = 0
     kind: str = "streamckpt"
     bytes_direct: int = 0  # of bytes_read: landed straight in this rank's targets, no staging copy
+    throttled_requests: int = 0
+    job_requests: int = 0
+    job_throttled_requests: int = 0
+    job_requests_per_s: float = 0.0
+    request_prefix: str = ""
 
     @property
     def read_amplification(self) -> float:

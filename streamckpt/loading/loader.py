@@ -29,6 +29,7 @@ from ..plan.planner import IdentityView, LoadPlan, PlanOptions, build_plan, sett
 from ..results import LoadResult
 from ..storage import Storage
 from .missing import warn_missing
+from . import requestrate
 from .pipeline import Destinations, Executor
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
     as part of the load); if any rank finds a prediction wrong, every rank locates
     the items exactly and loads again (targets' contents are unspecified until then)."""
     t0 = time.perf_counter()
+    throttled0 = storage.throttled_responses
     own: BaseException | None = None
     targets: list[LocalTarget] = []
     values: list[ValueSlot] = []
@@ -131,12 +133,12 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
         manifest, all_specs = _metadata_and_specs(comm, storage, [t.spec for t in targets], own,
                                                   speculative=req.transforms is None)
     req = dataclasses.replace(req, options=with_nodes(comm, req.options))
-    result, mismatch = _attempt(comm, storage, req, manifest, all_specs, targets, values, cuda, t0)
+    result, mismatch = _attempt(comm, storage, req, manifest, all_specs, targets, values, cuda, t0, throttled0)
     if result is None:
         log.info("streamckpt load %s: a DCP item's layout is not the predicted one (first: %s); "
                  "locating every item exactly and loading again", storage.describe(""), mismatch)
         exact = share_manifest(comm, storage)
-        result, mismatch = _attempt(comm, storage, req, exact, all_specs, targets, values, cuda, t0)
+        result, mismatch = _attempt(comm, storage, req, exact, all_specs, targets, values, cuda, t0, throttled0)
         if result is None:  # pragma: no cover - an exact manifest predicts nothing
             raise CheckpointError(f"internal: predicted layout after exact locating ({mismatch})")
     return result
@@ -176,7 +178,7 @@ def local_world_size(rank: int) -> int:
 
 def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, manifest: mf.Manifest,
              all_specs: Sequence[Sequence[TargetSpec]], targets: list[LocalTarget], values: list[ValueSlot],
-             cuda: CudaApi, t0: float) -> tuple[LoadResult | None, str | None]:
+             cuda: CudaApi, t0: float, throttled0: int) -> tuple[LoadResult | None, str | None]:
     """Plan and run the load; (None, first mismatch) when a predicted DCP head was wrong
     on any rank (agreed). With a predicted manifest, the ranks exchange the heads they
     verify in a second, small gather (the first ran before the manifest was known)."""
@@ -239,8 +241,12 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
     dest = Destinations({
         uid: t.tensor for uid, t in zip(plan.rank_targets[comm.rank], mine) if uid >= 0
     })
+    t_data = time.perf_counter()
     with torch.no_grad():
         stats = Executor(plan, comm, storage, dest, progress=req.progress, placement=placement).run()
+    throttled = storage.throttled_responses - throttled0
+    job = requestrate.gather_job(comm, stats.requests, throttled, time.perf_counter() - t_data,
+                                 _request_prefix(storage, manifest))
     if speculative:
         bad = spec.first_mismatch(checked, lambda t: _to_host(cuda, t))
         if comm.max_ints([1 if bad is not None else 0])[0]:
@@ -265,10 +271,26 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
         staging_bytes=stats.staging_bytes,
         kind=manifest.kind,
         bytes_direct=stats.bytes_direct,
+        throttled_requests=throttled,
+        job_requests=job.requests,
+        job_throttled_requests=job.throttled,
+        job_requests_per_s=job.per_second,
+        request_prefix=job.prefix,
     )
     if comm.rank == 0:
         log.info("streamckpt load %s: %s", storage.describe(""), result)
+        warning = requestrate.over_limit(job, requestrate.get_limit())
+        if warning:
+            log.warning("streamckpt load %s: %s", storage.describe(""), warning)
     return result, None
+
+
+def _request_prefix(storage: Storage, manifest: mf.Manifest) -> str:
+    """The key prefix the checkpoint's data files share, as a URI (``s3://bucket/ckpt/data/``):
+    the same on every rank (it depends on the manifest alone)."""
+    paths = [storage.path(name) for name in manifest.files] or [storage.path("")]
+    scheme = storage.uri.split("://", 1)[0] if "://" in storage.uri else "file"
+    return f"{scheme}://{requestrate.key_prefix(paths)}"
 
 
 def _head_alloc(cuda: CudaApi, tensors: Sequence[torch.Tensor]) -> Callable[[int], torch.Tensor]:

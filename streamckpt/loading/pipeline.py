@@ -6,8 +6,10 @@ into targets. A read that serves only this rank lands straight in its host targe
 memory where its bytes are theirs as stored (``landing``), verified in place; what
 is left of it, and every other read, lands in two staging arenas per rank,
 allocated once at the size this rank's largest round needs (at most half the memory
-budget each). On the host path each staged read is decoded and scattered as soon as
-it is verified, while the round's other reads are still in flight. A ``device``
+budget each). A message from a peer that is one piece of a host target, its bytes as
+the target holds them, is received straight into the target (``landing``). On the host
+path each staged read is decoded and scattered as soon as it is verified, while the
+round's other reads are still in flight. A ``device``
 stage owns the arenas and every device-side rule: on CUDA they are pinned, each
 piece's span goes to the GPU as raw bytes on a side stream and is
 viewed/permuted/cast there, and the event recorded after a round gates its arena's
@@ -36,7 +38,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..plan.data import Copy, LoadPlan, Read, is_packed, message_size
 from ..storage import Landing, RangeRead, Storage
 from .direct import DirectBatch
-from .landing import plan_landings
+from .landing import plan_landings, receive_targets
 from .scatter import Destinations, message_pieces, pack_message, source_view, unpack_message
 from .schedule import Layout, LocalRound, Message, layout, local_schedule
 
@@ -114,6 +116,7 @@ class Executor:
         self.placement = placement
         self.on_device = {uid for uid, t in destinations.tensors.items() if placement.is_device(t)}
         self.landings = plan_landings(self.schedule, destinations, self.on_device)
+        self.recv_into = {} if placement.data_on_device else receive_targets(self.schedule, destinations, self.on_device)
         self.pure = {i for i, land in self.landings.items() if all(m is not None for _, _, m in land.spans)}
         self.fetched = [[(i, r) for i, r in rnd.reads if i not in self.pure] for rnd in self.schedule]
         self.direct = DirectBatch([(i, r) for rnd in self.schedule for i, r in rnd.reads if i in self.pure],
@@ -259,7 +262,9 @@ class Executor:
             if on_device:
                 buf = stage.recv_buffer(slot, base, size)  # type: ignore[union-attr]
             else:
-                buf = arena[base: base + size]
+                buf = self.recv_into.get((m.read_index, m.peer))
+                if buf is None:
+                    buf = arena[base: base + size]
             recvs.append(P2P(m.peer, buf, self.plan.reads[m.read_index].tag))
             landed.append((m, buf))
         failed = self._attempt(lambda: self._fill_sends(k, fills, reads))
@@ -328,6 +333,8 @@ class Executor:
         """Called once the round's receives have completed: only then do they count as received."""
         for m, buf in landed:
             self.stats.bytes_received += buf.numel()
+            if (m.read_index, m.peer) in self.recv_into:
+                continue  # received straight into its target
             host, dev = self._split(buf, 0, buf.numel(), (c.target for c in m.copies))
             for o, c in message_pieces(m.copies):
                 self._apply(host, dev, o, c)

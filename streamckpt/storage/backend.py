@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures as cf
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
@@ -50,6 +51,30 @@ class Stalled(Transient):
 
 class RangeNotSatisfiable(BackendError):
     """The server refused the range: the object may be shorter than the reader thinks."""
+
+
+_THROTTLE_TEXT = re.compile(r"SlowDown|Slow Down|reduce your request rate|Throttl|ServerBusy|HTTP 503\b|HTTP 429\b"
+                            r"|\b503 Service Unavailable|TooManyRequests", re.I)
+
+
+def throttling(exc: BaseException) -> bool:
+    """Whether a failed attempt was the store refusing the request rate (S3's 503 SlowDown,
+    429, Azure's ServerBusy): what ``Backend.throttled`` counts."""
+    return isinstance(exc, Transient) and bool(_THROTTLE_TEXT.search(str(exc)))
+
+
+class ThrottleCount:
+    """Throttled responses a client saw (each then retried, or the last of a failed call):
+    how a load learns that its request rate passed the store's limit. Thread-safe: the
+    blocking clients answer in worker threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def add(self, n: int = 1) -> None:
+        with self._lock:
+            self.count += n
 
 
 class Permanent(BackendError):
@@ -124,6 +149,18 @@ class Backend(abc.ABC):
     name: str = "backend"
     holds_bodies: bool = False  # the client holds a response body before copying it into the buffer
     piece_size: int | None = None  # reads larger than this become concurrent requests (None: never)
+    # True where the client counts every throttled response itself, its own retries included
+    # (``httpget``); else the policy counts the throttled failures it sees (``reads``), and
+    # those the client retried inside one call stay unseen.
+    counts_throttling: bool = False
+
+    @property
+    def throttled(self) -> ThrottleCount:
+        """Throttled responses seen through this client (see ``counts_throttling``)."""
+        count = self.__dict__.get("_throttled")
+        if count is None:
+            count = self.__dict__.setdefault("_throttled", ThrottleCount())
+        return count
 
     @abc.abstractmethod
     async def fetch(self, path: str, start: int, buf: memoryview, *, want_meta: bool = False) -> Fetched:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 from urllib.parse import quote, urlsplit
 
-from .backend import Fetched, ObjectInfo, Stalled, TooLarge, Transient
+from .backend import Fetched, ObjectInfo, Stalled, TooLarge, Transient, throttling
 from .httplist import list_keys
 from .httpstatus import StatusFailure, classified, content_range, failure, http_date
 from .obstore_backend import PIECE, NotConfigurable, ObstoreBackend
@@ -215,6 +215,7 @@ class HttpGetBackend(ObstoreBackend):
     name = "http"
     holds_bodies = False  # bodies go straight into their buffers
     piece_size = PIECE
+    counts_throttling = True  # every 503 SlowDown, its own retries included (``_retrying``)
     list_page_keys: int | None = None  # ListObjectsV2 max-keys (None: the server's 1000)
 
     def __init__(self, config: dict[str, Any], request_timeout: float, client_attempts: int,
@@ -270,12 +271,14 @@ class HttpGetBackend(ObstoreBackend):
         """``once(*args)``, with status-level failures (an error status such as 503 SlowDown, a
         refused connection: no body byte written) sent again, ``client_attempts`` in all with
         50 ms–1 s jittered backoff, as obstore's and botocore's clients do
-        (``RetryPolicy.client_attempts``)."""
+        (``RetryPolicy.client_attempts``). Each throttled response is counted (``throttled``)."""
         attempt = 1
         while True:
             try:
                 return once(*args)
-            except StatusFailure:
+            except StatusFailure as e:
+                if throttling(e):
+                    self.throttled.add()
                 if attempt >= self.client_attempts:
                     raise
             time.sleep(random.uniform(0, min(1.0, 0.05 * 2 ** attempt)))

@@ -23,7 +23,8 @@ from typing import Any, Awaitable, Callable, Sequence, TypeVar, Union
 
 from ..core.checksum import crc32c
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from .backend import Backend, Fetched, NotFound, RangeNotSatisfiable, TooLarge, Transient, WorkerThreads
+from .backend import (Backend, Fetched, NotFound, RangeNotSatisfiable, TooLarge, Transient, WorkerThreads,
+                      throttling)
 from .gate import Gate
 from .policy import (Attempts, ChecksumMismatch, Describer, Mismatches, RetryPolicy, mismatch_attempts, not_found_message,
                      retryable, sibling_path)
@@ -144,6 +145,13 @@ class Reader:
         return sibling_path(self.root, name, self.describe) if name.startswith("../") else (
             f"{self.root}/{name}" if name else self.root)
 
+    def note_throttled(self, errors: Sequence[BaseException]) -> None:
+        """Count the throttled failures among ``errors`` for a client that does not count its own."""
+        if not self.backend.counts_throttling:
+            n = sum(1 for e in errors if throttling(e))
+            if n:
+                self.backend.throttled.add(n)
+
     # ----------------------------------------------------------- small calls
 
     async def call(self, what: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -155,6 +163,7 @@ class Reader:
             except (NotFound, asyncio.CancelledError):
                 raise
             except Exception as e:  # noqa: BLE001 - classified by Attempts
+                self.note_throttled([e])
                 await tries.failed(e)
 
     async def once(self, what: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -182,6 +191,7 @@ class Reader:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - classified by Attempts
+                self.note_throttled([e])
                 await tries.failed(e)
                 continue
             digest = _md5_mismatch(etag, data)
@@ -258,6 +268,7 @@ class Reader:
                 await sums.failed(ChecksumMismatch(f"checksum mismatch in bytes {spans}{wrong.summary()}"))
                 todo = [(pa, pb) for pa, pb in pieces if any(pa < b and a < pb for a, b, _, _ in bad)]
                 continue
+            self.note_throttled([o for _, o in failed])
             e = _worst([o for _, o in failed])
             if isinstance(e, asyncio.CancelledError):
                 raise e

@@ -225,6 +225,14 @@ class Storage:
     # ------------------------------------------------------- budgets and names
 
     @property
+    def throttled_responses(self) -> int:
+        """Throttled responses (S3's 503 SlowDown, 429, Azure's ServerBusy) the read client has
+        seen so far, each retried or failing its call. The default S3 client (``http``) counts
+        every one; through obstore, s3fs and others only those that outlast the client's own
+        retries are seen."""
+        return self._reader.backend.throttled.count
+
+    @property
     def piece_size(self) -> int | None:
         return self._reader.piece_size
 

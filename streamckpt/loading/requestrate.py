@@ -1,0 +1,105 @@
+"""Whether a load's GETs came faster than the store serves one key prefix.
+
+S3 serves at least 5,500 GET/HEAD requests per second per partitioned key prefix and
+answers 503 SlowDown above that while it repartitions (its performance guidelines; other
+stores have like limits). A fresh checkpoint's objects share one prefix, so until the
+store has split it, the whole job's GETs count against one limit: a load that reads
+once on a thousand ranks makes its requests from a thousand clients at once. Each rank
+knows only its own requests and seconds, so the job's are gathered (one small collective
+after the load, the same on every rank) and rank 0 says, in one warning, when the rate
+passed the limit and what to do.
+
+What is measured: every range request of the load's data phase (each rank's
+``LoadResult.requests``, retries included; not the few metadata requests of rank 0),
+divided by the longest rank's data phase. That is an average: bursts within it run
+faster, so a rate near the limit may already meet SlowDown. The prefix is the longest
+one that all of the checkpoint's data files share, at a ``/``: the partition that
+takes every request until the store splits it (when it has split it already, the
+warning is pessimistic; the throttled count says what the store thought).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+from ..comm import GroupComm, SoloComm
+from ..results import plural
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GET_LIMIT = 5500.0  # GET/HEAD per second per partitioned prefix (AWS S3 User Guide, optimizing-performance)
+LIMIT_ENV = "STREAMCKPT_GET_RATE_LIMIT"  # requests per second; 0 turns the warning off
+
+
+def get_limit() -> float:
+    """The per-prefix GET rate a load warns above: ``STREAMCKPT_GET_RATE_LIMIT`` (requests per
+    second, 0 for never) or ``DEFAULT_GET_LIMIT``. A value that is not a number is reported
+    and the default used (raising on one rank only would leave the others waiting)."""
+    raw = os.environ.get(LIMIT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_GET_LIMIT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value < 0 or value != value:
+        log.warning("%s=%r is not a number of requests per second >= 0; using %g", LIMIT_ENV, raw, DEFAULT_GET_LIMIT)
+        return DEFAULT_GET_LIMIT
+    return value
+
+
+def key_prefix(paths: Iterable[str]) -> str:
+    """The longest prefix ending in ``/`` that every path shares (``bucket/ckpt/data/``), or
+    the path's folder for one path; "" for none."""
+    paths = list(paths)
+    if not paths:
+        return ""
+    common = os.path.commonprefix(paths)
+    return common[: common.rfind("/") + 1]
+
+
+@dataclass(frozen=True, slots=True)
+class JobRequests:
+    """The whole job's range requests during one load's data phase."""
+
+    requests: int  # range requests of every rank together
+    throttled: int  # throttled responses (503 SlowDown, ...) every rank's client saw
+    seconds: float  # the longest rank's data phase
+    prefix: str  # the key prefix every request went to (a URI: ``s3://bucket/ckpt/data/``)
+
+    @property
+    def per_second(self) -> float:
+        return self.requests / self.seconds if self.seconds > 0 else 0.0
+
+
+def gather_job(comm: SoloComm | GroupComm, requests: int, throttled: int, seconds: float,
+               prefix: str) -> JobRequests:
+    """Every rank's counts summed and the longest data phase, on every rank (a collective:
+    every rank calls it after its data phase)."""
+    rows = comm.gather_ints([requests, throttled, round(seconds * 1e6)])
+    return JobRequests(
+        requests=sum(r[0] for r in rows),
+        throttled=sum(r[1] for r in rows),
+        seconds=max(r[2] for r in rows) / 1e6,
+        prefix=prefix,
+    )
+
+
+def over_limit(job: JobRequests, limit: float) -> str | None:
+    """The warning for a job whose GET rate on its prefix passed ``limit`` (None when not,
+    or when ``limit`` is 0)."""
+    if limit <= 0 or job.per_second <= limit:
+        return None
+    throttled = (f"; the store answered {plural(job.throttled, 'request')} with SlowDown/throttling, retried"
+                 if job.throttled else "")
+    return (
+        f"the load made {job.requests} range GETs in {job.seconds:.2f} s: {job.per_second:,.0f} per second on "
+        f"the key prefix {job.prefix}, above the {limit:,.0f}/s a prefix is served before the store answers "
+        f"503 SlowDown (S3's documented 5,500/s; {LIMIT_ENV} sets the limit){throttled}. At this scale make "
+        f"fewer, larger requests (a smaller max_concurrency sends each batch as fewer pieces, up to 16 MiB; "
+        f"a memory_budget under 64 MiB cuts reads smaller), or spread the data files over several prefixes "
+        f"so the store can partition them"
+    )
