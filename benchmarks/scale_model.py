@@ -287,17 +287,21 @@ def _lands_whole(r: Any) -> bool:
 
 
 def count_plan(plan: Any, ranks: Sequence[int], per_node: int, concurrency: int = 32,
-               piece: int | None = None, host_targets: bool = False) -> Counts:
+               piece: int | None = None, host_targets: bool = False, world: int | None = None) -> Counts:
     """streamckpt: every read of an all-ranks plan, its staging and its messages. GETs as the
     reader makes them: each rank's reads of a round are one batch, cut into requests of
-    ``storage.reads.piece_for(batch, piece, concurrency)`` (``piece``: the client's largest
-    GET, default the S3 clients' ``PIECE``), so a small round still spreads over connections.
+    ``storage.reads.piece_for(batch, piece, concurrency, spread=job_spread(world, concurrency))``
+    (``piece``: the client's largest GET, default the S3 clients' ``PIECE``; ``world``: the
+    job's ranks, default the planned ones), so a small job's round still spreads over
+    connections and a large job's reads stay whole.
     With ``host_targets`` (a CPU load), reads that land whole in this rank's targets are one
     batch of their own over all rounds, as ``loading.direct`` fetches them."""
     from streamckpt.plan.data import costs_of, hops_of, message_size, relay_costs
     from streamckpt.storage.obstore_backend import PIECE
+    from streamckpt.loading.requestrate import job_spread
     from streamckpt.storage.reads import piece_for
 
+    spread = job_spread(world or len(ranks), concurrency)
     out = Counts(plan.num_rounds)
     batches: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for r in plan.reads:
@@ -316,7 +320,8 @@ def count_plan(plan: Any, ranks: Sequence[int], per_node: int, concurrency: int 
         for depth, src, dst, copies in hops_of(r, plan.targets):
             out.send(ranks[src], ranks[dst], r.round + depth, message_size(copies), per_node)
     for (rank, _), reads in batches.items():  # the direct batch's reads counted in their plan rounds
-        step = piece_for(sum(n for _, n in reads), PIECE if piece is None else piece, concurrency)
+        step = piece_for(sum(n for _, n in reads), PIECE if piece is None else piece, concurrency,
+                         spread=spread)
         for rnd, n in reads:
             out.cell(rank, rnd).requests += _gets(n, step or 0)
     return out
@@ -524,16 +529,18 @@ def _max_total(counts: Counts, what: str) -> int:
 
 
 def plan_counts(manifest: Any, targets: Sequence[Sequence[Any]], ranks: Sequence[int],
-                m: Machine) -> dict[str, Counts]:
+                m: Machine, world: int | None = None) -> dict[str, Counts]:
     """The three strategies' counts on one job (the planner's default options, and its nodes as
-    torchrun's ``LOCAL_WORLD_SIZE`` gives them to a load: the planned ranks are whole nodes, in order)."""
+    torchrun's ``LOCAL_WORLD_SIZE`` gives them to a load: the planned ranks are whole nodes, in order).
+    ``world``: the whole job's ranks (default the planned ones), which sets how finely each rank
+    cuts its reads (``loading.requestrate.job_spread``)."""
     from streamckpt.plan.planner import PlanOptions, build_plan
 
     plan = build_plan(manifest, targets, PlanOptions(ranks_per_node=m.gpus_per_node))
     own = build_plan(manifest, targets, PlanOptions(read_once=False))
     return {
         "streamckpt": count_plan(plan, ranks, m.gpus_per_node, m.concurrency["streamckpt"],
-                                 m.request_bytes["streamckpt"]),
+                                 m.request_bytes["streamckpt"], world=world or len(ranks)),
         "dcp": count_dcp(own, ranks, m.request_bytes["dcp"]),
         "runai": count_runai(manifest, targets, ranks, m.gpus_per_node, m.request_bytes["runai"]),
     }
@@ -562,7 +569,7 @@ def coarsening(case: Case) -> float:
 
 def run_case(case: Case, m: Machine) -> list[Prediction]:
     ranks = case.ranks()
-    counts = plan_counts(build_manifest(case), build_targets(case), ranks, m)
+    counts = plan_counts(build_manifest(case), build_targets(case), ranks, m, case.loaded.world)
     scale = coarsening(case)
     return [predict(counts[s], m, s, scale, case.loaded.world) for s in STRATEGIES]
 

@@ -90,6 +90,25 @@ def test_request_size_grows_with_the_batch_up_to_the_piece_size(
     assert n == _gets(proxy) == gets
 
 
+def test_a_large_jobs_spread_keeps_a_read_whole(
+    monkeypatch: pytest.MonkeyPatch, stored: tuple[str, bytes], proxy_factory: Any
+) -> None:
+    """``spread`` (a load of thousands of ranks: ``loading.requestrate.job_spread``) cuts the
+    batch into fewer requests: the same 9 MiB read that is three GETs at 32 slots is one GET
+    with ``spread=1``, two with ``spread=2``; the bytes are the same."""
+    from streamckpt.loading.requestrate import job_spread
+
+    uri, data = stored
+    proxy = proxy_factory(rate=0.0)
+    st = _http(monkeypatch, uri, proxy.storage_options, max_concurrency=32)
+    for spread, gets in ((job_spread(4096, 32), 1), (2, 2)):
+        before = _gets(proxy)
+        buf = bytearray(len(data) - 1)
+        n = st.read_into([RangeRead(NAME, 1, len(data))], [memoryview(buf)], spread=spread).result(timeout=120)
+        assert bytes(buf) == data[1:]
+        assert n == _gets(proxy) - before == gets
+
+
 def test_a_body_holding_client_keeps_four_requests_within_what_it_may_hold(
     monkeypatch: pytest.MonkeyPatch, stored: tuple[str, bytes], proxy_factory: Any
 ) -> None:

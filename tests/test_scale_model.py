@@ -152,3 +152,25 @@ def test_local_parameters_are_measured() -> None:
         src = str(leaf["source"])
         assert "measured by benchmarks/scale_check.py" in src or "http" in src or "streamckpt" in src \
             or "torch" in src or "assumption:" in src or "local server" in src or "ranks per node" in src, name
+
+
+def test_gets_are_counted_as_the_reader_cuts_them(machine: sm.Machine) -> None:
+    """One 32 MiB tensor each of 2 ranks needs: the reader cuts its round into 4 MiB pieces in
+    a small job, and sends each read whole in a job of thousands (``job_spread``), as
+    ``storage.reads.piece_for`` does for the real reader."""
+    from streamckpt.loading.requestrate import job_spread
+    from streamckpt.plan.planner import PlanOptions, build_plan
+
+    n = 32 << 20
+    shape = (n // 4,)
+    shard = Shard((0,), shape, "data/0.safetensors", 0, n, None, "raw", sm.CHUNK, (0,))
+    manifest = Manifest(tensors={"w": TensorMeta("F32", shape, (shard,))}, files={"data/0.safetensors": n})
+    targets = [[TargetSpec("w", "F32", shape, (0,), shape)] for _ in range(2)]
+    plan = build_plan(manifest, targets, PlanOptions(ranks_per_node=2))
+    lengths = [r.length for r in plan.reads]
+    assert sum(lengths) == n and max(lengths) > 4 << 20  # reads larger than a piece
+    small = sm.plan_counts(manifest, targets, [0, 1], machine)["streamckpt"]
+    large = sm.plan_counts(manifest, targets, [0, 1], machine, world=4096)["streamckpt"]
+    assert job_spread(2, 32) == 16 and job_spread(4096, 32) == 1
+    assert sum(c.requests for c in small.cells.values()) == sum(-(-x // (4 << 20)) for x in lengths)
+    assert sum(c.requests for c in large.cells.values()) == len(lengths)  # one GET per read

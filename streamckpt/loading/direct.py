@@ -35,12 +35,13 @@ class DirectBatch:
     def nbytes(self) -> int:
         return sum(r.length for _, r in self.reads)
 
-    def start(self, storage: Storage, inflight_bytes: int) -> None:
+    def start(self, storage: Storage, inflight_bytes: int, spread: int | None = None) -> None:
         if not self.reads:
             return
         reqs = [RangeRead(r.file, r.start, r.stop, r.checks) for _, r in self.reads]
         bufs = [Landing([mem for _, _, mem in self.landings[i].spans if mem is not None]) for i, _ in self.reads]
-        self.future = storage.read_into(reqs, bufs, on_landed=self._landed.put, inflight_bytes=inflight_bytes)
+        self.future = storage.read_into(reqs, bufs, on_landed=self._landed.put, inflight_bytes=inflight_bytes,
+                                        spread=spread)
 
     def poll(self) -> None:
         """Report what has landed; raise the batch's failure if it has failed already."""

@@ -39,6 +39,7 @@ from ..plan.data import Copy, LoadPlan, Read, is_packed, message_size
 from ..storage import Landing, RangeRead, Storage
 from .direct import DirectBatch
 from .landing import plan_landings, receive_targets
+from .requestrate import job_spread
 from .scatter import Destinations, message_pieces, pack_message, source_view, unpack_message
 from .schedule import Layout, LocalRound, Message, layout, local_schedule
 
@@ -102,6 +103,7 @@ class Executor:
     ) -> None:
         self.plan = plan
         self.comm = comm
+        self.spread = job_spread(comm.world_size, storage.max_concurrency)  # pieces per batch of reads
         self.storage = storage
         self.dest = destinations
         self.progress = progress
@@ -178,7 +180,7 @@ class Executor:
         self.stats.bytes_read += sum(r.length for _, r in reads)
         q: queue.SimpleQueue = queue.SimpleQueue()
         self.landed[k % 2] = q
-        fut = self.storage.read_into(reqs, bufs, on_landed=q.put)
+        fut = self.storage.read_into(reqs, bufs, on_landed=q.put, spread=self.spread)
         fut.add_done_callback(lambda _: q.put(None))
         return fut
 
@@ -389,7 +391,7 @@ class Executor:
         spare = self.plan.options.memory_budget - self.stats.staging_bytes
         self.stats.bytes_read += self.direct.nbytes
         self.stats.bytes_direct += sum(self.landings[i].direct_bytes for i, _ in self.direct.reads)
-        self.direct.start(self.storage, max(1, min(spare, self.storage.inflight_bytes)))
+        self.direct.start(self.storage, max(1, min(spare, self.storage.inflight_bytes)), self.spread)
 
     def _rounds(self) -> None:
         n = self.plan.num_rounds

@@ -61,6 +61,24 @@ def key_prefix(paths: Iterable[str]) -> str:
     return common[: common.rfind("/") + 1]
 
 
+JOB_REQUESTS_IN_FLIGHT = 1024  # pieces a whole job's batches are cut into at once (see job_spread)
+
+
+def job_spread(world: int, max_concurrency: int) -> int:
+    """How many requests one rank cuts a batch of reads into (``Storage.read_into``'s ``spread``).
+
+    A rank alone spreads a round over half of its ``max_concurrency`` (pieces of 4-16 MiB),
+    to fill a link with connections that are each slower than it. In a large job the other
+    ranks' requests are the concurrency, and every extra piece is a GET against the one
+    prefix's limit: at S3's 5,500 GET/s and a ~0.2 s request (150 ms first byte + 4 MiB at
+    88 MB/s, configs/scale/aws_p5.yaml) about 1,100 requests in flight already reach it. So
+    the job's ranks together keep about ``JOB_REQUESTS_IN_FLIGHT`` pieces: jobs of up to 64
+    ranks are cut as before; at 1,024 ranks and more a read goes as the plan made it
+    (up to 16 MiB), 4x fewer GETs than 4 MiB pieces.
+    """
+    return max(1, min(max(1, max_concurrency // 2), JOB_REQUESTS_IN_FLIGHT // max(1, world)))
+
+
 @dataclass(frozen=True, slots=True)
 class JobRequests:
     """The whole job's range requests during one load's data phase."""

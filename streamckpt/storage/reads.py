@@ -34,14 +34,16 @@ MIN_PIECE = 4 << 20  # a batch is never cut into requests smaller than this (``R
 CRC_OFFLOAD = 1 << 20  # a read with at least this many checked bytes is verified in a worker thread
 
 
-def piece_for(total: int, top: int | None, max_concurrency: int, held: int = 1 << 62) -> int | None:
+def piece_for(total: int, top: int | None, max_concurrency: int, held: int = 1 << 62,
+              spread: int | None = None) -> int | None:
     """``Reader.piece_for`` as a pure function of the batch, so that a model of many ranks'
-    requests (benchmarks/scale_model.py) counts the GETs the reader really makes."""
+    requests (benchmarks/scale_model.py) counts the GETs the reader really makes. ``spread``:
+    how many requests the batch should spread over (default half of ``max_concurrency``)."""
     if not top:
         return None
     top = min(top, max(MIN_PIECE, held // 4))
-    spread = -(-total // max(1, max_concurrency // 2))
-    return max(min(top, MIN_PIECE), min(top, spread))
+    ways = max(1, max_concurrency // 2 if spread is None else spread)
+    return max(min(top, MIN_PIECE), min(top, -(-total // ways)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,26 +205,29 @@ class Reader:
     # ----------------------------------------------------------- range reads
 
     async def read_all(self, reads: Sequence[RangeRead], buffers: Sequence[Buffer],
-                       on_landed: Callable[[int], None] | None = None, inflight_bytes: int | None = None) -> int:
+                       on_landed: Callable[[int], None] | None = None, inflight_bytes: int | None = None,
+                       spread: int | None = None) -> int:
         """Every read into its buffer; returns the number of requests made.
 
         ``on_landed(i)`` (on the event loop) says that read ``i`` is in its buffer and verified;
-        ``inflight_bytes`` bounds the bodies this batch holds (default: the reader's).
+        ``inflight_bytes`` bounds the bodies this batch holds (default: the reader's);
+        ``spread``: as ``piece_for``'s.
         """
         limit = (inflight_bytes or self.inflight_bytes) if self.backend.holds_bodies else 1 << 62
         gate = Gate(self.max_concurrency, limit)
         counter = [0]
-        piece = self.piece_for(sum(max(0, r.length) for r in reads), limit)
+        piece = self.piece_for(sum(max(0, r.length) for r in reads), limit, spread)
         await all_or_cancel([
             asyncio.ensure_future(self._landed(i, self._read_one(r, as_landing(b), gate, counter, piece), on_landed))
             for i, (r, b) in enumerate(zip(reads, buffers)) if r.length > 0
         ])
         return counter[0]
 
-    def piece_for(self, total: int, held: int = 1 << 62) -> int | None:
+    def piece_for(self, total: int, held: int = 1 << 62, spread: int | None = None) -> int | None:
         """The request size for a batch of ``total`` bytes: as large as the backend allows
         (``piece_size``: fewer requests, less CPU per byte on both ends), but small enough
-        that the batch still spreads over half of ``max_concurrency`` requests, and that
+        that the batch still spreads over half of ``max_concurrency`` requests (or
+        ``spread``: a large job's ranks spread less, ``loading.requestrate.job_spread``), and that
         four bodies fit in ``held`` (what a body-holding client may hold), never below
         ``MIN_PIECE`` (nor above ``piece_size``). None: reads are never split.
 
@@ -231,7 +236,7 @@ class Reader:
         user CPU 0.40 → 0.27 → 0.19 s; at 256 MiB (fresh targets) 8 → 16 MiB took 0.34 → 0.30 s. A small load keeps enough requests in
         flight for a store whose connections are each slower than the link (S3).
         """
-        return piece_for(total, self.piece_size, self.max_concurrency, held)
+        return piece_for(total, self.piece_size, self.max_concurrency, held, spread)
 
     @staticmethod
     async def _landed(i: int, read: Awaitable[None], on_landed: Callable[[int], None] | None) -> None:

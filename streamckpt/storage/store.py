@@ -390,7 +390,8 @@ class Storage:
         return bytes(buf)
 
     def read_into(self, reads: Sequence[RangeRead], buffers: Sequence[Buffer], *,
-                  on_landed: Callable[[int], None] | None = None, inflight_bytes: int | None = None) -> cf.Future:
+                  on_landed: Callable[[int], None] | None = None, inflight_bytes: int | None = None,
+                  spread: int | None = None) -> cf.Future:
         """Start fetching every read into its buffer (``len == read.length``): a memoryview,
         or a ``Landing`` of consecutive buffers (e.g. target memory with staging between).
 
@@ -401,6 +402,8 @@ class Storage:
         until then (and after any failure) a buffer's contents are unspecified.
         ``inflight_bytes`` bounds the response bodies this batch holds at once (default
         ``self.inflight_bytes``): a caller running two batches side by side splits its budget.
+        ``spread``: how many requests the batch is cut into at most (default half of
+        ``max_concurrency``; pieces never under 4 MiB nor over the client's largest GET).
         """
         if len(reads) != len(buffers):
             raise ValueError(f"{len(reads)} reads but {len(buffers)} buffers")
@@ -413,7 +416,7 @@ class Storage:
 
         async def run() -> int:
             batch["task"] = asyncio.current_task()
-            return await self._reader.read_all(reads, buffers, on_landed, inflight_bytes)
+            return await self._reader.read_all(reads, buffers, on_landed, inflight_bytes, spread)
 
         fut = asyncio.run_coroutine_threadsafe(run(), self._loop)
         fut.streamckpt_batch = batch  # type: ignore[attr-defined] - what ``stop`` cancels
