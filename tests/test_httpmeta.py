@@ -44,6 +44,18 @@ def _put_exact(local_s3: LocalS3, uri: str, names: list[str]) -> None:
         client.put_object(Bucket=bucket, Key=f"{root}/{n}", Body=f"{i}:{n}".encode())
 
 
+def _delete_exact(local_s3: LocalS3, uri: str, names: list[str]) -> None:
+    """Remove keys ``_put_exact`` made (a key with an empty segment makes every recursive
+    listing above it fail: other tests list the bucket's root)."""
+    boto3 = pytest.importorskip("boto3")
+    opts = local_s3.storage_options
+    client = boto3.client("s3", endpoint_url=opts["endpoint_url"], aws_access_key_id=opts["key"],
+                          aws_secret_access_key=opts["secret"], region_name="us-east-1")
+    bucket, _, root = uri.removeprefix("s3://").partition("/")
+    for n in names:
+        client.delete_object(Bucket=bucket, Key=f"{root}/{n}")
+
+
 def _listing(st: Storage, path: str, recursive: bool) -> Any:
     """The backend's own answer for a full path (or the exception it raised)."""
     try:
@@ -53,9 +65,12 @@ def _listing(st: Storage, path: str, recursive: bool) -> Any:
 
 
 def test_listings_equal_obstore_page_by_page(monkeypatch: pytest.MonkeyPatch, local_s3: LocalS3, s3_uri: str,
-                                             s3_opts: dict[str, Any], proxy_factory: Any) -> None:
+                                             s3_opts: dict[str, Any], proxy_factory: Any,
+                                             request: pytest.FixtureRequest) -> None:
     _put_exact(local_s3, s3_uri, NAMES)
-    _put_exact(local_s3, s3_uri + "-bad", ["ok.bin", "sl//ash.bin"])  # an empty segment: object_store refuses it
+    bad = ["ok.bin", "sl//ash.bin"]  # an empty segment: object_store refuses it
+    request.addfinalizer(lambda: _delete_exact(local_s3, s3_uri + "-bad", bad))
+    _put_exact(local_s3, s3_uri + "-bad", bad)
     ref = storage_on(monkeypatch, "obstore", s3_uri, s3_opts)
     proxy = proxy_factory(rate=0.0)
     st = storage_on(monkeypatch, "http", s3_uri, proxy.storage_options)
