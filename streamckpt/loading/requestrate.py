@@ -116,8 +116,9 @@ def over_limit(job: JobRequests, limit: float) -> str | None:
     return (
         f"the load made {job.requests} range GETs in {job.seconds:.2f} s: {job.per_second:,.0f} per second on "
         f"the key prefix {job.prefix}, above the {limit:,.0f}/s a prefix is served before the store answers "
-        f"503 SlowDown (S3's documented 5,500/s; {LIMIT_ENV} sets the limit){throttled}. At this scale make "
-        f"fewer, larger requests (a smaller max_concurrency sends each batch as fewer pieces, up to 16 MiB; "
-        f"a memory_budget under 64 MiB cuts reads smaller), or spread the data files over several prefixes "
-        f"so the store can partition them"
+        f"503 SlowDown (S3's documented 5,500/s; {LIMIT_ENV} sets the limit){throttled}. Make fewer, larger "
+        f"requests (a memory_budget of at least 64 MiB keeps reads up to 16 MiB; below "
+        f"{JOB_REQUESTS_IN_FLIGHT} ranks a smaller max_concurrency cuts each batch into fewer pieces, from "
+        f"{JOB_REQUESTS_IN_FLIGHT} ranks reads already go whole), or spread the data files over several "
+        f"prefixes so the store can partition them"
     )
