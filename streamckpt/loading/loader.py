@@ -21,14 +21,14 @@ from ..core.targets import LocalTarget, TargetSpec, ValueSlot, collect
 from ..core.values import ValuePlan, plan_values
 from ..cuda.device import Placement, cuda_devices, place
 from ..cuda.runtime import CudaApi, TorchCuda
-from ..errors import CheckpointError, MissingKeysError, close_to, prefix_hint
+from ..errors import CheckpointError, IncompatibleStateDictError, MissingKeysError, close_to, prefix_hint
 from ..formats import speculation as spec
 from ..formats import read_foreign_manifest, read_manifest
 from ..formats.native import read_native_bytes
 from ..plan.planner import IdentityView, LoadPlan, PlanOptions, build_plan, settle_rounds
 from ..results import LoadResult
 from ..storage import Storage
-from .missing import warn_missing
+from .missing import kind_clash, warn_missing
 from . import requestrate
 from .pipeline import Destinations, Executor
 
@@ -220,6 +220,9 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
         any_missing = any(plan.missing) or bool(missing)
         if req.strict and any_missing:
             mine_missing = sorted(set(missing))
+            clash = kind_clash(mine_missing, {t.spec.key for t in targets}, view.tensors, manifest.values)
+            if clash is not None:
+                raise IncompatibleStateDictError(clash)
             raise MissingKeysError(
                 f"{len(mine_missing)} key(s) of the state_dict are not in the checkpoint {storage.describe('')}: "
                 f"{', '.join(mine_missing[:10])}{' ...' if len(mine_missing) > 10 else ''}"

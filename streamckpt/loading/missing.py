@@ -9,7 +9,7 @@ not a single key matched (a wrong URI, a wrapper's prefix, another model's check
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 from ..errors import near_names, prefix_hint
 
@@ -50,3 +50,37 @@ def warn_missing(where: str, missing: list[str], asked: set[str], known: set[str
     log.warning(
         "streamckpt load %s (strict=False): %d of the state_dict's %d key(s) are not in the checkpoint and "
         "were left as they were: %s%s%s", where, len(missing), len(asked), listing, why, hint)
+
+
+def kind_clash(missing: Iterable[str], tensor_keys: set[str], tensors: Mapping[str, Any],
+               values: Mapping[str, Any]) -> str | None:
+    """Why a "missing" key is really a leaf of the wrong kind, or None: the checkpoint holds a
+    tensor where the state_dict has plain data (``None``, a number, a list ...), or plain data
+    where it has a tensor, at that key or at a dotted prefix of it. Such a key is not absent:
+    naming it missing, with itself as the near spelling, sends the user looking for a typo.
+
+    ``tensor_keys``: the keys this rank's state_dict holds tensors at; ``tensors``: the
+    checkpoint's tensors (after transforms; each with ``shape`` and ``dtype``); ``values``:
+    its stored plain values."""
+    for key in missing:
+        at = next((p for p in _self_and_prefixes(key) if p in tensors or p in values), None)
+        if at is None:
+            continue
+        mine = (f"a dict or list (holding {key!r})" if at != key else "a tensor" if key in tensor_keys
+                else "plain data (None, a number, a string, a list ...)")
+        if at in tensors:
+            t = tensors[at]
+            theirs = f"a tensor (shape {list(t.shape)}, dtype {t.dtype})"
+            todo = "put a tensor of that shape and dtype there to load into"
+        else:
+            theirs = f"a plain value ({type(values[at]).__name__})"
+            todo = "put plain data there (it is replaced by the stored value)"
+        return (f"{key}: the checkpoint holds {theirs} at {at!r}, where the state_dict has {mine}: {todo}, "
+                f"or read the checkpoint as it was saved with sc.load_state")
+    return None
+
+
+def _self_and_prefixes(key: str) -> list[str]:
+    """``a.b.c`` -> ``['a.b.c', 'a.b', 'a']``."""
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]

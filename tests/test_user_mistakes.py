@@ -1,0 +1,48 @@
+"""More mistakes users make, each against the session's moto S3 server: the error is a
+``CheckpointError`` subclass naming the key or URI and what to do, never a torch or
+botocore exception from deep inside, and never a silently wrong result."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import streamckpt as sc
+
+
+@pytest.fixture
+def saved(s3_uri: str, s3_opts: dict[str, Any]) -> str:
+    sc.save({"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(4), "step": 5}, s3_uri, storage_options=s3_opts)
+    return s3_uri
+
+
+@pytest.mark.parametrize("leaf", [None, 3, "w", [1, 2]])
+def test_plain_data_where_the_checkpoint_has_a_tensor(saved: str, s3_opts: dict[str, Any], leaf: Any) -> None:
+    """Was a MissingKeysError naming 'w' missing, with 'w' itself as the near spelling."""
+    with pytest.raises(sc.IncompatibleStateDictError) as ei:
+        sc.load({"w": leaf, "b": torch.zeros(4)}, saved, storage_options=s3_opts)
+    msg = str(ei.value)
+    assert "holds a tensor (shape [3, 4], dtype F32) at 'w'" in msg and "plain data" in msg
+    assert "put a tensor of that shape and dtype there" in msg and "did you mean" not in msg
+
+
+def test_a_tensor_where_the_checkpoint_has_plain_data(saved: str, s3_opts: dict[str, Any]) -> None:
+    with pytest.raises(sc.IncompatibleStateDictError, match=r"step: the checkpoint holds a plain value \(int\) "
+                       r"at 'step', where the state_dict has a tensor"):
+        sc.load({"w": torch.zeros(3, 4), "step": torch.zeros(())}, saved, storage_options=s3_opts)
+
+
+def test_a_dict_where_the_checkpoint_has_a_tensor(saved: str, s3_opts: dict[str, Any]) -> None:
+    with pytest.raises(sc.IncompatibleStateDictError, match=r"w\.x: the checkpoint holds a tensor .* at 'w', "
+                       r"where the state_dict has a dict or list \(holding 'w\.x'\)"):
+        sc.load({"w": {"x": torch.zeros(3, 4)}}, saved, storage_options=s3_opts)
+
+
+def test_plain_data_still_loads_in_place_and_real_typos_are_still_missing(saved: str, s3_opts: dict[str, Any]) -> None:
+    target = {"w": torch.zeros(3, 4), "step": 0}
+    sc.load(target, saved, storage_options=s3_opts)
+    assert target["step"] == 5 and torch.equal(target["w"], torch.arange(12.0).reshape(3, 4))
+    with pytest.raises(sc.MissingKeysError, match=r": ww \(use strict=False"):
+        sc.load({"ww": torch.zeros(3, 4)}, saved, storage_options=s3_opts)
