@@ -46,3 +46,24 @@ def test_plain_data_still_loads_in_place_and_real_typos_are_still_missing(saved:
     assert target["step"] == 5 and torch.equal(target["w"], torch.arange(12.0).reshape(3, 4))
     with pytest.raises(sc.MissingKeysError, match=r": ww \(use strict=False"):
         sc.load({"ww": torch.zeros(3, 4)}, saved, storage_options=s3_opts)
+
+
+def test_loading_into_an_expanded_view_is_refused_before_any_read(saved: str, s3_opts: dict[str, Any]) -> None:
+    """Was torch's RuntimeError from deep inside the scatter, after the bytes were fetched."""
+    with pytest.raises(sc.IncompatibleStateDictError, match=r"w: the tensor's elements share memory "
+                       r"\(stride \[0, 1\] for shape \[3, 4\]: an expand\(\)ed .*\.clone\(\) it first"):
+        sc.load({"w": torch.zeros(4).expand(3, 4), "b": torch.zeros(4)}, saved, storage_options=s3_opts)
+    t = torch.zeros(4, 3).t()  # a transposed (non-contiguous) view is fine: filled element by element
+    sc.load({"w": t, "b": torch.zeros(4)}, saved, storage_options=s3_opts)
+    assert torch.equal(t, torch.arange(12.0).reshape(3, 4))
+
+
+def test_sparse_tensors_are_named_on_save_and_load(saved: str, s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """Were torch's RuntimeError / NotImplementedError from the writer and the scatter."""
+    with pytest.raises(sc.IncompatibleStateDictError, match=r"w: a torch.sparse_coo tensor is not supported.*"
+                       r"save its \.to_dense\(\)"):
+        sc.save({"w": torch.eye(3).to_sparse()}, s3_uri + "-sparse", storage_options=s3_opts)
+    with pytest.raises(sc.IncompatibleStateDictError, match=r"w: a torch.sparse_coo tensor .*load into a dense"):
+        sc.load({"w": torch.zeros(3, 4).to_sparse(), "b": torch.zeros(4)}, saved, storage_options=s3_opts)
+    with pytest.raises(sc.CheckpointNotFoundError):  # nothing was committed
+        sc.inspect(s3_uri + "-sparse", storage_options=s3_opts)

@@ -206,14 +206,38 @@ def collect(state_dict: Mapping[Any, Any], *, for_save: bool = False) -> tuple[l
         if is_tensor_leaf(value):
             t = target_of(key, value)
             if t is not None:
-                if t.tensor.device.type == "meta":
-                    raise IncompatibleStateDictError(f"{key}: tensor is on the meta device; allocate it first")
+                check_memory(key, t.tensor, for_save)
                 targets.append(t)
         else:
             if for_save:
                 check_value(key, value)
             values.append(ValueSlot(key, container, name, value))  # type: ignore[arg-type]
     return targets, values
+
+
+def check_memory(key: str, tensor: torch.Tensor, for_save: bool) -> None:
+    """A tensor a save can read as plain row-major bytes and a load can write element by
+    element: dense (strided), allocated, and for a load with one memory location per element."""
+    if tensor.device.type == "meta":
+        raise IncompatibleStateDictError(f"{key}: tensor is on the meta device; allocate it first")
+    if tensor.layout != torch.strided:
+        todo = "save its .to_dense() (or its indices and values as tensors)" if for_save else \
+            "load into a dense tensor (torch.empty of its shape and dtype), then .to_sparse() it"
+        raise IncompatibleStateDictError(f"{key}: a {tensor.layout} tensor is not supported (only dense "
+                                         f"tensors are stored); {todo}")
+    if not for_save and _overlaps(tensor):
+        raise IncompatibleStateDictError(
+            f"{key}: the tensor's elements share memory (stride {list(tensor.stride())} for shape "
+            f"{list(tensor.shape)}: an expand()ed or broadcast view), so a load cannot write each one; "
+            f"load into a tensor with memory of its own (.clone() it first)")
+
+
+def _overlaps(tensor: torch.Tensor) -> bool:
+    """Several elements at one address (a zero stride over a dim of size > 1, or as_strided)."""
+    if any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape)):
+        return True
+    probe = getattr(torch, "_debug_has_internal_overlap", None)  # 1: yes, 2: too hard to tell
+    return probe is not None and probe(tensor) == 1
 
 
 def copy_in(fn: Callable[[], None]) -> None:
