@@ -45,6 +45,28 @@ def _positive(**values: int) -> None:
             raise CheckpointError(f"{name} must be a positive number, got {value!r}")
 
 
+def _key_list(keys: Iterable[str] | None) -> list[str] | None:
+    """``keys=`` as a list: one string is one key (iterating it would ask for its letters,
+    and ``keys="wb"`` read the tensors ``w`` and ``b``)."""
+    if keys is None:
+        return None
+    return [keys] if isinstance(keys, str) else list(keys)
+
+
+def _device(device: str | torch.device) -> torch.device:
+    """``device`` checked before any read: one this process can allocate on (a zero-size
+    probe), else a CheckpointError naming it, not torch's RuntimeError or AssertionError
+    after the manifest was fetched."""
+    try:
+        d = torch.device(device)
+        torch.empty(0, device=d)
+    except (RuntimeError, AssertionError, TypeError, ValueError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"device={device!r} cannot hold tensors in this process ({why}); pass "
+                              f"device='cpu', or a device this torch build and machine have") from None
+    return d
+
+
 def save(
     state_dict: Mapping[str, Any],
     uri: str,
@@ -342,7 +364,8 @@ def load_full(
 
     Args:
         uri: The checkpoint (any supported kind): an fsspec URL or local path.
-        keys: The exact tensor names to read (after ``transforms``). Default None: all.
+        keys: The exact tensor names to read (after ``transforms``); one str is one name.
+            Default None: all.
         storage_options: Passed to fsspec unchanged. Default None.
         transforms: As in ``load``: the returned names and shapes are the transformed ones.
             Default None.
@@ -359,9 +382,11 @@ def load_full(
         MissingKeysError: a name in ``keys`` is not in the checkpoint (with near spellings).
         CheckpointNotFoundError, CorruptCheckpointError, TransformError, StorageError: as in
             ``load``.
-        CheckpointError: a non-positive ``memory_budget`` or a bad ``progress``.
+        CheckpointError: a non-positive ``memory_budget``, a bad ``progress``, or a ``device``
+            this process cannot allocate on (checked before any read).
     """
     _positive(memory_budget=memory_budget)
+    device, keys = _device(device), _key_list(keys)
     storage = Storage(uri, storage_options)
     try:
         manifest = read_manifest(storage)
@@ -406,7 +431,7 @@ def load_state(
         storage_options: Passed to fsspec unchanged. Default None.
         device: Where the tensors are allocated (default ``"cpu"``).
         keys: Dotted prefixes (such as ``["model"]`` or ``["optim.state"]``) to read only
-            those subtrees. Default None: everything.
+            those subtrees; one str is one prefix. Default None: everything.
         memory_budget: Staging bytes for the reads (default 256 MiB), as in ``load``.
         progress: As in ``load``: a callable receiving the bytes just read (they add up to
             the bytes read from storage), True for a bar or periodic line on stderr, None
@@ -418,7 +443,8 @@ def load_state(
     Raises:
         MissingKeysError: a prefix in ``keys`` matches nothing in the checkpoint.
         CheckpointNotFoundError, CorruptCheckpointError, StorageError: as in ``load``.
-        CheckpointError: a non-positive ``memory_budget`` or a bad ``progress``.
+        CheckpointError: a non-positive ``memory_budget``, a bad ``progress``, or a ``device``
+            this process cannot allocate on (checked before any read).
 
     Example:
         >>> import torch, streamckpt as sc
@@ -427,6 +453,7 @@ def load_state(
         7
     """
     _positive(memory_budget=memory_budget)
+    device, keys = _device(device), _key_list(keys)
     storage = Storage(uri, storage_options)
     try:
         manifest = read_manifest(storage)

@@ -67,3 +67,23 @@ def test_sparse_tensors_are_named_on_save_and_load(saved: str, s3_uri: str, s3_o
         sc.load({"w": torch.zeros(3, 4).to_sparse(), "b": torch.zeros(4)}, saved, storage_options=s3_opts)
     with pytest.raises(sc.CheckpointNotFoundError):  # nothing was committed
         sc.inspect(s3_uri + "-sparse", storage_options=s3_opts)
+
+
+@pytest.mark.parametrize("read", [sc.load_full, sc.load_state])
+def test_one_string_as_keys_is_one_key_not_its_letters(saved: str, s3_opts: dict[str, Any], read: Any) -> None:
+    """``keys="wb"`` read the tensors 'w' and 'b' (the string's letters): silently the wrong set."""
+    with pytest.raises(sc.MissingKeysError, match=r"1 key\(s\) not in .*: wb"):
+        read(saved, storage_options=s3_opts, keys="wb")
+    got = read(saved, storage_options=s3_opts, keys="b")
+    assert list(got) == ["b"] and torch.equal(got["b"], torch.ones(4))
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:99"] + ([] if torch.cuda.is_available() else ["cuda"]))
+@pytest.mark.parametrize("read", [sc.load_full, sc.load_state])
+def test_a_device_this_process_lacks_is_named_before_any_read(saved: str, s3_opts: dict[str, Any], read: Any,
+                                                               device: str) -> None:
+    """Were torch's RuntimeError ('Expected one of cpu, cuda, ...') and AssertionError ('Torch not
+    compiled with CUDA enabled') from allocating the outputs, after the manifest was read."""
+    with pytest.raises(sc.CheckpointError, match=rf"device='{device}' cannot hold tensors in this process "
+                       r"\(.+\); pass device='cpu'"):
+        read(saved, storage_options=s3_opts, device=device)
