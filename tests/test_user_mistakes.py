@@ -4,12 +4,19 @@ botocore exception from deep inside, and never a silently wrong result."""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Iterator
 
 import pytest
 import torch
 
 import streamckpt as sc
+from streamckpt.testing.s3server import free_port
 
 
 @pytest.fixture
@@ -87,3 +94,49 @@ def test_a_device_this_process_lacks_is_named_before_any_read(saved: str, s3_opt
     with pytest.raises(sc.CheckpointError, match=rf"device='{device}' cannot hold tensors in this process "
                        r"\(.+\); pass device='cpu'"):
         read(saved, storage_options=s3_opts, device=device)
+
+
+@pytest.fixture(scope="module")
+def signed_s3() -> Iterator[dict[str, str]]:
+    """A moto server in its own process that checks signatures (its first 5 requests, which
+    make the bucket and a user's key, are free); yields that user's storage options."""
+    boto3 = pytest.importorskip("boto3")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="5"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.fail("moto server with auth did not start")
+                time.sleep(0.05)
+        endpoint = f"http://127.0.0.1:{port}"
+        kw = {"endpoint_url": endpoint, "aws_access_key_id": "setup", "aws_secret_access_key": "setup",
+              "region_name": "us-east-1"}
+        boto3.client("s3", **kw).create_bucket(Bucket="signed")
+        iam = boto3.client("iam", **kw)
+        iam.create_user(UserName="u")
+        iam.put_user_policy(UserName="u", PolicyName="all", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+        key = iam.create_access_key(UserName="u")["AccessKey"]
+        yield {"endpoint_url": endpoint, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("wrong", [{"secret": "wrong"}, {"key": "AKIANOSUCHKEY"}])
+def test_a_save_with_wrong_credentials_says_access_denied(signed_s3: dict[str, str], wrong: dict[str, str]) -> None:
+    """The save's first request is a HEAD of manifest.json, whose 403 has no body: it said
+    only 'HTTP 403', with nothing about the credentials."""
+    sc.save({"w": torch.ones(2)}, "s3://signed/ok", storage_options=signed_s3, overwrite=True)  # right keys work
+    with pytest.raises(sc.StorageError) as ei:
+        sc.save({"w": torch.ones(2)}, "s3://signed/ck", storage_options={**signed_s3, **wrong})
+    msg = str(ei.value)
+    assert "s3://signed/ck/manifest.json" in msg and "HTTP 403 Forbidden" in msg
+    assert "access denied: check the keys (key/secret, AWS_* variables)" in msg and "wrong" not in msg

@@ -51,11 +51,16 @@ def content_range(value: str | None) -> tuple[int, int | None]:
     return int(m.group(1)), None if m.group(3) == "*" else int(m.group(3))
 
 
+_REASONS = {401: "Unauthorized", 403: "Forbidden"}  # worded as the hints look for them
+
+
 def failure(status: int, body: bytes, bucket: str) -> Exception:
     """An error response as the policy's kind, from its status and S3 error code."""
     text = body.decode("utf-8", "replace")
     code, message = _tag(text, "Code"), _tag(text, "Message")
     what = f"HTTP {status}" + (f" {code}" if code else "") + (f": {message}" if message else "")
+    if not code and status in _REASONS:  # a HEAD's reply has no body: its status is all there is to go by
+        what = f"HTTP {status} {_REASONS[status]}"
     if code == "NoSuchBucket":
         return NotFound(f"bucket {bucket!r} does not exist", bucket=bucket)
     if status == 404:
