@@ -140,3 +140,12 @@ def test_a_save_with_wrong_credentials_says_access_denied(signed_s3: dict[str, s
     msg = str(ei.value)
     assert "s3://signed/ck/manifest.json" in msg and "HTTP 403 Forbidden" in msg
     assert "access denied: check the keys (key/secret, AWS_* variables)" in msg and "wrong" not in msg
+
+
+def test_a_save_under_a_file_names_the_directory_it_cannot_make(tmp_path: Any) -> None:
+    """Was CheckpointNotFoundError '<path>/data/00000-0000.safetensors does not exist'."""
+    (tmp_path / "notes.txt").write_text("a file, not a directory")
+    with pytest.raises(sc.StorageError, match=r"cannot make the directory .*notes\.txt/ck/data: NotADirectoryError.*"
+                       r"a part of the path is a file.*check the path"):
+        sc.save({"w": torch.ones(2)}, str(tmp_path / "notes.txt" / "ck"))
+    assert (tmp_path / "notes.txt").read_text() == "a file, not a directory"

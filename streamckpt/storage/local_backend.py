@@ -177,7 +177,13 @@ class LocalSink(PartSink):
 
     async def start(self) -> None:
         def open_tmp() -> int:
-            os.makedirs(os.path.dirname(self._tmp) or ".", exist_ok=True)
+            folder = os.path.dirname(self._tmp) or "."
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except (FileNotFoundError, NotADirectoryError, FileExistsError) as e:
+                # not "does not exist": the directory a save writes into could not be made
+                raise Permanent(f"cannot make the directory {folder}: {type(e).__name__}: {e} (a part of the "
+                                f"path is a file, or a place where directories cannot be made): check the path") from None
             return os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
 
         self._fd = await self._backend._run(self._path, open_tmp)
