@@ -149,3 +149,39 @@ def test_a_save_under_a_file_names_the_directory_it_cannot_make(tmp_path: Any) -
                        r"a part of the path is a file.*check the path"):
         sc.save({"w": torch.ones(2)}, str(tmp_path / "notes.txt" / "ck"))
     assert (tmp_path / "notes.txt").read_text() == "a file, not a directory"
+
+
+def test_a_managers_misspelt_passthrough_argument_is_named_with_the_one_meant(s3_uri: str,
+                                                                              s3_opts: dict[str, Any]) -> None:
+    """Were TypeErrors naming load() / save(), which the caller never called."""
+    state = {"w": torch.arange(4.0)}
+    with sc.CheckpointManager(s3_uri, storage_options=s3_opts) as mgr:
+        with pytest.raises(sc.CheckpointError, match=r"CheckpointManager\.save: unknown argument 'compresion' "
+                           r"\(did you mean 'compression'\?\); it passes on to sc\.save only .*base"):
+            mgr.save(1, state, compresion="zstd")
+        assert mgr.steps() == []  # refused before anything was written
+        mgr.save(1, state)
+        target = {"w": torch.zeros(4)}
+        with pytest.raises(sc.CheckpointError, match=r"CheckpointManager\.restore: unknown argument 'strct' "
+                           r"\(did you mean 'strict'\?\); it passes on to sc\.load only"):
+            mgr.restore(target, strct=False)
+        with pytest.raises(sc.CheckpointError, match=r"restore: unknown argument 'devce' \(did you mean 'device'\?\); "
+                           r"it passes on to sc\.load_state only"):
+            mgr.restore(devce="cpu")
+        with pytest.raises(sc.CheckpointError, match=r"restore: process_group= is set by the manager"):
+            mgr.restore(target, process_group=None)
+        assert mgr.restore(target, strict=False).step == 1 and torch.equal(target["w"], torch.arange(4.0))
+
+
+def test_two_managers_on_one_root_get_the_managers_words(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """The second writer of a step got sc.save's 'pass overwrite=True', which the manager refuses."""
+    state = {"w": torch.arange(4.0)}
+    with sc.CheckpointManager(s3_uri, storage_options=s3_opts) as first, \
+            sc.CheckpointManager(s3_uri, storage_options=s3_opts) as second:
+        assert second.steps() == []  # it has looked
+        first.save(3, state)
+        with pytest.raises(sc.CheckpointExistsError, match=r"step 3 is already committed .*by another writer .*"
+                           r"pass force=True to replace it, or give each run a root of its own") as ei:
+            second.save(3, {"w": torch.zeros(4)})
+        assert "overwrite" not in str(ei.value)
+        assert torch.equal(sc.load_full(f"{s3_uri}/step-3", storage_options=s3_opts)["w"], torch.arange(4.0))

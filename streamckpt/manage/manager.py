@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from ..comm import make_comm, raise_agreed
 from ..errors import (CheckpointError, CheckpointExistsError, CheckpointInUseError, CheckpointNotFoundError,
@@ -19,6 +20,7 @@ from .collective import gather_outcome, on_one_rank
 from .deletion import delete_checkpoint
 from .garbage import mark
 from .index import METRICS_KEY, STEP_KEY, Entry, Index, Listing
+from .passthrough import check_names
 from .retention import Policy
 
 log = logging.getLogger(__name__)
@@ -229,16 +231,20 @@ class Manager:
             raise CheckpointExistsError(f"step {step} is already committed under {self.root} ({self.root}/{existing}): "
                                         f"pass force=True to replace it")
         calls = self._bound()
+        check_names("CheckpointManager.save", calls.async_save if self.async_save else calls.save, save_kwargs,
+                    own=("storage_options", "process_group"))
         if self.incremental and "base" not in save_kwargs:
             newest = on_one_rank(self._comm, lambda: self._base_name(step))
             save_kwargs["base"] = None if newest is None else f"{self.root}/{newest}"
         kwargs = dict(storage_options=self.storage_options, process_group=self.process_group,
                       metadata=metadata, overwrite=force, **save_kwargs)
         if not self.async_save:
-            result = calls.save(state, self.uri(step), **kwargs)
+            with self._another_writer(step):
+                result = calls.save(state, self.uri(step), **kwargs)
             self._retain_after_commit()
             return result
-        handle = calls.async_save(state, self.uri(step), **kwargs)
+        with self._another_writer(step):
+            handle = calls.async_save(state, self.uri(step), **kwargs)
         after: cf.Future[None] = cf.Future()
         self._pending, self._after = handle, after
         handle.add_done_callback(lambda h: self._on_async_end(h, after))
@@ -426,10 +432,12 @@ class Manager:
         state: Any = None
         try:
             if state_dict is not None:
+                check_names("CheckpointManager.restore", calls.load, load_kwargs, own=("storage_options", "process_group"))
                 calls.load(state_dict, uri, storage_options=self.storage_options, process_group=self.process_group,
                            **load_kwargs)
                 state = state_dict
             else:
+                check_names("CheckpointManager.restore", calls.load_state, load_kwargs, own=("storage_options",))
                 state = calls.load_state(uri, storage_options=self.storage_options, **load_kwargs)
         except Exception as e:  # noqa: BLE001 - agreed with the other ranks below
             own = e
@@ -537,6 +545,18 @@ class Manager:
             return out
 
     # ------------------------------------------------------------------ plumbing
+
+    @contextlib.contextmanager
+    def _another_writer(self, step: int) -> Iterator[None]:
+        """A step committed after this manager looked (another manager or process on the root):
+        the manager's words (force=True), not sc.save's (overwrite=True, which it refuses)."""
+        try:
+            yield
+        except CheckpointExistsError as e:
+            raise CheckpointExistsError(
+                f"step {step} is already committed under {self.root} ({self.uri(step)}), by another writer since "
+                f"this manager looked (a second CheckpointManager or process on this root?): pass force=True to "
+                f"replace it, or give each run a root of its own") from e
 
     def _bound(self) -> Calls:
         if self._calls is None:
