@@ -61,20 +61,43 @@ def share_manifest(comm: SoloComm | GroupComm, storage: Storage, started: cf.Fut
     a manifest built from other formats' headers goes out as our JSON.
     ``speculative`` (rank 0's decides; ``started`` says it for itself): see ``read_metadata_bytes``.
     """
+    return shared_manifest(comm, storage, started, speculative=speculative)[0]
+
+
+def shared_manifest(comm: SoloComm | GroupComm, storage: Storage, started: cf.Future | None = None, *,
+                    speculative: bool = False) -> tuple[mf.Manifest, str]:
+    """``share_manifest``, and the URI rank 0 read it from (its ``storage.describe("")``):
+    a rank whose own differs was given another ``uri`` than rank 0 (``same_uri``)."""
     if isinstance(comm, SoloComm):
-        return read_manifest(storage, speculative=speculative)
+        return read_manifest(storage, speculative=speculative), storage.describe("")
     blob: bytes | None = None
     own: BaseException | None = None
     if comm.rank == 0:
+        where = storage.describe("").encode()
         try:
-            blob = b"M" + (started.result() if started is not None else read_metadata_bytes(storage, speculative))
+            meta = started.result() if started is not None else read_metadata_bytes(storage, speculative)
+            blob = b"M" + len(where).to_bytes(4, "little") + where + meta
         except CheckpointError as e:
             own = e
             blob = b"E" + json.dumps(encode_error(e, 0)).encode()
     data = comm.broadcast_bytes(blob, src=0)
     if data[:1] == b"E":
         raise_agreed([json.loads(data[1:])], own)
-    return mf.from_json(data[1:], where=storage.describe(mf.MANIFEST_NAME))
+    n = int.from_bytes(data[1:5], "little")
+    source = data[5:5 + n].decode()
+    return mf.from_json(data[5 + n:], where=storage.describe(mf.MANIFEST_NAME)), source
+
+
+def same_uri(comm: SoloComm | GroupComm, storage: Storage, source: str, call: str = "sc.load") -> None:
+    """A collective call reads one checkpoint: rank 0's manifest is every rank's, so a rank
+    given another ``uri`` would read its data files from the wrong prefix (or the right ones
+    under the wrong manifest)."""
+    mine = storage.describe("")
+    if mine != source:
+        raise CheckpointError(
+            f"rank {comm.rank} was given uri {mine}, rank 0 {source}: {call} is collective, every rank of the "
+            f"group reads the same checkpoint; pass the same uri on every rank (or call it without a process "
+            f"group on each rank alone)")
 
 
 @dataclass(slots=True)
@@ -90,7 +113,7 @@ class LoadRequest:
 
 def _metadata_and_specs(comm: SoloComm | GroupComm, storage: Storage, specs: list[TargetSpec],
                         own: BaseException | None, speculative: bool,
-                        ) -> tuple[mf.Manifest, Sequence[Sequence[TargetSpec]]]:
+                        ) -> tuple[tuple[mf.Manifest, str], Sequence[Sequence[TargetSpec]]]:
     """The manifest and every rank's target specs; rank 0's metadata requests run while
     the ranks exchange their specs (the same collectives, in the same order, everywhere)."""
     with cf.ThreadPoolExecutor(1, thread_name_prefix="streamckpt-metadata") as pool:
@@ -101,7 +124,7 @@ def _metadata_and_specs(comm: SoloComm | GroupComm, storage: Storage, specs: lis
             if started is not None:
                 started.cancel()
             raise
-        return share_manifest(comm, storage, started, speculative=speculative), all_specs
+        return shared_manifest(comm, storage, started, speculative=speculative), all_specs
 
 
 def _view(manifest: mf.Manifest, transforms: Any) -> Any:
@@ -126,14 +149,16 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
         comm.prefer_device(cuda_devices(cuda, (t.tensor for t in targets)))
     except CheckpointError as e:
         own = e
+    source = storage.describe("")
     if req.manifest is not None and isinstance(comm, SoloComm):
         manifest = req.manifest
         all_specs = gather_targets(comm, [t.spec for t in targets], own)
     else:
-        manifest, all_specs = _metadata_and_specs(comm, storage, [t.spec for t in targets], own,
-                                                  speculative=req.transforms is None)
+        (manifest, source), all_specs = _metadata_and_specs(comm, storage, [t.spec for t in targets], own,
+                                                            speculative=req.transforms is None)
     req = dataclasses.replace(req, options=with_nodes(comm, req.options))
-    result, mismatch = _attempt(comm, storage, req, manifest, all_specs, targets, values, cuda, t0, throttled0)
+    result, mismatch = _attempt(comm, storage, req, manifest, all_specs, targets, values, cuda, t0, throttled0,
+                                source)
     if result is None:
         log.info("streamckpt load %s: a DCP item's layout is not the predicted one (first: %s); "
                  "locating every item exactly and loading again", storage.describe(""), mismatch)
@@ -178,7 +203,8 @@ def local_world_size(rank: int) -> int:
 
 def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, manifest: mf.Manifest,
              all_specs: Sequence[Sequence[TargetSpec]], targets: list[LocalTarget], values: list[ValueSlot],
-             cuda: CudaApi, t0: float, throttled0: int) -> tuple[LoadResult | None, str | None]:
+             cuda: CudaApi, t0: float, throttled0: int, source: str | None = None,
+             ) -> tuple[LoadResult | None, str | None]:
     """Plan and run the load; (None, first mismatch) when a predicted DCP head was wrong
     on any rank (agreed). With a predicted manifest, the ranks exchange the heads they
     verify in a second, small gather (the first ran before the manifest was known)."""
@@ -208,6 +234,8 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
     # on a mixed cpu:gloo,cuda:nccl group a load into CPU tensors only keeps its data on gloo
     comm.choose_data_plane(bool(cuda_devices(cuda, (t.tensor for t in mine))))  # on every rank
     try:
+        if source is not None:
+            same_uri(comm, storage, source)  # before any other verdict: the others follow from it
         placement = place(cuda, [t.tensor for t in mine], comm.data_device)
         view = _view(manifest, req.transforms)
         heads = spec.planned_heads(checks, all_specs) if speculative else []

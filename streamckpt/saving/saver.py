@@ -92,6 +92,23 @@ def _gather_json(comm: SoloComm | GroupComm, doc: Any, own: BaseException | None
     return [g["ok"] for g in got]
 
 
+def same_call(comm: SoloComm | GroupComm, uri: str, **options: Any) -> None:
+    """Every rank of a collective save names the same checkpoint and the same options, checked
+    before rank 0 deletes or writes anything (its overwrite decides what it replaces): ranks given
+    different URIs committed rank 0's manifest listing data files the others wrote elsewhere.
+    One small all-gather; every rank reaches the same verdict from the same answers."""
+    if isinstance(comm, SoloComm):
+        return
+    mine = {"uri": uri, **{k: v if v is None or isinstance(v, (bool, int, str)) else str(v) for k, v in options.items()}}
+    every = _gather_json(comm, mine, None)
+    for rank, theirs in enumerate(every):
+        differ = [k for k in every[0] if theirs.get(k) != every[0][k]]
+        if differ:
+            what = ", ".join(f"{k}={every[0][k]!r} on rank 0 but {theirs.get(k)!r} on rank {rank}" for k in differ)
+            raise CheckpointError(f"a collective save got different arguments on different ranks: {what}; every rank "
+                                  f"of the group must pass the same (nothing was written)")
+
+
 @dataclass
 class Prepared:
     """A save after its first collective: every rank's specs, checked, and who writes what."""
@@ -143,6 +160,7 @@ def prepare(
     tree: dict[str, Any] = {}
     base_doc = b""
     base_manifest: mf.Manifest | None = None
+    same_call(comm, storage.describe(""), overwrite=overwrite, compression=compression, base=base)
     try:
         if storage.entry is not None:
             raise CheckpointError(
