@@ -209,16 +209,25 @@ class Manager:
             CheckpointError: a bad argument, or the errors ``sc.save`` raises.
         """
         self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise CheckpointError(f"step must be an int >= 0, got {step!r}")
-        if "overwrite" in save_kwargs:
-            raise CheckpointError("CheckpointManager.save takes force=True, not overwrite=, to replace a step")
-        metadata = dict(save_kwargs.pop("metadata", None) or {})
-        clash = sorted({STEP_KEY, METRICS_KEY} & set(metadata))
-        if clash:
-            raise CheckpointError(f"metadata keys {clash} are the manager's own (pass metrics= for metrics)")
-        metadata[STEP_KEY] = step
-        metadata[METRICS_KEY] = _plain_metrics(metrics)
+        calls = self._bound()
+        own: CheckpointError | None = None
+        metadata: dict[str, Any] = {}
+        try:  # the caller's mistakes, agreed before any collective: one rank's must not leave the others waiting
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+            if "overwrite" in save_kwargs:
+                raise CheckpointError("CheckpointManager.save takes force=True, not overwrite=, to replace a step")
+            check_names("CheckpointManager.save", calls.async_save if self.async_save else calls.save, save_kwargs,
+                        own=("storage_options", "process_group", "overwrite"))
+            metadata = dict(save_kwargs.pop("metadata", None) or {})
+            clash = sorted({STEP_KEY, METRICS_KEY} & set(metadata))
+            if clash:
+                raise CheckpointError(f"metadata keys {clash} are the manager's own (pass metrics= for metrics)")
+            metadata[STEP_KEY] = step
+            metadata[METRICS_KEY] = _plain_metrics(metrics)
+        except CheckpointError as e:
+            own = e
+        self._comm.agree(own)
         self.wait()  # one save in flight: the previous one (and its retention) ends first
         existing = None if force else on_one_rank(self._comm, lambda: self._committed_name(step))
         users = on_one_rank(self._comm, lambda: self._users_of(step))
@@ -230,9 +239,6 @@ class Manager:
         if existing is not None:
             raise CheckpointExistsError(f"step {step} is already committed under {self.root} ({self.root}/{existing}): "
                                         f"pass force=True to replace it")
-        calls = self._bound()
-        check_names("CheckpointManager.save", calls.async_save if self.async_save else calls.save, save_kwargs,
-                    own=("storage_options", "process_group"))
         if self.incremental and "base" not in save_kwargs:
             newest = on_one_rank(self._comm, lambda: self._base_name(step))
             save_kwargs["base"] = None if newest is None else f"{self.root}/{newest}"
@@ -399,8 +405,19 @@ class Manager:
             StorageError, PeerError: as ``sc.load`` raises them.
         """
         self._check_open()
-        if not isinstance(max_fallbacks, int) or isinstance(max_fallbacks, bool) or max_fallbacks < 0:
-            raise CheckpointError(f"max_fallbacks must be an int >= 0, got {max_fallbacks!r}")
+        calls = self._bound()
+        own: CheckpointError | None = None
+        try:  # the caller's mistakes, agreed before any collective (see save)
+            if not isinstance(max_fallbacks, int) or isinstance(max_fallbacks, bool) or max_fallbacks < 0:
+                raise CheckpointError(f"max_fallbacks must be an int >= 0, got {max_fallbacks!r}")
+            if state_dict is not None:
+                check_names("CheckpointManager.restore", calls.load, load_kwargs,
+                            own=("storage_options", "process_group"))
+            else:
+                check_names("CheckpointManager.restore", calls.load_state, load_kwargs, own=("storage_options",))
+        except CheckpointError as e:
+            own = e
+        self._comm.agree(own)
         self.wait()
         listing = self._listing()
         if step is not None:
@@ -432,12 +449,10 @@ class Manager:
         state: Any = None
         try:
             if state_dict is not None:
-                check_names("CheckpointManager.restore", calls.load, load_kwargs, own=("storage_options", "process_group"))
                 calls.load(state_dict, uri, storage_options=self.storage_options, process_group=self.process_group,
                            **load_kwargs)
                 state = state_dict
             else:
-                check_names("CheckpointManager.restore", calls.load_state, load_kwargs, own=("storage_options",))
                 state = calls.load_state(uri, storage_options=self.storage_options, **load_kwargs)
         except Exception as e:  # noqa: BLE001 - agreed with the other ranks below
             own = e
