@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
@@ -14,6 +15,7 @@ from .errors import CheckpointError, MissingKeysError, close_to
 from .formats import read_manifest
 from .formats.native import latest_committed
 from .loading.loader import LoadRequest, run_load
+from .loading.loader import fail_together as load_fails_together
 from .manage import Calls, Manager, Restored
 from .manage.copying import copy_checkpoint
 from .manage.references import check_unreferenced
@@ -21,6 +23,7 @@ from .plan.planner import PlanOptions
 from .progress import reporter, reporting
 from .results import CheckpointInfo, DtypeName, LoadResult, SaveResult, TensorInfo
 from .saving.asyncsave import SaveHandle, start_save
+from .saving.saver import fail_together as save_fails_together
 from .saving.saver import run_save
 from .storage import Storage
 
@@ -143,14 +146,16 @@ def save(
         ['data/00000-0000.safetensors', 'manifest.json']
     """
     comm = make_comm(process_group)
-    storage = Storage(uri, storage_options)
-    try:
-        with reporting(progress, "save", rank=comm.rank, world_size=comm.world_size) as report:
-            return run_save(comm, storage, state_dict, compression=compression, metadata=metadata,
-                            overwrite=overwrite, progress=report, base=base, storage_options=storage_options,
-                            guard=check_unreferenced)
-    finally:
-        storage.close()
+    with contextlib.ExitStack() as stack:
+        try:  # a mistake here on one rank fails the save on every rank, in its first collective
+            storage = Storage(uri, storage_options)
+            stack.callback(storage.close)
+            report = stack.enter_context(reporting(progress, "save", rank=comm.rank, world_size=comm.world_size))
+        except CheckpointError as e:
+            save_fails_together(comm, e)
+        return run_save(comm, storage, state_dict, compression=compression, metadata=metadata,
+                        overwrite=overwrite, progress=report, base=base, storage_options=storage_options,
+                        guard=check_unreferenced)
 
 
 def async_save(
@@ -220,11 +225,16 @@ def async_save(
         'manifest.json'
     """
     comm = make_comm(process_group)
-    report, bar = reporter(progress, "async_save", rank=comm.rank, world_size=comm.world_size)
+    report, bar, failed = None, None, None
+    try:
+        report, bar = reporter(progress, "async_save", rank=comm.rank, world_size=comm.world_size)
+    except CheckpointError as e:  # raised by start_save on every rank, once they can agree on it
+        failed = e
     try:
         handle = start_save(state_dict, uri, storage_options=storage_options, process_group=process_group,
                             compression=compression, metadata=metadata, overwrite=overwrite,
-                            staging_budget=staging_budget, progress=report, base=base, guard=check_unreferenced)
+                            staging_budget=staging_budget, progress=report, base=base, guard=check_unreferenced,
+                            failed=failed)
     except BaseException:
         if bar is not None:
             bar.close(failed=True)
@@ -328,23 +338,26 @@ def load(
         >>> sc.load(target, "/tmp/ckpt-doc").missing_keys, target["w"].tolist()
         ([], [0.0, 1.0, 2.0, 3.0])
     """
-    _positive(memory_budget=memory_budget, max_concurrency=max_concurrency)
     comm = make_comm(process_group)
-    storage = Storage(uri, storage_options, max_concurrency=max_concurrency)
-    # response bodies a native client holds before the copy count against the budget too
-    staging_budget = storage.reserve_inflight(memory_budget)
-    try:
-        with reporting(progress, "load", rank=comm.rank, world_size=comm.world_size) as report:
-            req = LoadRequest(
-                state_dict=state_dict,
-                strict=strict,
-                options=PlanOptions(memory_budget=staging_budget, read_once=read_once),
-                transforms=_transforms(transforms, storage_options),
-                progress=report,
-            )
-            return run_load(comm, storage, req)
-    finally:
-        storage.close()
+    with contextlib.ExitStack() as stack:
+        try:  # a mistake here on one rank fails the load on every rank, in its first collective
+            _positive(memory_budget=memory_budget, max_concurrency=max_concurrency)
+            storage = Storage(uri, storage_options, max_concurrency=max_concurrency)
+            stack.callback(storage.close)
+            # response bodies a native client holds before the copy count against the budget too
+            staging_budget = storage.reserve_inflight(memory_budget)
+            report = stack.enter_context(reporting(progress, "load", rank=comm.rank, world_size=comm.world_size))
+            tf = _transforms(transforms, storage_options)
+        except CheckpointError as e:
+            load_fails_together(comm, e)
+        req = LoadRequest(
+            state_dict=state_dict,
+            strict=strict,
+            options=PlanOptions(memory_budget=staging_budget, read_once=read_once),
+            transforms=tf,
+            progress=report,
+        )
+        return run_load(comm, storage, req)
 
 
 def load_full(

@@ -76,6 +76,23 @@ def bad_step_on_one_rank(root: str, opts: dict[str, Any], rank: int, world: int)
         mgr.save(-1 if rank == 1 else 1, {"w": GOOD.clone()})
 
 
+def load_argument_on_one_rank(root: str, opts: dict[str, Any], rank: int, world: int, kind: str) -> None:
+    kw: dict[str, Any] = {}
+    if rank == 1:
+        kw = {"budget": {"memory_budget": 0}, "transforms": {"transforms": [{"renam": {}}]},
+              "option": {"storage_options": {**opts, "endpont_url": "x"}}}[kind]
+    sc.load(_targets(), f"{root}/good", **{"storage_options": opts, **kw})
+
+
+def save_option_on_one_rank(root: str, opts: dict[str, Any], rank: int, world: int) -> None:
+    sc.save({"w": torch.ones(3)}, f"{root}/opt", storage_options={**opts, "endpont_url": "x"} if rank == 1 else opts)
+
+
+def async_budget_on_one_rank(root: str, opts: dict[str, Any], rank: int, world: int) -> None:
+    sc.async_save({"w": torch.ones(3)}, f"{root}/async", storage_options=opts,
+                  staging_budget=-1 if rank == 1 else None).result(timeout=60)
+
+
 def good_load_after(root: str, opts: dict[str, Any], rank: int, world: int) -> list[float]:
     t = _targets()
     sc.load(t, f"{root}/good", storage_options=opts)
@@ -93,6 +110,11 @@ SCENARIOS: list[tuple[str, Callable[..., Any]]] = [
     ("restore_typo_on_one_rank", restore_typo_on_one_rank),
     ("save_typo_on_one_rank", save_typo_on_one_rank),
     ("bad_step_on_one_rank", bad_step_on_one_rank),
+    ("load_budget_on_one_rank", functools.partial(load_argument_on_one_rank, kind="budget")),
+    ("load_transforms_on_one_rank", functools.partial(load_argument_on_one_rank, kind="transforms")),
+    ("load_option_on_one_rank", functools.partial(load_argument_on_one_rank, kind="option")),
+    ("save_option_on_one_rank", save_option_on_one_rank),
+    ("async_budget_on_one_rank", async_budget_on_one_rank),
     ("good_load_after", good_load_after),
 ]
 
@@ -175,3 +197,18 @@ def test_a_manager_save_mistake_on_one_rank_raises_on_both(runs: ScenarioResults
     agreed(runs, "bad_step_on_one_rank", "CheckpointError", "step must be an int >= 0, got -1")
     for run in ("run2", "run3"):
         assert sc.latest(f"{root}/{run}", storage_options=s3_opts) is None  # nothing committed
+
+
+@pytest.mark.parametrize("name, cls, needle", [
+    ("load_budget_on_one_rank", "CheckpointError", "memory_budget must be a positive number, got 0"),
+    ("load_transforms_on_one_rank", "TransformError", "unknown rule 'renam'"),
+    ("load_option_on_one_rank", "StorageOptionError", "unknown storage option 'endpont_url'"),
+    ("save_option_on_one_rank", "StorageOptionError", "unknown storage option 'endpont_url'"),
+    ("async_budget_on_one_rank", "CheckpointError", "staging_budget must be a positive number of bytes or None, got -1"),
+])
+def test_an_argument_refused_on_one_rank_fails_every_rank(runs: ScenarioResults, name: str, cls: str,
+                                                           needle: str) -> None:
+    """Hung: the rank raised before the call's first collective, the others waited in it until
+    the process group's timeout."""
+    agreed(runs, name, cls, needle)
+    assert runs.errors(name)[0].msg.startswith("rank 1 failed: ")  # type: ignore[union-attr]

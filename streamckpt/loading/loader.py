@@ -11,7 +11,7 @@ import os
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import torch
 
@@ -98,6 +98,13 @@ def same_uri(comm: SoloComm | GroupComm, storage: Storage, source: str, call: st
             f"rank {comm.rank} was given uri {mine}, rank 0 {source}: {call} is collective, every rank of the "
             f"group reads the same checkpoint; pass the same uri on every rank (or call it without a process "
             f"group on each rank alone)")
+
+
+def fail_together(comm: SoloComm | GroupComm, own: CheckpointError) -> NoReturn:
+    """A rank whose load failed before the load's first collective (a bad argument, an unknown
+    storage option) takes part in it with its error: every rank raises it, none waits for this one."""
+    gather_targets(comm, [], own)
+    raise own  # pragma: no cover - gather_targets raised (alone: this error; in a group: the agreed one)
 
 
 @dataclass(slots=True)

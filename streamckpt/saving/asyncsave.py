@@ -57,7 +57,7 @@ from ..errors import CheckpointError
 from ..results import SaveResult
 from ..storage import Storage
 from . import writeplan
-from .saver import CANCELLED, Guard, Prepared, prepare, write_and_commit
+from .saver import CANCELLED, Guard, Prepared, fail_together, prepare, write_and_commit
 from .staging import StagingArea, copy_all
 
 if TYPE_CHECKING:
@@ -258,19 +258,27 @@ def start_save(
     progress: Callable[[int], None] | None = None,
     base: str | None = None,
     guard: Guard | None = None,
+    failed: CheckpointError | None = None,
 ) -> SaveHandle:
     """What ``sc.async_save`` runs (its doc says what each argument does), with the CUDA runtime
     named (``cuda``: a test's stand-in; None: torch's). ``progress``: a callable, called from
-    the upload thread with each object's size once stored. ``guard``: as ``saver.prepare``'s."""
-    if staging_budget is not None and (not isinstance(staging_budget, (int, float)) or isinstance(staging_budget, bool)
-                                       or not staging_budget > 0):
-        raise CheckpointError(f"staging_budget must be a positive number of bytes or None, got {staging_budget!r}")
+    the upload thread with each object's size once stored. ``guard``: as ``saver.prepare``'s.
+    ``failed``: the caller's own setup failed (a bad ``progress``): raised on every rank."""
     if cuda is None and torch.cuda.is_available():
         cuda = TorchCuda()
-    session = _session_for(process_group)
+    session = _session_for(process_group)  # a collective on first use: every rank comes here, even failing
     if session.last is not None:
         session.last.wait()  # at most one save in flight per group
-    storage = Storage(uri, storage_options)
+    try:  # a mistake here on one rank fails the save on every rank, in its first collective
+        if failed is not None:
+            raise failed
+        if staging_budget is not None and (not isinstance(staging_budget, (int, float))
+                                           or isinstance(staging_budget, bool) or not staging_budget > 0):
+            raise CheckpointError(f"staging_budget must be a positive number of bytes or None, "
+                                  f"got {staging_budget!r}")
+        storage = Storage(uri, storage_options)
+    except CheckpointError as e:
+        fail_together(session.comm, e)
     try:
         max_item = None if staging_budget is None else max(1 << 20, staging_budget // 4)
         prep = prepare(session.comm, storage, state_dict, compression=compression, metadata=metadata,

@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 from ..comm import GroupComm, SoloComm, encode_error, gather_targets, raise_agreed
 from ..core import manifest as mf, tree as trees, values as vals
@@ -107,6 +107,13 @@ def same_call(comm: SoloComm | GroupComm, uri: str, **options: Any) -> None:
             what = ", ".join(f"{k}={every[0][k]!r} on rank 0 but {theirs.get(k)!r} on rank {rank}" for k in differ)
             raise CheckpointError(f"a collective save got different arguments on different ranks: {what}; every rank "
                                   f"of the group must pass the same (nothing was written)")
+
+
+def fail_together(comm: SoloComm | GroupComm, own: CheckpointError) -> NoReturn:
+    """A rank whose save failed before the save's first collective (``same_call``: a bad
+    argument, an unknown storage option) takes part in it with its error: every rank raises it."""
+    _gather_json(comm, None, own)
+    raise own  # pragma: no cover - _gather_json raised (alone: this error; in a group: the agreed one)
 
 
 @dataclass
