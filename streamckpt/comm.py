@@ -323,6 +323,13 @@ def make_comm(process_group: Any | None) -> SoloComm | GroupComm:
         return SoloComm()
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
         return SoloComm()
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise CheckpointError(f"process_group must be a torch.distributed ProcessGroup (or None: the default "
+                              f"group, when initialized), got {type(process_group).__name__}")
+    if not dist.is_initialized():
+        raise CheckpointError("a process_group was given, but torch.distributed is not initialized in this "
+                              "process: call torch.distributed.init_process_group() first, or pass "
+                              "process_group=None to work alone")
     comm = GroupComm(process_group)
     if comm.world_size == 1:
         return SoloComm()

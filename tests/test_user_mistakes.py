@@ -185,3 +185,36 @@ def test_two_managers_on_one_root_get_the_managers_words(s3_uri: str, s3_opts: d
             second.save(3, {"w": torch.zeros(4)})
         assert "overwrite" not in str(ei.value)
         assert torch.equal(sc.load_full(f"{s3_uri}/step-3", storage_options=s3_opts)["w"], torch.arange(4.0))
+
+
+def test_an_async_result_that_times_out_says_so_and_the_save_goes_on(proxy_factory: Any, s3_uri: str,
+                                                                      s3_opts: dict[str, Any]) -> None:
+    """Was concurrent.futures' TimeoutError with an empty message."""
+    from streamckpt.testing import options_for
+
+    proxy = proxy_factory(faults={"stall": 1.0}, rate=1.0, stall_seconds=1.5, methods=("PUT", "POST"))
+    handle = sc.async_save({"w": torch.arange(8.0)}, s3_uri, storage_options=options_for(proxy.endpoint_url))
+    with pytest.raises(TimeoutError, match=r"the async save has not committed within timeout=0 s; it goes on: "
+                       r"call result\(\) again to wait longer, or done\(\) to poll"):
+        handle.result(timeout=0)
+    assert handle.result(timeout=120).files[-1] == "manifest.json"
+    assert torch.equal(sc.load_full(s3_uri, storage_options=s3_opts)["w"], torch.arange(8.0))
+
+
+@pytest.mark.parametrize("group", ["gloo", object()])
+def test_a_process_group_without_torch_distributed_is_named(saved: str, s3_opts: dict[str, Any], group: Any) -> None:
+    """Was torch's ValueError 'Default process group has not been initialized' (or an
+    AttributeError), from deep inside the group's set-up."""
+    with pytest.raises(sc.CheckpointError, match=r"process_group must be a torch.distributed ProcessGroup"):
+        sc.load({"w": torch.zeros(3, 4)}, saved, storage_options=s3_opts, process_group=group)
+
+
+def test_a_process_group_before_init_process_group_is_named(saved: str, s3_opts: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # pragma: no cover - the suite never initializes it in-process
+        pytest.skip("torch.distributed is initialized in this process")
+    group = dist.ProcessGroup.__new__(dist.ProcessGroup)  # a group kept past destroy_process_group()
+    with pytest.raises(sc.CheckpointError, match=r"torch.distributed is not initialized in this process: call "
+                       r"torch.distributed.init_process_group\(\) first, or pass process_group=None"):
+        sc.save({"w": torch.ones(2)}, saved + "-pg", storage_options=s3_opts, process_group=group)

@@ -125,7 +125,11 @@ class SaveHandle:
             CheckpointError: the save's error (a ``StorageError``, ``PeerError``, ...), the
                 same on every rank; nothing was committed.
         """
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        except cf.TimeoutError:  # concurrent.futures' says nothing: say what and what to do
+            raise TimeoutError(f"the async save has not committed within timeout={timeout!r} s; it goes on: call "
+                               f"result() again to wait longer, or done() to poll") from None
 
     def done(self) -> bool:
         """Whether the save has ended (committed or failed); never waits."""
