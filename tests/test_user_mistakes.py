@@ -218,3 +218,15 @@ def test_a_process_group_before_init_process_group_is_named(saved: str, s3_opts:
     with pytest.raises(sc.CheckpointError, match=r"torch.distributed is not initialized in this process: call "
                        r"torch.distributed.init_process_group\(\) first, or pass process_group=None"):
         sc.save({"w": torch.ones(2)}, saved + "-pg", storage_options=s3_opts, process_group=group)
+
+
+def test_copy_says_what_is_there_instead_of_a_manifest(saved: str, s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """Was '<uri>/manifest.json does not exist' for all three."""
+    with pytest.raises(sc.CheckpointNotFoundError, match=r"no checkpoint at .*-nothing/: expected manifest\.json"):
+        sc.copy(s3_uri + "-nothing", s3_uri + "-out", storage_options=s3_opts)
+    sc.merge(saved, saved + "-hf", storage_options=s3_opts)
+    with pytest.raises(sc.CheckpointError, match=r"-hf/ holds a safetensors checkpoint, and copy copies streamckpt "
+                       r"checkpoints .*sc\.merge"):
+        sc.copy(saved + "-hf", s3_uri + "-out", storage_options=s3_opts)
+    sc.copy(saved, s3_uri + "-out", storage_options=s3_opts)  # the right URI still copies
+    assert torch.equal(sc.load_full(s3_uri + "-out", storage_options=s3_opts)["w"], torch.arange(12.0).reshape(3, 4))

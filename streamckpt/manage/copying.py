@@ -19,6 +19,8 @@ from typing import Any
 
 from ..core import manifest as mf
 from ..errors import CheckpointError, CheckpointExistsError
+from ..formats import read_manifest
+from ..formats.native import read_native_bytes
 from ..storage import RangeRead, Storage
 
 log = logging.getLogger(__name__)
@@ -94,8 +96,7 @@ def copy_checkpoint(uri: str, out_uri: str, *, storage_options: dict[str, Any] |
     try:
         if src.describe("") == dst.describe(""):
             raise CheckpointError(f"copy {uri} onto itself: pass another destination")
-        m = mf.from_json(src.read_bytes(mf.MANIFEST_NAME, max_bytes=mf.MAX_MANIFEST_BYTES),
-                         where=src.describe(mf.MANIFEST_NAME))
+        m = mf.from_json(_native_manifest(src), where=src.describe(mf.MANIFEST_NAME))
         if dst.modified(mf.MANIFEST_NAME) is not None:
             raise CheckpointExistsError(f"{dst.describe(mf.MANIFEST_NAME)} exists: a committed checkpoint is there; "
                                         f"delete it first or copy elsewhere")
@@ -115,3 +116,16 @@ def copy_checkpoint(uri: str, out_uri: str, *, storage_options: dict[str, Any] |
     finally:
         src.close()
         dst.close()
+
+
+def _native_manifest(src: Storage) -> bytes:
+    """The streamckpt manifest's bytes; without one, why: no checkpoint at all (the loader's
+    words: a run prefix, a path that does not exist), or one of another kind."""
+    raw = read_native_bytes(src)
+    if raw is not None:
+        return raw
+    other = read_manifest(src)  # raises CheckpointNotFoundError, with what is there instead
+    raise CheckpointError(
+        f"{src.describe('')} holds a {other.kind} checkpoint, and copy copies streamckpt checkpoints (manifest.json): "
+        f"sc.merge(uri, out_uri) writes any checkpoint as Hugging Face safetensors; or copy its files with the "
+        f"store's own tools")
