@@ -230,3 +230,18 @@ def test_copy_says_what_is_there_instead_of_a_manifest(saved: str, s3_uri: str, 
         sc.copy(saved + "-hf", s3_uri + "-out", storage_options=s3_opts)
     sc.copy(saved, s3_uri + "-out", storage_options=s3_opts)  # the right URI still copies
     assert torch.equal(sc.load_full(s3_uri + "-out", storage_options=s3_opts)["w"], torch.arange(12.0).reshape(3, 4))
+
+
+@pytest.mark.parametrize("typo, meant", [
+    ("S3://{bucket_path}", "s3://{bucket_path}"),     # Protocol not known: S3
+    (" {uri}", "{uri}"),                            # pasted with a space before
+    ("{uri} ", "{uri}"),                            # ... or after: 'no checkpoint at .../ck /'
+    ("s3:/{bucket_path}", "s3://{bucket_path}"),     # suggested 'write its scheme: s3://s3:/...'
+])
+def test_a_mistyped_uri_gets_the_uri_meant(saved: str, s3_opts: dict[str, Any], typo: str, meant: str) -> None:
+    bucket_path = saved.split("://", 1)[1]
+    typo, meant = (x.format(uri=saved, bucket_path=bucket_path) for x in (typo, meant))
+    with pytest.raises(sc.CheckpointError) as ei:
+        sc.load_state(typo, storage_options=s3_opts)
+    assert meant in str(ei.value) and "s3://s3:" not in str(ei.value)
+    assert torch.equal(sc.load_state(meant, storage_options=s3_opts)["b"], torch.ones(4))

@@ -108,7 +108,8 @@ class Storage:
         try:
             fs, root = url_to_fs(self.uri, **self._fs_options)
         except (ImportError, ValueError, TypeError) as e:
-            raise StorageError(f"cannot open {self._describe.public_uri}: {self._describe.scrub(str(e))}") from None
+            raise StorageError(f"cannot open {self._describe.public_uri}: {self._describe.scrub(str(e))}"
+                               f"{_scheme_hint(self.uri)}") from None
         self.root = str(root).rstrip("/")
         return fs
 
@@ -269,11 +270,17 @@ class Storage:
 
     def absent_hint(self) -> str:
         """Why nothing is here when the URI is a plain path that does not exist: most often
-        a bucket written without its scheme (``bucket/prefix`` for ``s3://bucket/prefix``)."""
+        a bucket written without its scheme (``bucket/prefix`` for ``s3://bucket/prefix``), or a
+        URI pasted with a space around it."""
+        if self.uri != self.uri.strip():
+            return f" (the URI has spaces around it, which are part of the name: did you mean {self.uri.strip()!r}?)"
         if "://" in self.uri or self._protocol not in _LOCAL_PROTOCOLS or os.path.exists(self.root):
             return ""
         hint = f" (a local path, and there is no {self.root!r} here"
-        if not self.uri.startswith(("/", ".", "~")) and ("endpoint_url" in self._fs_options or "/" in self.uri):
+        one_slash = re.match(r"([A-Za-z][\w+.-]*):/(?!/)(.*)", self.uri)  # s3:/bucket/x
+        if one_slash:
+            hint += f"; for a bucket, write two slashes after the scheme: {one_slash[1]}://{one_slash[2]}"
+        elif not self.uri.startswith(("/", ".", "~")) and ("endpoint_url" in self._fs_options or "/" in self.uri):
             hint += f"; for a bucket, write its scheme: s3://{self.uri}"
         return hint + ")"
 
@@ -580,3 +587,15 @@ def _secrets_of(options: dict[str, Any], extra: Sequence[str] = ()) -> tuple[str
 
     walk(options)
     return tuple(sorted(set(found), key=len, reverse=True))
+
+
+def _scheme_hint(uri: str) -> str:
+    """What was likely meant by a URI whose protocol fsspec does not know: one with spaces
+    around it (pasted), or a scheme in capitals (``S3://``)."""
+    meant = uri.strip()
+    scheme, sep, rest = meant.partition("://")
+    if sep and scheme != scheme.lower():
+        meant = f"{scheme.lower()}://{rest}"
+    if meant == uri:
+        return ""
+    return f" (did you mean {meant!r}? schemes are lower case, and the URI is taken as given, spaces included)"
