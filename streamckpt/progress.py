@@ -75,6 +75,8 @@ class _LineView:
         pass
 
     def close(self, done: int, total: int | None, failed: bool) -> None:
+        if failed and not done:  # failed before a byte moved (no checkpoint there ...): the error says it all
+            return
         now = self.clock()
         verb = "stopped at " if failed else ""
         self._write(f"{self.desc}: {verb}{self._amount(done, total)} in {now - self.start:.2f} s, "

@@ -245,3 +245,30 @@ def test_a_mistyped_uri_gets_the_uri_meant(saved: str, s3_opts: dict[str, Any], 
         sc.load_state(typo, storage_options=s3_opts)
     assert meant in str(ei.value) and "s3://s3:" not in str(ei.value)
     assert torch.equal(sc.load_state(meant, storage_options=s3_opts)["b"], torch.ones(4))
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m streamckpt ...`` (works without the console script installed)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full = dict(os.environ, PYTHONPATH=root, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "streamckpt", *args], capture_output=True, text=True, timeout=120,
+                          env=full)
+
+
+def test_python_dash_m_streamckpt_is_the_command_line() -> None:
+    """'No module named streamckpt.__main__' before."""
+    r = _cli()
+    assert r.returncode == 2 and r.stderr.splitlines()[-1] == \
+        "streamckpt: error: the following arguments are required: COMMAND"
+    r = _cli("inspet", "s3://x/y")
+    assert r.returncode == 2 and "invalid choice: 'inspet'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_cli_run_that_fails_before_any_byte_prints_one_line(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """verify printed 'verify: stopped at 0 B in 0.02 s, 0.0 MB/s' above the error."""
+    env = {"AWS_ENDPOINT_URL": s3_opts["endpoint_url"], "AWS_ACCESS_KEY_ID": s3_opts["key"],
+           "AWS_SECRET_ACCESS_KEY": s3_opts["secret"]}
+    r = _cli("verify", s3_uri, env=env)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [f"streamckpt verify: error: no checkpoint at {s3_uri}/: expected manifest.json "
+                                     f"(streamckpt), *.safetensors (Hugging Face) or .metadata (PyTorch DCP)"]
