@@ -272,3 +272,20 @@ def test_a_cli_run_that_fails_before_any_byte_prints_one_line(s3_uri: str, s3_op
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.splitlines() == [f"streamckpt verify: error: no checkpoint at {s3_uri}/: expected manifest.json "
                                      f"(streamckpt), *.safetensors (Hugging Face) or .metadata (PyTorch DCP)"]
+
+
+def test_metrics_without_keep_bests_metric_are_warned_about(s3_uri: str, s3_opts: dict[str, Any],
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """keep_best=('loss', ...) with metrics={'val_loss': ...}: the rule kept nothing and every
+    step but the newest was pruned, without a word."""
+    with sc.CheckpointManager(s3_uri, storage_options=s3_opts, keep_best=("loss", "min", 2)) as mgr:
+        with caplog.at_level("WARNING", logger="streamckpt.manage.manager"):
+            mgr.save(1, {"w": torch.ones(2)}, metrics={"val_loss": 0.5})
+        assert "step 1's metrics (val_loss) lack 'loss', by which keep_best ranks the steps (did you mean " \
+               "'val_loss'?): keep_best will not keep it" in caplog.text
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="streamckpt.manage.manager"):
+            mgr.save(2, {"w": torch.ones(2)}, metrics={"loss": 0.4})
+            mgr.save(3, {"w": torch.ones(2)})  # no metrics at all: a step between evaluations, no warning
+        assert "keep_best" not in caplog.text
+        assert mgr.steps() == [2, 3]

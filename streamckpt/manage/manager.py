@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from ..comm import make_comm, raise_agreed
 from ..errors import (CheckpointError, CheckpointExistsError, CheckpointInUseError, CheckpointNotFoundError,
-                      CorruptCheckpointError, StorageError)
+                      CorruptCheckpointError, StorageError, near_names)
 from ..results import human_bytes
 from ..storage import Storage
 from .collective import gather_outcome, on_one_rank
@@ -225,6 +225,7 @@ class Manager:
                 raise CheckpointError(f"metadata keys {clash} are the manager's own (pass metrics= for metrics)")
             metadata[STEP_KEY] = step
             metadata[METRICS_KEY] = _plain_metrics(metrics)
+            self._warn_unranked(step, metadata[METRICS_KEY])
         except CheckpointError as e:
             own = e
         self._comm.agree(own)
@@ -560,6 +561,17 @@ class Manager:
             return out
 
     # ------------------------------------------------------------------ plumbing
+
+    def _warn_unranked(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Metrics without ``keep_best``'s metric (a misspelt name, most often): that rule never
+        keeps the step, and a policy of keep_best alone would prune every step but the newest."""
+        best = self.policy.keep_best
+        if best is None or not metrics or best[0] in metrics or self._comm.rank != 0:
+            return
+        near = near_names(best[0], metrics, n=1) or sorted(m for m in metrics if best[0] in m)[:1]  # val_loss
+        log.warning("CheckpointManager %s: step %d's metrics (%s) lack %r, by which keep_best ranks the steps%s: "
+                    "keep_best will not keep it; pass metrics={%r: ...} to rank it", self.root, step,
+                    ", ".join(sorted(metrics)), best[0], f" (did you mean {near[0]!r}?)" if near else "", best[0])
 
     @contextlib.contextmanager
     def _another_writer(self, step: int) -> Iterator[None]:
