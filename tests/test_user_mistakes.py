@@ -289,3 +289,14 @@ def test_metrics_without_keep_bests_metric_are_warned_about(s3_uri: str, s3_opts
             mgr.save(3, {"w": torch.ones(2)})  # no metrics at all: a step between evaluations, no warning
         assert "keep_best" not in caplog.text
         assert mgr.steps() == [2, 3]
+
+
+def test_copy_to_a_missing_bucket_says_create_it_and_nothing_else(saved: str, s3_opts: dict[str, Any],
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Was StorageError 'writing ... failed: bucket ... does not exist' after a WARNING that the
+    upload could not be aborted (there was none to abort)."""
+    with caplog.at_level("WARNING"):
+        with pytest.raises(sc.CheckpointNotFoundError, match=r"bucket 'no-such-bucket-x' does not exist \(writing "
+                           r"s3://no-such-bucket-x/ck/data/.*check the URI, or create the bucket first"):
+            sc.copy(saved, "s3://no-such-bucket-x/ck", storage_options=s3_opts)
+    assert "abort" not in caplog.text

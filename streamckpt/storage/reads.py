@@ -169,10 +169,11 @@ class Reader:
                 await tries.failed(e)
 
     async def once(self, what: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """One attempt, for calls that are not safe to repeat (a streaming writer's parts)."""
+        """One attempt, for calls that are not safe to repeat (a streaming writer's parts);
+        ``NotFound`` passes through, as from ``call`` (a missing bucket is the caller's URI)."""
         try:
             return await fn(*args)
-        except (CheckpointError, asyncio.CancelledError):
+        except (CheckpointError, NotFound, asyncio.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001 - reported as the storage failure it is
             raise self.describe.failure(f"{what} failed", e) from None

@@ -95,6 +95,8 @@ class Upload:
         self._sending.clear()
         try:
             self._run(self._sink.abort())
+        except CheckpointNotFoundError as e:  # no bucket, so no upload to abort: the caller's error says so
+            log.debug("nothing to abort for %s: %s", self.where, e)
         except Exception as e:  # noqa: BLE001 - best effort on an already failing path
             log.warning("could not abort the upload of %s: %s", self.where, e)
         self._release()
