@@ -131,10 +131,31 @@ def cmd_latest(args: argparse.Namespace) -> int:
 
     found = latest(args.root, storage_options=args.storage_options)
     if found is None:
-        print(f"no committed checkpoint under {args.root}", file=sys.stderr)
+        _none_under(args, "latest")
         return EXIT_NONE_FOUND
     print(found)
     return 0
+
+
+def _none_under(args: argparse.Namespace, command: str) -> None:
+    """'no committed checkpoint under ROOT' on stderr, and when ROOT is itself a checkpoint
+    (a step's URI given for its run's), the run's prefix to give instead."""
+    from .core.manifest import MANIFEST_NAME
+    from .storage import Storage
+
+    line = f"no committed checkpoint under {args.root}"
+    try:
+        storage = Storage(args.root, args.storage_options)
+        try:
+            itself = storage.modified(MANIFEST_NAME) is not None
+        finally:
+            storage.close()
+    except CheckpointError:  # the listing already answered; this is only a hint
+        itself = False
+    parent = args.root.rstrip("/").rpartition("/")[0]
+    if itself and parent and not parent.endswith(":/"):
+        line += f": it is itself a checkpoint; its run is {parent} (streamckpt {command} {parent})"
+    print(line, file=sys.stderr)
 
 
 def _manager(args: argparse.Namespace, **policy: Any) -> Any:
@@ -155,7 +176,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     with _manager(args, **policy) as mgr:
         found = rows(mgr.checkpoints(), mgr.policy if any(v is not None for v in policy.values()) else None)
     if not found:
-        print(f"no committed checkpoint under {args.root}", file=sys.stderr)
+        _none_under(args, "ls")
         return EXIT_NONE_FOUND
     print(json.dumps(found, indent=2) if args.json else table(found))
     return 0

@@ -300,3 +300,18 @@ def test_copy_to_a_missing_bucket_says_create_it_and_nothing_else(saved: str, s3
                            r"s3://no-such-bucket-x/ck/data/.*check the URI, or create the bucket first"):
             sc.copy(saved, "s3://no-such-bucket-x/ck", storage_options=s3_opts)
     assert "abort" not in caplog.text
+
+
+@pytest.mark.parametrize("command", ["ls", "latest"])
+def test_the_cli_given_a_checkpoint_for_its_run_names_the_run(saved: str, s3_opts: dict[str, Any],
+                                                               command: str) -> None:
+    """Said only 'no committed checkpoint under <checkpoint>'."""
+    env = {"AWS_ENDPOINT_URL": s3_opts["endpoint_url"], "AWS_ACCESS_KEY_ID": s3_opts["key"],
+           "AWS_SECRET_ACCESS_KEY": s3_opts["secret"]}
+    run = saved.rsplit("/", 1)[0]
+    r = _cli(command, saved, env=env)
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"no committed checkpoint under {saved}: it is itself a checkpoint; its run is {run} "
+        f"(streamckpt {command} {run})"]
+    r = _cli(command, saved + "-none", env=env)  # an empty prefix: the plain line
+    assert r.returncode == 1 and r.stderr.splitlines() == [f"no committed checkpoint under {saved}-none"]
