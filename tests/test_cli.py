@@ -100,7 +100,8 @@ def test_latest_prints_the_newest_and_says_when_there_is_none(s3_uri: str, s3_op
     assert (r.returncode, r.stdout, r.stderr) == (0, f"{s3_uri}/step-10\n", "")
     r = cli("latest", f"{s3_uri}/step-10", *s3_flags(s3_opts))  # a checkpoint holds no checkpoints
     assert (r.returncode, r.stdout) == (1, "")
-    assert r.stderr == f"no committed checkpoint under {s3_uri}/step-10\n"
+    assert r.stderr == (f"no committed checkpoint under {s3_uri}/step-10: it is itself a checkpoint; its run is "
+                        f"{s3_uri} (streamckpt latest {s3_uri})\n")
 
 
 @pytest.mark.slow

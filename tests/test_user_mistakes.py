@@ -315,3 +315,34 @@ def test_the_cli_given_a_checkpoint_for_its_run_names_the_run(saved: str, s3_opt
         f"(streamckpt {command} {run})"]
     r = _cli(command, saved + "-none", env=env)  # an empty prefix: the plain line
     assert r.returncode == 1 and r.stderr.splitlines() == [f"no committed checkpoint under {saved}-none"]
+
+
+@pytest.mark.parametrize("uri", ["", "   ", None, 5])
+def test_an_empty_or_missing_uri_is_refused_not_the_current_directory(uri: Any, tmp_path: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """sc.save(sd, os.environ.get('CKPT', '')) wrote manifest.json and data/ into the current
+    directory; None or a number read 'None/' or '5/' there."""
+    monkeypatch.chdir(tmp_path)
+    for call in (lambda: sc.save({"w": torch.ones(2)}, uri), lambda: sc.load_state(uri),
+                 lambda: sc.CheckpointManager(uri)):
+        with pytest.raises(sc.CheckpointError, match=r"uri is empty .*'\.' for the current directory|"
+                           r"uri must be a str \(s3://bucket/prefix, a local path\) or a path object, got"):
+            call()
+    assert list(tmp_path.iterdir()) == []
+    sc.save({"w": torch.ones(2)}, tmp_path / "ck")  # a path object is a URI
+    assert torch.equal(sc.load_state(tmp_path / "ck")["w"], torch.ones(2))
+
+
+def test_a_step_that_is_not_an_int_is_named_and_a_nan_loss_still_saves(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """restore(step='1') said 'no committed checkpoint of step 1 ... (committed steps: 1)';
+    a nan metric failed the save with 'metadata must be a JSON-serializable dict'."""
+    with sc.CheckpointManager(s3_uri, storage_options=s3_opts, keep_best=("loss", "min", 1)) as mgr:
+        mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": torch.tensor(0.5)})
+        for call in (lambda: mgr.restore(step="1"), lambda: mgr.should_save("5"), lambda: mgr.restore(step=-1)):
+            with pytest.raises(sc.CheckpointError, match=r"step must be an int >= 0, got"):
+                call()
+        mgr.save(2, {"w": torch.ones(2)}, metrics={"loss": float("nan")})  # diverged: saved, never "best"
+        assert mgr.metrics(2) == {"loss": "nan"}
+        mgr.save(3, {"w": torch.ones(2)}, metrics={"loss": float("-inf")})
+        assert mgr.metrics(3) == {"loss": "-inf"}
+        assert mgr.steps() == [1, 3]  # step 1 is the best by a number, 3 the newest

@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from ..errors import (CheckpointError, CheckpointExistsError, CheckpointInUseErr
                       CorruptCheckpointError, StorageError, near_names)
 from ..results import human_bytes
 from ..storage import Storage
+from ..storage.store import checked_uri
 from .collective import gather_outcome, on_one_rank
 from .deletion import delete_checkpoint
 from .garbage import mark
@@ -107,7 +109,7 @@ class Manager:
                                        or save_every < 1):
             raise CheckpointError(f"save_every must be a positive int or None, got {save_every!r}")
         _check_name(name)
-        self.root = str(root).rstrip("/")
+        self.root = checked_uri(root).rstrip("/")
         self.storage_options = storage_options
         self.process_group = process_group
         self.policy = Policy(keep_last, keep_every, keep_best)
@@ -165,6 +167,7 @@ class Manager:
         Returns:
             bool: True when the step should be saved.
         """
+        _check_step(step)
         return self.save_every is None or step % self.save_every == 0
 
     def uri(self, step: int) -> str:
@@ -191,7 +194,8 @@ class Manager:
             step: The training step (an int >= 0).
             state: The state_dict, as ``sc.save`` takes it.
             metrics: JSON-serializable numbers and strings to record (``{"loss": 0.31}``; tensors
-                with one element are turned into numbers); ``keep_best`` ranks by them.
+                with one element are turned into numbers; nan and inf are recorded as the strings
+                ``'nan'``, ``'inf'``, ``'-inf'``); ``keep_best`` ranks by the numbers.
                 Default None: none.
             force: Replace a committed checkpoint of ``step``. Default False: refuse it.
             save_kwargs: More arguments of ``sc.save`` / ``sc.async_save`` (``compression``,
@@ -213,8 +217,7 @@ class Manager:
         own: CheckpointError | None = None
         metadata: dict[str, Any] = {}
         try:  # the caller's mistakes, agreed before any collective: one rank's must not leave the others waiting
-            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-                raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+            _check_step(step)
             if "overwrite" in save_kwargs:
                 raise CheckpointError("CheckpointManager.save takes force=True, not overwrite=, to replace a step")
             check_names("CheckpointManager.save", calls.async_save if self.async_save else calls.save, save_kwargs,
@@ -411,6 +414,8 @@ class Manager:
         try:  # the caller's mistakes, agreed before any collective (see save)
             if not isinstance(max_fallbacks, int) or isinstance(max_fallbacks, bool) or max_fallbacks < 0:
                 raise CheckpointError(f"max_fallbacks must be an int >= 0, got {max_fallbacks!r}")
+            if step is not None:
+                _check_step(step)
             if state_dict is not None:
                 check_names("CheckpointManager.restore", calls.load, load_kwargs,
                             own=("storage_options", "process_group"))
@@ -653,6 +658,12 @@ def _check_name(name: str) -> None:
         raise CheckpointError(f"name must hold {{step}} and no '/', such as 'step-{{step}}'; got {name!r}")
 
 
+def _check_step(step: Any) -> None:
+    """A step is an int >= 0 (a str "10" named a step that never matched: 'no step 10 (steps: 10)')."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+
+
 def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in dict(metrics or {}).items():
@@ -660,6 +671,8 @@ def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
             raise CheckpointError(f"metric names must be str, got {k!r}")
         if hasattr(v, "item") and callable(v.item):
             v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):  # a diverged loss: the manifest's JSON has no nan,
+            v = repr(v)  # so 'nan' / 'inf' / '-inf', which keep_best never ranks (the save must not fail for it)
         out[k] = v
     try:
         json.dumps(out, allow_nan=True)

@@ -56,7 +56,7 @@ class Storage:
 
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, *, policy: RetryPolicy | None = None,
                  max_concurrency: int = 32, backend: Backend | None = None) -> None:
-        self.uri, self.entry = split_entry(str(uri))
+        self.uri, self.entry = split_entry(checked_uri(uri))
         self.policy = policy or RetryPolicy.from_env()
         self.max_concurrency = max(1, int(max_concurrency))
         if storage_options is not None and not isinstance(storage_options, Mapping):
@@ -599,3 +599,17 @@ def _scheme_hint(uri: str) -> str:
     if meant == uri:
         return ""
     return f" (did you mean {meant!r}? schemes are lower case, and the URI is taken as given, spaces included)"
+
+
+def checked_uri(uri: Any) -> str:
+    """``uri`` as a str; an empty one (an unset variable, most often) is refused rather than
+    taken as the current directory, and a value that is no URI at all (None, a number) too."""
+    if isinstance(uri, os.PathLike):
+        uri = os.fspath(uri)
+    if not isinstance(uri, str):
+        raise CheckpointError(f"uri must be a str (s3://bucket/prefix, a local path) or a path object, "
+                              f"got {type(uri).__name__} {uri!r}")
+    if not uri.strip():
+        raise CheckpointError(f"uri is empty ({uri!r}): pass a URI (s3://bucket/prefix) or a directory path "
+                              f"('.' for the current directory)")
+    return uri
