@@ -247,12 +247,27 @@ def merge(
     if isinstance(skip, str):
         skip = (skip,)
     comm = make_comm(process_group)
-    storage = Storage(uri, storage_options)
-    out = Storage(out_uri, storage_options if out_storage_options is None else out_storage_options)
+    opened: list[Storage] = []
+    own: BaseException | None = None
+    try:  # agreed before the first collective: a mistake on one rank must not leave the others waiting
+        opened.append(Storage(uri, storage_options))
+        opened.append(Storage(out_uri, storage_options if out_storage_options is None else out_storage_options))
+        if opened[0].describe("") == opened[1].describe(""):
+            raise CheckpointError(f"merge {uri} into itself: the Hugging Face files would land beside the checkpoint's "
+                                  f"own; pass another out_uri")
+    except CheckpointError as e:
+        own = e
+    try:
+        comm.agree(own)
+    except BaseException:
+        for st in opened:
+            st.close()
+        raise
+    storage, out = opened
     result = MergeResult()
     try:
         manifest = share_manifest(comm, storage)
-        own: BaseException | None = None
+        own = None
         files: list[OutFile] = []
         try:
             if memory_budget <= 0:

@@ -346,3 +346,10 @@ def test_a_step_that_is_not_an_int_is_named_and_a_nan_loss_still_saves(s3_uri: s
         mgr.save(3, {"w": torch.ones(2)}, metrics={"loss": float("-inf")})
         assert mgr.metrics(3) == {"loss": "-inf"}
         assert mgr.steps() == [1, 3]  # step 1 is the best by a number, 3 the newest
+
+
+def test_merge_into_the_checkpoint_itself_is_refused(saved: str, s3_opts: dict[str, Any]) -> None:
+    """Wrote model-*.safetensors and the index beside the checkpoint's own files."""
+    with pytest.raises(sc.CheckpointError, match=r"merge .* into itself: .*pass another out_uri"):
+        sc.merge(saved, saved + "/", storage_options=s3_opts)
+    assert sorted(sc.inspect(saved, storage_options=s3_opts).files) == ["data/00000-0000.safetensors"]

@@ -93,6 +93,10 @@ def async_budget_on_one_rank(root: str, opts: dict[str, Any], rank: int, world: 
                   staging_budget=-1 if rank == 1 else None).result(timeout=60)
 
 
+def merge_option_on_one_rank(root: str, opts: dict[str, Any], rank: int, world: int) -> None:
+    sc.merge(f"{root}/good", f"{root}/hf", storage_options={**opts, "endpont_url": "x"} if rank == 1 else opts)
+
+
 def good_load_after(root: str, opts: dict[str, Any], rank: int, world: int) -> list[float]:
     t = _targets()
     sc.load(t, f"{root}/good", storage_options=opts)
@@ -115,6 +119,7 @@ SCENARIOS: list[tuple[str, Callable[..., Any]]] = [
     ("load_option_on_one_rank", functools.partial(load_argument_on_one_rank, kind="option")),
     ("save_option_on_one_rank", save_option_on_one_rank),
     ("async_budget_on_one_rank", async_budget_on_one_rank),
+    ("merge_option_on_one_rank", merge_option_on_one_rank),
     ("good_load_after", good_load_after),
 ]
 
@@ -205,6 +210,7 @@ def test_a_manager_save_mistake_on_one_rank_raises_on_both(runs: ScenarioResults
     ("load_option_on_one_rank", "StorageOptionError", "unknown storage option 'endpont_url'"),
     ("save_option_on_one_rank", "StorageOptionError", "unknown storage option 'endpont_url'"),
     ("async_budget_on_one_rank", "CheckpointError", "staging_budget must be a positive number of bytes or None, got -1"),
+    ("merge_option_on_one_rank", "StorageOptionError", "unknown storage option 'endpont_url'"),
 ])
 def test_an_argument_refused_on_one_rank_fails_every_rank(runs: ScenarioResults, name: str, cls: str,
                                                            needle: str) -> None:
