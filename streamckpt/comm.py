@@ -253,7 +253,7 @@ class GroupComm:
         try:
             self.dist.all_gather(out, self._int_tensor(values), group=self.group)
         except RuntimeError as e:
-            raise _backend_failure("gathering the load's request counts from all ranks", e) from None
+            raise _backend_failure("gathering request counts from all ranks", e) from None
         return [[int(x) for x in t.tolist()] for t in out]
 
     def agree(self, exc: BaseException | None) -> None:

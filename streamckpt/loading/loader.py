@@ -28,6 +28,7 @@ from ..formats.native import read_native_bytes
 from ..plan.planner import IdentityView, LoadPlan, PlanOptions, build_plan, settle_rounds
 from ..results import LoadResult
 from ..storage import Storage
+from ..storage.ratelimit import prefix_uri
 from .missing import warn_missing
 from . import requestrate
 from .pipeline import Destinations, Executor
@@ -288,9 +289,7 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
 def _request_prefix(storage: Storage, manifest: mf.Manifest) -> str:
     """The key prefix the checkpoint's data files share, as a URI (``s3://bucket/ckpt/data/``):
     the same on every rank (it depends on the manifest alone)."""
-    paths = [storage.path(name) for name in manifest.files] or [storage.path("")]
-    scheme = storage.uri.split("://", 1)[0] if "://" in storage.uri else "file"
-    return f"{scheme}://{requestrate.key_prefix(paths)}"
+    return prefix_uri(storage.uri, [storage.path(name) for name in manifest.files] or [storage.path("")])
 
 
 def _head_alloc(cuda: CudaApi, tensors: Sequence[torch.Tensor]) -> Callable[[int], torch.Tensor]:

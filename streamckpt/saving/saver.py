@@ -30,8 +30,9 @@ from ..errors import (CheckpointError, CheckpointExistsError, CheckpointNotFound
                       IncompatibleStateDictError)
 from ..results import SaveResult
 from ..storage import Storage
+from ..storage.ratelimit import prefix_uri
 from ..storage.uploads import delete_written
-from . import writeplan
+from . import putrate, writeplan
 from .incremental import BaseShards, read_base, split
 from .writer import DEFAULT_CHUNK_SIZE, ShardToWrite, UploadShape, write_data_files
 
@@ -221,6 +222,7 @@ def write_and_commit(
     refs: dict[str, int] = {}
     upload = list(range(len(mine)))
     digests: dict[int, str] = {}  # an incremental save's digests of uploads it hashed to compare
+    upload_seconds = 0.0
 
     def written(i: int) -> None:
         if on_written is not None:
@@ -238,10 +240,12 @@ def write_and_commit(
                 if on_written is not None:
                     on_written(i)
         if upload:
+            t_upload = time.perf_counter()
             new, files = write_data_files(
                 storage, lambda i: _data_name(comm.rank, i, prep.compression), [mine[i] for i in upload],
                 compression=prep.compression, shape=prep.upload, chunk_size=chunk_size, on_written=written,
                 cuda=cuda, progress=progress, digests=[digests.get(i) for i in upload])
+            upload_seconds = time.perf_counter() - t_upload
             records += new
             result.files.extend(files)
             result.bytes_written += sum(files.values())
@@ -275,9 +279,25 @@ def write_and_commit(
         own = e
     comm.agree(own)
     result.seconds = time.perf_counter() - prep.started
+    _count_puts(comm, storage, result, upload_seconds, prep.upload)
     if comm.rank == 0:
         log.info("streamckpt save %s: %d files, %.3f s", storage.describe(""), len(result.files), result.seconds)
     return result
+
+
+def _count_puts(comm: SoloComm | GroupComm, storage: Storage, result: SaveResult, upload_seconds: float,
+                shape: UploadShape) -> None:
+    """The job's PUTs on the checkpoint's data prefix into ``result`` (one collective, on every
+    rank after the commit); rank 0 warns when they came faster than a prefix is served."""
+    result.requests = len(result.files)
+    job = putrate.gather_puts(comm, result.requests, upload_seconds, prefix_uri(storage.uri, [storage.path("data/")]))
+    result.job_requests = job.requests
+    result.job_requests_per_s = job.per_second
+    result.request_prefix = job.prefix
+    if comm.rank == 0:
+        warning = putrate.over_put_limit(job, putrate.put_limit(), shape)
+        if warning:
+            log.warning("streamckpt save %s: %s", storage.describe(""), warning)
 
 
 def run_save(
