@@ -129,3 +129,17 @@ def test_job_puts_agree_across_ranks(s3_uri: str, s3_opts: dict[str, Any]) -> No
     sc.load(loaded, s3_uri, storage_options=s3_opts)
     for k, v in _state().items():
         assert torch.equal(loaded[k], v)
+
+
+def test_data_files_grow_with_the_saving_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 MiB up to 255 ranks, then doubling at 256, 512 and 1,024 ranks to 64 MiB; the
+    environment still decides when set."""
+    from streamckpt.saving.writer import object_bytes_for
+
+    sizes = {w: object_bytes_for(w) // MiB for w in (1, 8, 255, 256, 511, 512, 1023, 1024, 2048, 16384)}
+    assert sizes == {1: 8, 8: 8, 255: 8, 256: 16, 511: 16, 512: 32, 1023: 32, 1024: 64, 2048: 64, 16384: 64}
+    monkeypatch.delenv("STREAMCKPT_UPLOAD_OBJECT_BYTES", raising=False)
+    assert UploadShape.from_env(4).object_bytes == 8 * MiB
+    assert UploadShape.from_env(2048) == UploadShape(object_bytes=64 * MiB, buffers=4)
+    monkeypatch.setenv("STREAMCKPT_UPLOAD_OBJECT_BYTES", str(2 * MiB))
+    assert UploadShape.from_env(2048).object_bytes == 2 * MiB

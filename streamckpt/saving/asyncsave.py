@@ -18,7 +18,8 @@ a budget the block is the share's size, kept for the next save that fits in it);
 when this rank's share is larger, ``async_save`` returns only once the rest has been
 staged, as buffers free up behind the upload — it then blocks for about the time it
 takes to upload ``share - staging_budget`` bytes. Uploads hold their own buffers
-besides: ``writer.UploadShape`` (4 × 8 MiB by default).
+besides: ``writer.UploadShape`` (4 × 8 MiB by default; up to 4 × 64 MiB in saves of 1,024
+ranks and more, ``writer.object_bytes_for``).
 
 Exit: the uploader is an ordinary (non-daemon) thread, so the interpreter waits for it
 before it finalizes. A daemon thread still running then is stopped by CPython with

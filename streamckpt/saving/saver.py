@@ -158,7 +158,7 @@ def prepare(
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"metadata must be a JSON-serializable dict ({e})") from None
         try:
-            upload = UploadShape.from_env()
+            upload = UploadShape.from_env(comm.world_size)
         except ValueError as e:
             raise CheckpointError(f"upload settings: {e}") from None
         local, slots = collect(state_dict, for_save=True)
