@@ -123,7 +123,7 @@ class Executor:
         self.fetched = [[(i, r) for i, r in rnd.reads if i not in self.pure] for rnd in self.schedule]
         self.direct = DirectBatch([(i, r) for rnd in self.schedule for i, r in rnd.reads if i in self.pure],
                                   self.landings, progress)
-        self.layouts = [layout(r, self.landings) for r in self.schedule]
+        self.layouts = [layout(r, self.landings, self.recv_into) for r in self.schedule]
         sizes = [max((lay.size for lay in self.layouts[slot::2]), default=0) for slot in range(2)]
         self.stats.staging_bytes = sum(sizes)
         if self.stats.staging_bytes > plan.options.memory_budget:
@@ -260,13 +260,12 @@ class Executor:
         landed: list[tuple[Message, torch.Tensor]] = []
         for m in rnd.recvs:
             size = message_size(m.copies)
-            base = lay.recv[(m.read_index, m.peer)]
             if on_device:
-                buf = stage.recv_buffer(slot, base, size)  # type: ignore[union-attr]
+                buf = stage.recv_buffer(slot, lay.recv[m.key], size)  # type: ignore[union-attr]
             else:
-                buf = self.recv_into.get((m.read_index, m.peer))
+                buf = self.recv_into.get(m.key)
                 if buf is None:
-                    buf = arena[base: base + size]
+                    buf = arena[lay.recv[m.key]: lay.recv[m.key] + size]
             recvs.append(P2P(m.peer, buf, self.plan.reads[m.read_index].tag))
             landed.append((m, buf))
         failed = self._attempt(lambda: self._fill_sends(k, fills, reads))
@@ -335,7 +334,7 @@ class Executor:
         """Called once the round's receives have completed: only then do they count as received."""
         for m, buf in landed:
             self.stats.bytes_received += buf.numel()
-            if (m.read_index, m.peer) in self.recv_into:
+            if m.key in self.recv_into:
                 continue  # received straight into its target
             host, dev = self._split(buf, 0, buf.numel(), (c.target for c in m.copies))
             for o, c in message_pieces(m.copies):
@@ -479,7 +478,7 @@ def _send_span(m: Message, r: Read | None, lay: Layout) -> tuple[int, int]:
     if r is None:
         raise CheckpointError(f"internal: a message of read {m.read_index} has no staged read to send from")
     if is_packed(m.copies):
-        return lay.pack[(m.read_index, m.peer)], message_size(m.copies)
+        return lay.pack[m.key], message_size(m.copies)
     c = m.copies[0]
     base = lay.decode[m.read_index] if r.zstd else lay.fetch[m.read_index]
     return base + c.offset, c.length
@@ -489,7 +488,7 @@ def _exchange_extent(rnd: LocalRound, lay: Layout) -> int:
     """Bytes of a round's arena its messages span: its device exchange arena mirrors them."""
     reads = dict(rnd.reads)
     ends = [sum(_send_span(m, reads.get(m.read_index), lay)) for m in rnd.sends]
-    ends += [lay.recv[(m.read_index, m.peer)] + message_size(m.copies) for m in rnd.recvs]
+    ends += [lay.recv[m.key] + message_size(m.copies) for m in rnd.recvs if m.key in lay.recv]
     return max(ends, default=0)
 
 
