@@ -6,8 +6,10 @@ into targets. A read that serves only this rank lands straight in its host targe
 memory where its bytes are theirs as stored (``landing``), verified in place; what
 is left of it, and every other read, lands in two staging arenas per rank,
 allocated once at the size this rank's largest round needs (at most half the memory
-budget each). A message from a peer that is one piece of a host target, its bytes as
-the target holds them, is received straight into the target (``landing``). On the host
+budget each). A read's large contiguous pieces go to each peer as messages of their own,
+sent from the staged read (``schedule.split_message``); a message that is one piece of a host
+target, its bytes as the target holds them, is received straight into the target
+(``landing``), taking no receive buffer. On the host
 path each staged read is decoded and scattered as soon as it is verified, while the
 round's other reads are still in flight. A ``device``
 stage owns the arenas and every device-side rule: on CUDA they are pinned, each
