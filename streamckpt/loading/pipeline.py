@@ -110,7 +110,7 @@ class Executor:
         self.dest = destinations
         self.progress = progress
         self.rank = comm.rank
-        self.schedule = local_schedule(plan, self.rank)
+        self.schedule = local_schedule(plan, self.rank, plan.options.direct_message_bytes)
         # a progress display that shows a total: the bytes progress will count
         expect_total(progress, sum(r.length for rnd in self.schedule for _, r in rnd.reads))
         self.stats = Stats(rounds=plan.num_rounds)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Collection, Mapping
 
-from ..plan.data import (ALIGN, Copy, LoadPlan, Read, holders_of, is_packed, message_layout, message_size, messages_of,
-                         read_links, wire_length)
+from ..plan.data import (ALIGN, Copy, LoadPlan, PlanOptions, Read, holders_of, is_packed, message_layout,
+                         message_size, messages_of, read_links, wire_length)
 from .landing import ReadLanding
 
 
@@ -21,7 +21,7 @@ def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-DIRECT_MESSAGE_BYTES = 256 << 10  # a contiguous piece at least this large travels as a message of its own
+DIRECT_MESSAGE_BYTES = PlanOptions().direct_message_bytes  # a contiguous piece this large travels alone
 
 
 @dataclass(slots=True)
