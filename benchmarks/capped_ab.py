@@ -88,7 +88,9 @@ def _rank(rank: int, port: int, endpoint: str, out: str, tree: str) -> None:
     dist.destroy_process_group()
 
 
-PHASES = (("loading.loader", "_metadata_and_specs", "metadata+specs"), ("loading.loader", "build_plan", "plan"),
+PHASES = (("loading.loader", "collect", "collect targets"), ("loading.loader", "read_metadata_bytes", "metadata read"),
+          ("loading.loader", "gather_targets", "specs gathered"),
+          ("loading.loader", "_metadata_and_specs", "metadata+specs"), ("loading.loader", "build_plan", "plan"),
           ("loading.loader", "settle_rounds", "settle"), ("loading.pipeline", "Executor.__init__", "executor init"),
           ("loading.pipeline", "Executor.run", "executor run"), ("loading.requestrate", "gather_job", "job stats"))
 
