@@ -107,3 +107,44 @@ def test_every_error_class_is_catchable_from_the_top_level() -> None:
     assert "StagingMemoryError" in names and "PeerError" in names
     for n in names:
         assert getattr(sc, n) is getattr(errors, n) and issubclass(getattr(sc, n), sc.CheckpointError), n
+
+
+def test_latests_none_passed_on_says_what_it_is(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """``sc.latest`` of a run with nothing committed is None; loading that names it, not a path 'None'."""
+    uri = sc.latest(s3_uri, storage_options=s3_opts)
+    assert uri is None
+    calls = [lambda: sc.load_state(uri, storage_options=s3_opts),
+             lambda: sc.load({"w": torch.zeros(1)}, uri, storage_options=s3_opts),
+             lambda: sc.load_full(uri, storage_options=s3_opts),
+             lambda: sc.inspect(uri, storage_options=s3_opts)]  # type: ignore[arg-type]
+    for call in calls:
+        with pytest.raises(sc.CheckpointNotFoundError, match=r"^the checkpoint URI is None \(sc\.latest returns "
+                                                             r"None when no checkpoint is committed"):
+            call()
+
+
+def test_storage_options_in_the_uris_place_are_refused_without_their_secret(s3_opts: dict[str, Any]) -> None:
+    with pytest.raises(sc.CheckpointError) as e:
+        sc.load({"w": torch.zeros(1)}, s3_opts)  # type: ignore[arg-type]
+    assert str(e.value) == ("a checkpoint URI is a str (s3://bucket/prefix, a local path), not a dict "
+                            "(storage options go in storage_options=)")
+    assert s3_opts["secret"] not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["manifest.json", ".metadata"])
+def test_a_uri_naming_the_metadata_object_names_the_prefix(saved: str, s3_opts: dict[str, Any], name: str) -> None:
+    with pytest.raises(sc.CheckpointNotFoundError) as e:
+        sc.load_state(f"{saved}/{name}", storage_options=s3_opts)
+    assert str(e.value).endswith(f"(that URI names the checkpoint's {name}: give its prefix, {saved})")
+
+
+def test_an_s3_server_addressed_by_its_http_url_says_to_write_s3(saved: str, s3_opts: dict[str, Any]) -> None:
+    """``http://host:port/bucket/prefix`` goes to fsspec's HTTP client, which takes no endpoint_url."""
+    bucket_path = saved.removeprefix("s3://")
+    with pytest.raises(sc.StorageError) as e:
+        sc.load_state(f"{s3_opts['endpoint_url']}/{bucket_path}", storage_options=s3_opts)
+    msg = str(e.value)
+    assert ("storage_options has 'endpoint_url', an option of s3:// URIs that this client (http) does not take; "
+            "for an S3-compatible server write the URI as s3://BUCKET/PREFIX, with endpoint_url in storage_options"
+            in msg), msg
+    assert "did you mean" not in msg and s3_opts["secret"] not in msg

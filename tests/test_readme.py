@@ -231,6 +231,16 @@ def test_every_block_is_run_or_skipped_with_a_reason(page: list[Block]) -> None:
     assert sum("slow" in b.marks for b in page) <= 2
 
 
+def test_the_page_says_to_activate_the_venv_before_its_bare_commands(page: list[Block]) -> None:
+    """The harness puts the environment's ``bin`` on PATH; a reader's shell has no ``streamckpt``
+    or ``torchrun`` until ``.venv`` is active, so the page says so before the first block that
+    calls one bare."""
+    bare = re.compile(r"^\s*(streamckpt|torchrun|python)\b", re.M)
+    first = min(b.line for b in page if bare.search(b.text) and "not-run" not in b.marks)
+    before = "\n".join(README.read_text(encoding="utf-8").splitlines()[:first])
+    assert "`. .venv/bin/activate`" in before, f"README.md:{first} calls a command the reader's shell lacks"
+
+
 def test_the_harness_parses_marks_and_reports_a_failing_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "from-the-caller")  # never reaches a block
     md = tmp_path / "page.md"
