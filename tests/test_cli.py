@@ -230,6 +230,9 @@ def test_demo() -> None:
     assert needed == read  # a full load reads each byte once
     # the multi-rank part: 4 gloo ranks save, 2 and 3 ranks load other layouts, read once in total
     assert "every rank's every element matched." in r.stdout
+    saves = [x for x in r.stdout.splitlines() if x.startswith("save/4 ")]
+    written = [float(re.findall(r"([\d.]+)Mi", x)[0]) for x in saves]  # a save's row: its bytes written, not 0
+    assert len(saves) == 4 and all(w > 0 for w in written) and 32.0 <= sum(written) < 32.5, saves
     for phase in ("cols", "rows"):
         line = next(x for x in r.stdout.splitlines() if x.startswith(f"{phase}: all ranks read"))
         read_mib, needed_mib = map(float, re.findall(r"([\d.]+) MiB", line)[:2])
