@@ -96,7 +96,7 @@ def _metadata_and_specs(comm: SoloComm | GroupComm, storage: Storage, specs: lis
     with cf.ThreadPoolExecutor(1, thread_name_prefix="streamckpt-metadata") as pool:
         started = start_metadata(comm, storage, pool, speculative)
         try:
-            all_specs = gather_targets(comm, specs, own)
+            all_specs = gather_targets(comm, specs, own, "sc.load")
         except BaseException:
             if started is not None:
                 started.cancel()
@@ -128,7 +128,7 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
         own = e
     if req.manifest is not None and isinstance(comm, SoloComm):
         manifest = req.manifest
-        all_specs = gather_targets(comm, [t.spec for t in targets], own)
+        all_specs = gather_targets(comm, [t.spec for t in targets], own, "sc.load")
     else:
         manifest, all_specs = _metadata_and_specs(comm, storage, [t.spec for t in targets], own,
                                                   speculative=req.transforms is None)

@@ -121,6 +121,7 @@ def prepare(
     base: str | None = None,
     storage_options: dict[str, Any] | None = None,
     guard: Guard | None = None,
+    call: str = "sc.save",
 ) -> Prepared:
     """Validate, gather every rank's specs and assign writers; raises the agreed error on every rank.
 
@@ -132,7 +133,8 @@ def prepare(
     on rank 0 before a committed checkpoint is replaced (``overwrite``), or when a fresh save
     finds data files under its prefix (a pruned base's shared files stay there), before
     anything is deleted; its ``CheckpointError`` fails the save on every rank (the wiring passes
-    ``manage.references.check_unreferenced``: saving sits below manage).
+    ``manage.references.check_unreferenced``: saving sits below manage). ``call``: the public
+    call, as a rank that waits long for its peers names it.
     """
     t0 = time.perf_counter()
     own: BaseException | None = None
@@ -181,7 +183,7 @@ def prepare(
                 base_doc, base_manifest = read_base(storage.uri, str(base), storage_options)
     except CheckpointError as e:
         own = e
-    all_specs = gather_targets(comm, specs, own)  # compact: distinct layouts travel once
+    all_specs = gather_targets(comm, specs, own, call)  # compact: distinct layouts travel once
     items: list[writeplan.WriteItem] = []
     try:
         _check_layout(writeplan.holders_of(all_specs))  # before any upload: a bad layout leaves no orphans
