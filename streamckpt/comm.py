@@ -332,6 +332,18 @@ def make_comm(process_group: Any | None) -> SoloComm | GroupComm:
     return comm
 
 
+def alone_in_launched_job(comm: SoloComm | GroupComm) -> str:
+    """A hint when this process runs alone although a launcher (torchrun) started several:
+    ``WORLD_SIZE`` > 1 in its environment but no group (``init_process_group`` never called),
+    so each process saves or loads as a world of its own. Else ``""``."""
+    raw = os.environ.get("WORLD_SIZE", "")
+    if not isinstance(comm, SoloComm) or not raw.isdigit() or int(raw) <= 1:
+        return ""
+    return (f"; this process ran alone, as rank 0 of 1: torch.distributed is not initialized, yet "
+            f"WORLD_SIZE={raw} (torchrun?): call torch.distributed.init_process_group() first, so that "
+            f"the ranks save and load together")
+
+
 def peer_wait_seconds() -> float:
     """``$STREAMCKPT_PEER_WAIT_WARN`` (seconds, default 60; 0 turns the warning off)."""
     raw = os.environ.get(PEER_WAIT_ENV, "").strip()

@@ -148,3 +148,21 @@ def test_an_s3_server_addressed_by_its_http_url_says_to_write_s3(saved: str, s3_
             "for an S3-compatible server write the URI as s3://BUCKET/PREFIX, with endpoint_url in storage_options"
             in msg), msg
     assert "did you mean" not in msg and s3_opts["secret"] not in msg
+
+
+def test_a_launched_rank_that_never_joined_its_group_is_told_to(s3_uri: str, s3_opts: dict[str, Any],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun without ``init_process_group`` each process saves alone: its half of a
+    tensor leaves holes, and the error says why (WORLD_SIZE is set, no group is)."""
+    half = {"w": sc.ShardedTensor(torch.ones(2, 2), (4, 2), (0, 0))}
+    with pytest.raises(sc.IncompatibleStateDictError) as e:
+        sc.save(half, s3_uri, storage_options=s3_opts)
+    assert str(e.value).endswith("distinct shards may not overlap")  # no launcher: no hint
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(sc.IncompatibleStateDictError) as e:
+        sc.save(half, s3_uri, storage_options=s3_opts)
+    assert str(e.value).endswith("; this process ran alone, as rank 0 of 1: torch.distributed is not initialized, "
+                                 "yet WORLD_SIZE=2 (torchrun?): call torch.distributed.init_process_group() first, "
+                                 "so that the ranks save and load together")
+    with pytest.raises(sc.CheckpointNotFoundError):  # nothing committed
+        sc.inspect(s3_uri, storage_options=s3_opts)
