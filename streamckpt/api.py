@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from .comm import SoloComm, make_comm
+from .cuda.device import checked_device
 from .core import dtypes, tree as trees
 from .errors import CheckpointError, MissingKeysError, close_to
 from .formats import read_manifest
@@ -359,9 +360,11 @@ def load_full(
         MissingKeysError: a name in ``keys`` is not in the checkpoint (with near spellings).
         CheckpointNotFoundError, CorruptCheckpointError, TransformError, StorageError: as in
             ``load``.
-        CheckpointError: a non-positive ``memory_budget`` or a bad ``progress``.
+        CheckpointError: a non-positive ``memory_budget``, a bad ``progress``, or a ``device``
+            this machine lacks (``"cuda"`` on a CPU-only torch).
     """
     _positive(memory_budget=memory_budget)
+    device = checked_device(device)
     storage = Storage(uri, storage_options)
     try:
         manifest = read_manifest(storage)
@@ -418,7 +421,8 @@ def load_state(
     Raises:
         MissingKeysError: a prefix in ``keys`` matches nothing in the checkpoint.
         CheckpointNotFoundError, CorruptCheckpointError, StorageError: as in ``load``.
-        CheckpointError: a non-positive ``memory_budget`` or a bad ``progress``.
+        CheckpointError: a non-positive ``memory_budget``, a bad ``progress``, or a ``device``
+            this machine lacks (``"cuda"`` on a CPU-only torch).
 
     Example:
         >>> import torch, streamckpt as sc
@@ -427,6 +431,7 @@ def load_state(
         7
     """
     _positive(memory_budget=memory_budget)
+    device = checked_device(device)
     storage = Storage(uri, storage_options)
     try:
         manifest = read_manifest(storage)

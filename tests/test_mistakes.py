@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -166,3 +167,34 @@ def test_a_launched_rank_that_never_joined_its_group_is_told_to(s3_uri: str, s3_
                                  "so that the ranks save and load together")
     with pytest.raises(sc.CheckpointNotFoundError):  # nothing committed
         sc.inspect(s3_uri, storage_options=s3_opts)
+
+
+@pytest.mark.parametrize("leaf", [np.zeros((3, 4), dtype=np.float32), [0.0] * 12])
+def test_a_target_that_is_no_tensor_is_not_called_missing(saved: str, s3_opts: dict[str, Any], leaf: Any) -> None:
+    with pytest.raises(sc.IncompatibleStateDictError) as e:
+        sc.load({"weight": leaf, "bias": torch.zeros(3)}, saved, storage_options=s3_opts)
+    assert str(e.value) == (f"weight: the checkpoint holds a tensor here (F32 [3, 4]), the state_dict a "
+                            f"{type(leaf).__name__}: pass a torch tensor to fill in place (torch.from_numpy(array) "
+                            f"shares an array's memory), or read it with sc.load_state / sc.load_full")
+    bias = torch.zeros(3)
+    sc.load({"weight": leaf, "bias": bias}, saved, storage_options=s3_opts, strict=False)  # loads the rest
+    assert torch.equal(bias, torch.ones(3))
+    if isinstance(leaf, np.ndarray):  # what the message says works
+        sc.load({"weight": torch.from_numpy(leaf), "bias": bias}, saved, storage_options=s3_opts)
+        assert np.array_equal(leaf, np.arange(12.0, dtype=np.float32).reshape(3, 4))
+
+
+def test_an_expanded_target_is_refused_by_name(saved: str, s3_opts: dict[str, Any]) -> None:
+    with pytest.raises(sc.IncompatibleStateDictError, match=r"^weight: the target's elements share memory \(a "
+                                                            r"stride-0 view, as expand\(\) makes\)"):
+        sc.load({"weight": torch.zeros(4).expand(3, 4), "bias": torch.zeros(3)}, saved, storage_options=s3_opts)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("call", ["load_full", "load_state"])
+def test_cuda_on_a_machine_without_it_is_named_before_any_read(saved: str, s3_opts: dict[str, Any], call: str) -> None:
+    why = "this torch is a CPU-only build" if not torch.backends.cuda.is_built() else "0 CUDA device(s) are visible"
+    with pytest.raises(sc.CheckpointError, match=rf"^device='cuda': {why}; load to 'cpu' \(the default\)"):
+        getattr(sc, call)(saved, storage_options=s3_opts, device="cuda")
+    with pytest.raises(sc.CheckpointError, match=r"^device='tpu' is not a torch device"):
+        getattr(sc, call)(saved, storage_options=s3_opts, device="tpu")
