@@ -11,6 +11,7 @@ import torch
 from .comm import SoloComm, make_comm
 from .cuda.device import checked_device
 from .core import dtypes, tree as trees
+from .core.manifest import MANIFEST_NAME
 from .errors import CheckpointError, MissingKeysError, close_to
 from .formats import read_manifest
 from .formats.native import latest_committed
@@ -516,6 +517,11 @@ def latest(root_uri: str, *, storage_options: dict[str, Any] | None = None) -> s
     storage = Storage(root_uri, storage_options)
     try:
         child = latest_committed(storage)
+        if child is None and storage.modified(MANIFEST_NAME) is not None:  # a checkpoint, not a run's root
+            root = storage.describe("").rstrip("/")
+            log.warning("latest: %s is itself a committed checkpoint, not a run's root: latest looks at the "
+                        "checkpoints directly under a root (this one's is %s); taking this None for 'start "
+                        "fresh' would pass over it", root, root.rpartition("/")[0])
     finally:
         storage.close()
     return None if child is None else f"{str(root_uri).rstrip('/')}/{child}"

@@ -100,7 +100,10 @@ def test_latest_prints_the_newest_and_says_when_there_is_none(s3_uri: str, s3_op
     assert (r.returncode, r.stdout, r.stderr) == (0, f"{s3_uri}/step-10\n", "")
     r = cli("latest", f"{s3_uri}/step-10", *s3_flags(s3_opts))  # a checkpoint holds no checkpoints
     assert (r.returncode, r.stdout) == (1, "")
-    assert r.stderr == f"no committed checkpoint under {s3_uri}/step-10\n"
+    assert r.stderr.endswith(f"latest: {s3_uri}/step-10 is itself a committed checkpoint, not a run's root: latest "
+                             f"looks at the checkpoints directly under a root (this one's is {s3_uri}); taking "
+                             f"this None for 'start fresh' would pass over it\n"
+                             f"no committed checkpoint under {s3_uri}/step-10\n"), r.stderr
 
 
 @pytest.mark.slow

@@ -198,3 +198,20 @@ def test_cuda_on_a_machine_without_it_is_named_before_any_read(saved: str, s3_op
         getattr(sc, call)(saved, storage_options=s3_opts, device="cuda")
     with pytest.raises(sc.CheckpointError, match=r"^device='tpu' is not a torch device"):
         getattr(sc, call)(saved, storage_options=s3_opts, device="tpu")
+
+
+def test_latest_of_a_checkpoint_instead_of_its_root_warns(saved: str, s3_opts: dict[str, Any],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """None from ``sc.latest`` means "start fresh" in a resume; given the checkpoint itself it
+    still returns None (nothing under it), and says which root was meant."""
+    with caplog.at_level("WARNING", logger="streamckpt"):
+        assert sc.latest(saved, storage_options=s3_opts) is None
+    root = saved.rpartition("/")[0]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"latest: {saved} is itself a committed checkpoint, not a run's root: latest looks at the checkpoints "
+        f"directly under a root (this one's is {root}); taking this None for 'start fresh' would pass over it"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="streamckpt"):
+        assert sc.latest(root, storage_options=s3_opts) == saved
+        assert sc.latest(f"{saved}-none", storage_options=s3_opts) is None  # an empty prefix: no warning
+    assert not caplog.records
