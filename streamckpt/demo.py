@@ -152,7 +152,8 @@ def format_reports(reports: list[RankReport]) -> str:
         need = sum(r.bytes_needed for r in rs)
         read = sum(r.bytes_read for r in rs)
         lines.append(f"{phase}: all ranks read {read / 2**20:.2f} MiB for {need / 2**20:.2f} MiB needed "
-                     f"(read once: the stored checkpoint is {_stored_mib(rs):.2f} MiB)")
+                     f"(read once: the stored checkpoint is {_stored_mib(rs):.2f} MiB; a byte several ranks "
+                     f"need, such as the replicated norm's, is read by one and sent to the others)")
     return "\n".join(lines)
 
 
