@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -354,7 +354,7 @@ def peer_wait_seconds() -> float:
 
 
 @contextlib.contextmanager
-def warn_if_peers_late(comm: SoloComm | GroupComm, call: str) -> Any:
+def warn_if_peers_late(comm: SoloComm | GroupComm, call: str) -> Iterator[None]:
     """Warn once if this rank waits long for the others to enter ``call``.
 
     Why: ``sc.save`` and ``sc.load`` are collective under torch.distributed. A save wrapped
