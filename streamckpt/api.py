@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from .comm import SoloComm, make_comm
+from .cuda.device import checked_device
 from .core import dtypes, tree as trees
+from .core.manifest import MANIFEST_NAME
 from .errors import CheckpointError, MissingKeysError, close_to
 from .formats import read_manifest
 from .formats.native import latest_committed
@@ -359,9 +361,11 @@ def load_full(
         MissingKeysError: a name in ``keys`` is not in the checkpoint (with near spellings).
         CheckpointNotFoundError, CorruptCheckpointError, TransformError, StorageError: as in
             ``load``.
-        CheckpointError: a non-positive ``memory_budget`` or a bad ``progress``.
+        CheckpointError: a non-positive ``memory_budget``, a bad ``progress``, or a ``device``
+            this machine lacks (``"cuda"`` on a CPU-only torch).
     """
     _positive(memory_budget=memory_budget)
+    device = checked_device(device)
     storage = Storage(uri, storage_options)
     try:
         manifest = read_manifest(storage)
@@ -418,7 +422,8 @@ def load_state(
     Raises:
         MissingKeysError: a prefix in ``keys`` matches nothing in the checkpoint.
         CheckpointNotFoundError, CorruptCheckpointError, StorageError: as in ``load``.
-        CheckpointError: a non-positive ``memory_budget`` or a bad ``progress``.
+        CheckpointError: a non-positive ``memory_budget``, a bad ``progress``, or a ``device``
+            this machine lacks (``"cuda"`` on a CPU-only torch).
 
     Example:
         >>> import torch, streamckpt as sc
@@ -427,6 +432,7 @@ def load_state(
         7
     """
     _positive(memory_budget=memory_budget)
+    device = checked_device(device)
     storage = Storage(uri, storage_options)
     try:
         manifest = read_manifest(storage)
@@ -511,6 +517,11 @@ def latest(root_uri: str, *, storage_options: dict[str, Any] | None = None) -> s
     storage = Storage(root_uri, storage_options)
     try:
         child = latest_committed(storage)
+        if child is None and storage.modified(MANIFEST_NAME) is not None:  # a checkpoint, not a run's root
+            root = storage.describe("").rstrip("/")
+            log.warning("latest: %s is itself a committed checkpoint, not a run's root: latest looks at the "
+                        "checkpoints directly under a root (this one's is %s); taking this None for 'start "
+                        "fresh' would pass over it", root, root.rpartition("/")[0])
     finally:
         storage.close()
     return None if child is None else f"{str(root_uri).rstrip('/')}/{child}"

@@ -389,7 +389,7 @@ def run_demo(size_mb: float = 64.0, quiet: bool = False, serve: bool = False, mu
 
 
 def _demo_table(rows: list[tuple[str, Any]]) -> str:
-    head = ("layout loaded", "needed", "read", "read/needed", "requests", "seconds", "MB/s")
+    head = ("layout loaded", "needed", "read", "read/needed", "requests", "seconds", "needed MB/s")
     lines = [head]
     for name, r in rows:
         rate = r.bytes_needed / r.seconds / 1e6 if r.seconds else 0.0

@@ -208,6 +208,10 @@ def collect(state_dict: Mapping[Any, Any], *, for_save: bool = False) -> tuple[l
             if t is not None:
                 if t.tensor.device.type == "meta":
                     raise IncompatibleStateDictError(f"{key}: tensor is on the meta device; allocate it first")
+                if not for_save and any(st == 0 and n > 1 for st, n in zip(t.tensor.stride(), t.tensor.shape)):
+                    raise IncompatibleStateDictError(  # torch's own words come from deep inside the copy
+                        f"{key}: the target's elements share memory (a stride-0 view, as expand() makes), so "
+                        f"it cannot be filled in place: pass a tensor that owns its elements (.clone())")
                 targets.append(t)
         else:
             if for_save:

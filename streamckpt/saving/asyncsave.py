@@ -276,7 +276,7 @@ def start_save(
         max_item = None if staging_budget is None else max(1 << 20, staging_budget // 4)
         prep = prepare(session.comm, storage, state_dict, compression=compression, metadata=metadata,
                        overwrite=overwrite, max_item_bytes=max_item, cuda=cuda, base=base,
-                       storage_options=storage_options, guard=guard)
+                       storage_options=storage_options, guard=guard, call="sc.async_save")
     except BaseException:
         storage.close()
         raise

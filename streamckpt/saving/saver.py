@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from ..comm import GroupComm, SoloComm, encode_error, gather_targets, raise_agreed
+from ..comm import GroupComm, SoloComm, alone_in_launched_job, encode_error, gather_targets, raise_agreed
 from ..core import manifest as mf, tree as trees, values as vals
 from ..core.report import expect_total
 from ..core.targets import LocalTarget, TargetSpec, collect
@@ -58,8 +58,8 @@ def _holds_data(storage: Storage) -> bool:
         return False
 
 
-def _check_layout(holders: dict[TargetSpec, list[int]]) -> None:
-    """The distinct regions of every tensor must tile it exactly once."""
+def _check_layout(holders: dict[TargetSpec, list[int]], hint: str = "") -> None:
+    """The distinct regions of every tensor must tile it exactly once (``hint``: appended to the error)."""
     by_key: dict[str, list[TargetSpec]] = {}
     for spec in holders:
         by_key.setdefault(spec.key, []).append(spec)
@@ -70,7 +70,7 @@ def _check_layout(holders: dict[TargetSpec, list[int]]) -> None:
             ranks = sorted({r for sp in specs for r in holders[sp]})
             raise IncompatibleStateDictError(
                 f"the ranks' shards do not form a valid checkpoint: {e} (held by ranks {ranks[:16]}); every "
-                f"element of every tensor must be held by some rank, and distinct shards may not overlap"
+                f"element of every tensor must be held by some rank, and distinct shards may not overlap{hint}"
             ) from None
 
 
@@ -122,6 +122,7 @@ def prepare(
     base: str | None = None,
     storage_options: dict[str, Any] | None = None,
     guard: Guard | None = None,
+    call: str = "sc.save",
 ) -> Prepared:
     """Validate, gather every rank's specs and assign writers; raises the agreed error on every rank.
 
@@ -133,7 +134,8 @@ def prepare(
     on rank 0 before a committed checkpoint is replaced (``overwrite``), or when a fresh save
     finds data files under its prefix (a pruned base's shared files stay there), before
     anything is deleted; its ``CheckpointError`` fails the save on every rank (the wiring passes
-    ``manage.references.check_unreferenced``: saving sits below manage).
+    ``manage.references.check_unreferenced``: saving sits below manage). ``call``: the public
+    call, as a rank that waits long for its peers names it.
     """
     t0 = time.perf_counter()
     own: BaseException | None = None
@@ -182,10 +184,10 @@ def prepare(
                 base_doc, base_manifest = read_base(storage.uri, str(base), storage_options)
     except CheckpointError as e:
         own = e
-    all_specs = gather_targets(comm, specs, own)  # compact: distinct layouts travel once
+    all_specs = gather_targets(comm, specs, own, call)  # compact: distinct layouts travel once
     items: list[writeplan.WriteItem] = []
     try:
-        _check_layout(writeplan.holders_of(all_specs))  # before any upload: a bad layout leaves no orphans
+        _check_layout(writeplan.holders_of(all_specs), alone_in_launched_job(comm))  # before any upload: a bad layout leaves no orphans
         items = writeplan.assign(all_specs)[comm.rank]
         cap = min(upload.object_bytes, max_item_bytes or upload.object_bytes)
         items = [piece for it in items for piece in writeplan.split_item(it, cap)]

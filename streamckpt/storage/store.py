@@ -48,6 +48,7 @@ PART_SIZE = 8 << 20  # upload part size (larger when an object's size hint needs
 PARTS_IN_FLIGHT = 4  # upload part buffers per object, the one being filled included (4 x 8 MiB = 32 MiB)
 MAX_PARTS = 9_000
 ENTRY_SUFFIXES = (".safetensors", ".safetensors.index.json")  # objects a URI may name for a checkpoint
+METADATA_NAMES = ("manifest.json", ".metadata")  # a checkpoint's own metadata object: its prefix is the URI
 _SECRET_OPTION = re.compile(r"(secret|token|password|passwd|key|credential|sas|signature|connection_string)", re.I)
 
 
@@ -56,7 +57,7 @@ class Storage:
 
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, *, policy: RetryPolicy | None = None,
                  max_concurrency: int = 32, backend: Backend | None = None) -> None:
-        self.uri, self.entry = split_entry(str(uri))
+        self.uri, self.entry = split_entry(checked_uri(uri))
         self.policy = policy or RetryPolicy.from_env()
         self.max_concurrency = max(1, int(max_concurrency))
         if storage_options is not None and not isinstance(storage_options, Mapping):
@@ -270,6 +271,9 @@ class Storage:
     def absent_hint(self) -> str:
         """Why nothing is here when the URI is a plain path that does not exist: most often
         a bucket written without its scheme (``bucket/prefix`` for ``s3://bucket/prefix``)."""
+        head, _, base = self.uri.rstrip("/").rpartition("/")
+        if base in METADATA_NAMES and head:
+            return f" (that URI names the checkpoint's {base}: give its prefix, {_public(head)})"
         if "://" in self.uri or self._protocol not in _LOCAL_PROTOCOLS or os.path.exists(self.root):
             return ""
         hint = f" (a local path, and there is no {self.root!r} here"
@@ -549,6 +553,19 @@ def _unimplemented(text: str) -> bool:
     words it as ENOSYS's "... not implemented")."""
     low = text.lower()
     return "501" in low or "not implemented" in low
+
+
+def checked_uri(uri: Any) -> str:
+    """``uri`` as a string; None (``sc.latest``'s answer when nothing is committed, passed on
+    unchecked) and other non-paths are refused by name instead of read as the path ``None``."""
+    if uri is None:
+        raise CheckpointNotFoundError(
+            "the checkpoint URI is None (sc.latest returns None when no checkpoint is committed under "
+            "its root; check for None and start fresh, or check the root URI)")
+    if not isinstance(uri, (str, os.PathLike)):
+        raise CheckpointError(f"a checkpoint URI is a str (s3://bucket/prefix, a local path), not a "
+                              f"{type(uri).__name__} (storage options go in storage_options=)")
+    return os.fspath(uri) if isinstance(uri, os.PathLike) else uri
 
 
 def split_entry(uri: str) -> tuple[str, str | None]:
