@@ -345,12 +345,18 @@ def alone_in_launched_job(comm: SoloComm | GroupComm) -> str:
 
 
 def peer_wait_seconds() -> float:
-    """``$STREAMCKPT_PEER_WAIT_WARN`` (seconds, default 60; 0 turns the warning off)."""
+    """``$STREAMCKPT_PEER_WAIT_WARN`` (seconds, default 60; 0 turns the warning off). A value
+    that is not a number is reported and the default used: raising here, before the first
+    collective, on a rank whose environment differs would leave the others waiting."""
     raw = os.environ.get(PEER_WAIT_ENV, "").strip()
     try:
-        return float(raw) if raw else PEER_WAIT_DEFAULT
+        value = float(raw) if raw else PEER_WAIT_DEFAULT
     except ValueError:
-        raise CheckpointError(f"{PEER_WAIT_ENV}={raw!r} is not a number of seconds") from None
+        value = -1.0
+    if value < 0 or value != value:
+        log.warning("%s=%r is not a number of seconds >= 0; using %g", PEER_WAIT_ENV, raw, PEER_WAIT_DEFAULT)
+        return PEER_WAIT_DEFAULT
+    return value
 
 
 @contextlib.contextmanager
