@@ -98,7 +98,7 @@ def _phase(rank: int, world: int, phase: str, uri: str, opts: dict[str, Any]) ->
     if phase == "save":
         sd, _ = _state(world, rank, "save")
         res = sc.save(sd, uri, storage_options=opts, metadata={"demo": "multirank"}, overwrite=True)
-        return RankReport(phase, rank, world, True, bytes_written=res.bytes_written, requests=len(res.files),
+        return RankReport(phase, rank, world, True, bytes_written=res.bytes_written, requests=res.requests,
                           seconds=res.seconds)
     sd, expected = _state(world, rank, phase)
     r = sc.load(sd, uri, storage_options=opts)
@@ -145,7 +145,7 @@ def format_reports(reports: list[RankReport]) -> str:
         )
         if r.error:
             lines.append("    " + r.error.strip().splitlines()[0])
-    lines.append("(MB/s: bytes written, or needed, per second; reqs: objects written, or GETs)")
+    lines.append("(MB/s: bytes written, or needed, per second; reqs: PUTs, or GETs)")
     loads = [r for r in reports if r.phase != "save"]
     for phase in sorted({r.phase for r in loads}):
         rs = [r for r in loads if r.phase == phase]
