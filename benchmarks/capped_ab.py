@@ -69,6 +69,8 @@ def _rank(rank: int, port: int, endpoint: str, out: str, tree: str) -> None:
         return fut
 
     pipeline.Executor._fetch = timed  # type: ignore[method-assign]
+    phases: dict[str, list[float]] = {}
+    _stamp_phases(phases, t0)
     model = data.model_for_size(256 << 20)  # the (g1) model of --size 256MiB
     sd = worker.targets_full(model)
     opts = {"endpoint_url": endpoint, "key": "bench-key", "secret": "bench-secret"}
@@ -81,8 +83,36 @@ def _rank(rank: int, port: int, endpoint: str, out: str, tree: str) -> None:
     wall = time.perf_counter() - t0[0]
     Path(out).write_text(json.dumps({
         "wall": wall, "user": ru1.ru_utime - ru0.ru_utime, "sys": ru1.ru_stime - ru0.ru_stime,
-        "module": sc.__file__, "rounds": res.rounds, "staging": res.staging_bytes, "read": res.bytes_read, "spans": spans}))
+        "module": sc.__file__, "rounds": res.rounds, "staging": res.staging_bytes, "read": res.bytes_read, "spans": spans,
+        "phases": phases}))
     dist.destroy_process_group()
+
+
+PHASES = (("loading.loader", "collect", "collect targets"), ("loading.loader", "read_metadata_bytes", "metadata read"),
+          ("loading.loader", "gather_targets", "specs gathered"),
+          ("loading.loader", "_metadata_and_specs", "metadata+specs"), ("loading.loader", "build_plan", "plan"),
+          ("loading.loader", "settle_rounds", "settle"), ("loading.pipeline", "Executor.__init__", "executor init"),
+          ("loading.pipeline", "Executor.run", "executor run"), ("loading.requestrate", "gather_job", "job stats"))
+
+
+def _stamp_phases(phases: dict[str, list[float]], t0: list[float]) -> None:
+    """Wrap the load's steps (``PHASES``) to record when each started and ended, seconds from t0."""
+    import importlib
+
+    for module, attr, name in PHASES:
+        mod = importlib.import_module(f"streamckpt.{module}")
+        owner, _, fn_name = attr.rpartition(".")
+        holder = getattr(mod, owner) if owner else mod
+        fn = getattr(holder, fn_name)
+
+        def wrapped(*a: Any, _fn: Any = fn, _name: str = name, **kw: Any) -> Any:
+            start = time.perf_counter() - t0[0]
+            try:
+                return _fn(*a, **kw)
+            finally:
+                phases[_name] = [start, time.perf_counter() - t0[0]]
+
+        setattr(holder, fn_name, wrapped)
 
 
 def _free_port() -> int:
@@ -115,7 +145,8 @@ def run_once(tree: str, endpoint: str, work: Path, tag: str) -> dict[str, Any]:
     mp.start_processes(_rank_entry, args=(port, endpoint, out, tree), nprocs=WORLD, start_method="spawn")
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(WORLD)]
     first, last, busy, idle = busy_and_idle([s for d in ranks for s in d["spans"]])
-    return {"wall": max(d["wall"] for d in ranks), "cpu": sum(d["user"] + d["sys"] for d in ranks),
+    phases = {name: max(d["phases"].get(name, [0.0, 0.0])[1] for d in ranks) for _, _, name in PHASES}
+    return {**{f"end of {k}": v for k, v in phases.items()}, "wall": max(d["wall"] for d in ranks), "cpu": sum(d["user"] + d["sys"] for d in ranks),
             "sys": sum(d["sys"] for d in ranks), "first_read": first, "last_read": last, "busy": busy,
             "idle": idle, "module": ranks[0]["module"], "rounds": ranks[0]["rounds"], "staging_MiB": max(d["staging"] for d in ranks) / 2**20}
 
@@ -172,6 +203,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {tree} | {med['wall']:.2f} ({min(walls):.2f}–{max(walls):.2f}) | {med['first_read']:.3f} | "
               f"{med['idle']:.3f} | {med['busy']:.3f} | {med['cpu']:.2f} ({med['sys']:.2f}) | {rs[0]['rounds']} | "
               f"{med['staging_MiB']:.0f} |")
+    print("\nwhen each step ended, seconds from the load's start (the latest rank; medians):")
+    for tree, rs in results.items():
+        steps = [k for k in rs[0] if k.startswith("end of ")]
+        print(f"{tree}: " + ", ".join(f"{k[7:]} {statistics.median(r[k] for r in rs):.3f}" for k in steps)
+              + f", last read done {statistics.median(r['last_read'] for r in rs):.3f}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """PUTs per second on one key prefix when thousands of ranks save (issue 37, item 4).
 
-A save writes each rank's share as data files of about ``OBJECT_BYTES`` (8 MiB), one PUT
-each, ``UPLOAD_BUFFERS`` (4) filled or in flight per rank (``streamckpt.saving.writer``;
-``STREAMCKPT_UPLOAD_OBJECT_BYTES`` / ``STREAMCKPT_UPLOAD_BUFFERS``); the PUTs of every
+A save writes each rank's share as data files of about ``object_bytes_for(ranks)`` (8 MiB up
+to 255 ranks, doubling at 256, 512 and 1,024 to 64 MiB), one PUT each, ``UPLOAD_BUFFERS`` (4)
+filled or in flight per rank (``streamckpt.saving.writer``; ``STREAMCKPT_UPLOAD_OBJECT_BYTES`` /
+``STREAMCKPT_UPLOAD_BUFFERS``); the PUTs of every
 rank land on the checkpoint's one key prefix, which S3 serves at 3,500 PUT/s before it
 answers SlowDown (``configs/scale/aws_p5.yaml``,
 ``store.prefix_put_per_s``). This takes the checkpoints of ``scale_model``'s cases
@@ -13,8 +14,8 @@ of the slowest rank from the same machine figures as the load model: per-connect
 throughput and first-byte latency, a node's store bandwidth. Then: PUTs per second on
 the prefix, and the time the prefix limit alone would take. Pure arithmetic.
 
-    PYTHONPATH=. python -m benchmarks.save_rate            # every case, a table
-    PYTHONPATH=. python -m benchmarks.save_rate --object-mib 64   # STREAMCKPT_UPLOAD_OBJECT_BYTES=64MiB
+    PYTHONPATH=. python -m benchmarks.save_rate            # every case, the saver's default sizes
+    PYTHONPATH=. python -m benchmarks.save_rate --object-mib 8    # STREAMCKPT_UPLOAD_OBJECT_BYTES=8MiB
 """
 
 from __future__ import annotations
@@ -74,17 +75,18 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import yaml
 
-    from streamckpt.saving.writer import OBJECT_BYTES, UPLOAD_BUFFERS
+    from streamckpt.saving.writer import UPLOAD_BUFFERS, object_bytes_for
 
     ap = argparse.ArgumentParser(description="Predict saves' PUT rate per key prefix at scale.")
     ap.add_argument("cases", nargs="*", default=list(CASES), help=f"of {', '.join(CASES)}")
     ap.add_argument("--machine", default="configs/scale/aws_p5.yaml")
-    ap.add_argument("--object-mib", type=int, default=OBJECT_BYTES // MiB,
-                    help="data object size (default: the saver's, STREAMCKPT_UPLOAD_OBJECT_BYTES)")
+    ap.add_argument("--object-mib", type=int, default=0,
+                    help="data object size (default 0: the saver's default for the case's ranks, object_bytes_for)")
     args = ap.parse_args(argv)
     m = load_machine(args.machine)
     put_limit = flatten(yaml.safe_load(Path(args.machine).read_text()))["store.prefix_put_per_s"]["value"]
-    rows = [predict_save(k, CASES[k], m, put_limit, args.object_mib * MiB, UPLOAD_BUFFERS) for k in args.cases]
+    rows = [predict_save(k, CASES[k], m, put_limit, args.object_mib * MiB or object_bytes_for(CASES[k].saved.world),
+                         UPLOAD_BUFFERS) for k in args.cases]
     print(table(rows))
 
 

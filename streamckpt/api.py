@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from .comm import SoloComm, make_comm
+from .cuda.device import checked_device
 from .core import dtypes, tree as trees
+from .core.manifest import MANIFEST_NAME
 from .errors import CheckpointError, MissingKeysError, close_to
 from .formats import read_manifest
 from .formats.native import latest_committed
@@ -54,20 +56,6 @@ def _key_list(keys: Iterable[str] | None) -> list[str] | None:
     if keys is None:
         return None
     return [keys] if isinstance(keys, str) else list(keys)
-
-
-def _device(device: str | torch.device) -> torch.device:
-    """``device`` checked before any read: one this process can allocate on (a zero-size
-    probe), else a CheckpointError naming it, not torch's RuntimeError or AssertionError
-    after the manifest was fetched."""
-    try:
-        d = torch.device(device)
-        torch.empty(0, device=d)
-    except (RuntimeError, AssertionError, TypeError, ValueError) as e:
-        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"device={device!r} cannot hold tensors in this process ({why}); pass "
-                              f"device='cpu', or a device this torch build and machine have") from None
-    return d
 
 
 def save(
@@ -396,10 +384,10 @@ def load_full(
         CheckpointNotFoundError, CorruptCheckpointError, TransformError, StorageError: as in
             ``load``.
         CheckpointError: a non-positive ``memory_budget``, a bad ``progress``, or a ``device``
-            this process cannot allocate on (checked before any read).
+            this machine lacks (``"cuda"`` on a CPU-only torch).
     """
     _positive(memory_budget=memory_budget)
-    device, keys = _device(device), _key_list(keys)
+    device, keys = checked_device(device), _key_list(keys)
     storage = Storage(uri, storage_options)
     try:
         manifest = read_manifest(storage)
@@ -457,7 +445,7 @@ def load_state(
         MissingKeysError: a prefix in ``keys`` matches nothing in the checkpoint.
         CheckpointNotFoundError, CorruptCheckpointError, StorageError: as in ``load``.
         CheckpointError: a non-positive ``memory_budget``, a bad ``progress``, or a ``device``
-            this process cannot allocate on (checked before any read).
+            this machine lacks (``"cuda"`` on a CPU-only torch).
 
     Example:
         >>> import torch, streamckpt as sc
@@ -466,7 +454,7 @@ def load_state(
         7
     """
     _positive(memory_budget=memory_budget)
-    device, keys = _device(device), _key_list(keys)
+    device, keys = checked_device(device), _key_list(keys)
     storage = Storage(uri, storage_options)
     try:
         manifest = read_manifest(storage)
@@ -551,6 +539,11 @@ def latest(root_uri: str, *, storage_options: dict[str, Any] | None = None) -> s
     storage = Storage(root_uri, storage_options)
     try:
         child = latest_committed(storage)
+        if child is None and storage.modified(MANIFEST_NAME) is not None:  # a checkpoint, not a run's root
+            root = storage.describe("").rstrip("/")
+            log.warning("latest: %s is itself a committed checkpoint, not a run's root: latest looks at the "
+                        "checkpoints directly under a root (this one's is %s); taking this None for 'start "
+                        "fresh' would pass over it", root, root.rpartition("/")[0])
     finally:
         storage.close()
     return None if child is None else f"{str(root_uri).rstrip('/')}/{child}"

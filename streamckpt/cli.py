@@ -130,8 +130,8 @@ def cmd_latest(args: argparse.Namespace) -> int:
     from .api import latest
 
     found = latest(args.root, storage_options=args.storage_options)
-    if found is None:
-        _none_under(args, "latest")
+    if found is None:  # sc.latest has warned when ROOT is itself a checkpoint
+        print(f"no committed checkpoint under {args.root}", file=sys.stderr)
         return EXIT_NONE_FOUND
     print(found)
     return 0
@@ -410,7 +410,7 @@ def run_demo(size_mb: float = 64.0, quiet: bool = False, serve: bool = False, mu
 
 
 def _demo_table(rows: list[tuple[str, Any]]) -> str:
-    head = ("layout loaded", "needed", "read", "read/needed", "requests", "seconds", "MB/s")
+    head = ("layout loaded", "needed", "read", "read/needed", "requests", "seconds", "needed MB/s")
     lines = [head]
     for name, r in rows:
         rate = r.bytes_needed / r.seconds / 1e6 if r.seconds else 0.0

@@ -20,8 +20,9 @@ import contextlib
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -34,6 +35,8 @@ from .plan import specwire
 
 log = logging.getLogger(__name__)
 
+PEER_WAIT_ENV = "STREAMCKPT_PEER_WAIT_WARN"  # seconds a rank waits for its peers to arrive before it warns
+PEER_WAIT_DEFAULT = 60.0
 AGREE_EVERY_ON_GPU = 8  # rounds between failure agreements when each one syncs a GPU with the host
 
 
@@ -253,7 +256,7 @@ class GroupComm:
         try:
             self.dist.all_gather(out, self._int_tensor(values), group=self.group)
         except RuntimeError as e:
-            raise _backend_failure("gathering the load's request counts from all ranks", e) from None
+            raise _backend_failure("gathering request counts from all ranks", e) from None
         return [[int(x) for x in t.tolist()] for t in out]
 
     def agree(self, exc: BaseException | None) -> None:
@@ -336,8 +339,61 @@ def make_comm(process_group: Any | None) -> SoloComm | GroupComm:
     return comm
 
 
+def alone_in_launched_job(comm: SoloComm | GroupComm) -> str:
+    """A hint when this process runs alone although a launcher (torchrun) started several:
+    ``WORLD_SIZE`` > 1 in its environment but no group (``init_process_group`` never called),
+    so each process saves or loads as a world of its own. Else ``""``."""
+    raw = os.environ.get("WORLD_SIZE", "")
+    if not isinstance(comm, SoloComm) or not raw.isdigit() or int(raw) <= 1:
+        return ""
+    return (f"; this process ran alone, as rank 0 of 1: torch.distributed is not initialized, yet "
+            f"WORLD_SIZE={raw} (torchrun?): call torch.distributed.init_process_group() first, so that "
+            f"the ranks save and load together")
+
+
+def peer_wait_seconds() -> float:
+    """``$STREAMCKPT_PEER_WAIT_WARN`` (seconds, default 60; 0 turns the warning off). A value
+    that is not a number is reported and the default used: raising here, before the first
+    collective, on a rank whose environment differs would leave the others waiting."""
+    raw = os.environ.get(PEER_WAIT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else PEER_WAIT_DEFAULT
+    except ValueError:
+        value = -1.0
+    if value < 0 or value != value:
+        log.warning("%s=%r is not a number of seconds >= 0; using %g", PEER_WAIT_ENV, raw, PEER_WAIT_DEFAULT)
+        return PEER_WAIT_DEFAULT
+    return value
+
+
+@contextlib.contextmanager
+def warn_if_peers_late(comm: SoloComm | GroupComm, call: str) -> Iterator[None]:
+    """Warn once if this rank waits long for the others to enter ``call``.
+
+    Why: ``sc.save`` and ``sc.load`` are collective under torch.distributed. A save wrapped
+    in ``if rank == 0:`` (the ``torch.save`` habit) blocks in its first collective until the
+    group's timeout (30 min by default) and says nothing; this names the likely cause while
+    it waits. A rank that is only slow to arrive makes it a harmless line.
+    """
+    seconds = 0.0 if isinstance(comm, SoloComm) else peer_wait_seconds()
+    if seconds <= 0:
+        yield
+        return
+    timer = threading.Timer(seconds, log.warning, args=(
+        "rank %d of %d has waited %g s for the other ranks of its group to enter %s: under torch.distributed "
+        "it is collective, and every rank of the group must call it (one wrapped in 'if rank == 0:', as "
+        "torch.save often is, waits here until the group's timeout); pass process_group= to use a subgroup "
+        "(%s=0 turns this warning off)", comm.rank, comm.world_size, seconds, call, PEER_WAIT_ENV))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def gather_targets(comm: SoloComm | GroupComm, specs: list[TargetSpec], own: BaseException | None,
-                   ) -> Sequence[Sequence[TargetSpec]]:
+                   call: str = "this call") -> Sequence[Sequence[TargetSpec]]:
     """Every rank's target specs, or an agreed failure.
 
     Two all-gathers (``specwire``): fixed-size headers (an error, or each
@@ -356,7 +412,8 @@ def gather_targets(comm: SoloComm | GroupComm, specs: list[TargetSpec], own: Bas
         except CheckpointError as e:
             own = e
     head = enc.header() if enc is not None else b"E" + json.dumps(encode_error(own, comm.rank)).encode()
-    heads = comm.all_gather_bytes(head)
+    with warn_if_peers_late(comm, call):  # the call's first collective: where a rank-0-only call waits
+        heads = comm.all_gather_bytes(head)
     failures = [json.loads(h[1:]) for h in heads if h[:1] == b"E"]
     if failures or enc is None:
         raise_agreed(failures, own)

@@ -89,6 +89,7 @@ class RankReport:
     requests: int = 0
     seconds: float = 0.0
     error: str = ""
+    bytes_written: int = 0  # a save's
 
 
 def _phase(rank: int, world: int, phase: str, uri: str, opts: dict[str, Any]) -> RankReport:
@@ -97,7 +98,8 @@ def _phase(rank: int, world: int, phase: str, uri: str, opts: dict[str, Any]) ->
     if phase == "save":
         sd, _ = _state(world, rank, "save")
         res = sc.save(sd, uri, storage_options=opts, metadata={"demo": "multirank"}, overwrite=True)
-        return RankReport(phase, rank, world, True, seconds=res.seconds)
+        return RankReport(phase, rank, world, True, bytes_written=res.bytes_written, requests=res.requests,
+                          seconds=res.seconds)
     sd, expected = _state(world, rank, phase)
     r = sc.load(sd, uri, storage_options=opts)
     ok = sd["step"] == 1000 and all(torch.equal(_lookup(sd, k), v) for k, v in expected.items())
@@ -123,24 +125,35 @@ def multirank_demo(uri: str, opts: dict[str, Any]) -> list[RankReport]:
 
 
 def format_reports(reports: list[RankReport]) -> str:
-    head = f"{'phase':<6} {'rank':>4} {'needed':>10} {'read':>10} {'sent':>10} {'recv':>10} {'reqs':>5} {'sec':>6} {'MB/s':>7}  ok"
+    """One row per rank: a save's row shows the bytes it wrote (and its PUTs), a load's what it
+    needed, read, sent and received (and its GETs); MB/s is of the bytes written or needed."""
+    head = (f"{'phase':<6} {'rank':>4} {'needed':>10} {'read':>10} {'written':>10} {'sent':>10} {'recv':>10} "
+            f"{'reqs':>5} {'sec':>6} {'MB/s':>7}  ok")
     lines = [head, "-" * len(head)]
+
+    def mib(n: int, shown: bool) -> str:
+        return f"{n / 2**20:>8.2f}Mi" if shown else f"{'-':>10}"
+
     for r in reports:
-        mbps = r.bytes_needed / r.seconds / 1e6 if r.seconds and r.bytes_needed else 0.0
+        save = r.phase == "save"
+        useful = r.bytes_written if save else r.bytes_needed
+        mbps = useful / r.seconds / 1e6 if r.seconds and useful else 0.0
         lines.append(
-            f"{r.phase + '/' + str(r.world):<6} {r.rank:>4} {r.bytes_needed / 2**20:>8.2f}Mi {r.bytes_read / 2**20:>8.2f}Mi "
-            f"{r.bytes_sent / 2**20:>8.2f}Mi {r.bytes_received / 2**20:>8.2f}Mi {r.requests:>5} {r.seconds:>6.2f} "
-            f"{mbps:>7.1f}  {'yes' if r.ok else 'NO'}"
+            f"{r.phase + '/' + str(r.world):<6} {r.rank:>4} {mib(r.bytes_needed, not save)} {mib(r.bytes_read, not save)} "
+            f"{mib(r.bytes_written, save)} {mib(r.bytes_sent, not save)} {mib(r.bytes_received, not save)} "
+            f"{r.requests:>5} {r.seconds:>6.2f} {mbps:>7.1f}  {'yes' if r.ok else 'NO'}"
         )
         if r.error:
             lines.append("    " + r.error.strip().splitlines()[0])
+    lines.append("(MB/s: bytes written, or needed, per second; reqs: PUTs, or GETs)")
     loads = [r for r in reports if r.phase != "save"]
     for phase in sorted({r.phase for r in loads}):
         rs = [r for r in loads if r.phase == phase]
         need = sum(r.bytes_needed for r in rs)
         read = sum(r.bytes_read for r in rs)
         lines.append(f"{phase}: all ranks read {read / 2**20:.2f} MiB for {need / 2**20:.2f} MiB needed "
-                     f"(read once: the stored checkpoint is {_stored_mib(rs):.2f} MiB)")
+                     f"(read once: the stored checkpoint is {_stored_mib(rs):.2f} MiB; a byte several ranks "
+                     f"need, such as the replicated norm's, is read by one and sent to the others)")
     return "\n".join(lines)
 
 

@@ -151,7 +151,7 @@ def close_to(absent: list[str], known: Iterable[str], *, limit: int = 3) -> str:
     (a typo'd key or option is the commonest way to miss one), else ``""``."""
     names = list(known)
     for name in absent[:limit]:
-        near = near_names(name, names)
+        near = [n for n in near_names(name, names) if n != name]
         if near:
             return f" (did you mean {' or '.join(repr(n) for n in near)} for {name!r}?)"
     return ""

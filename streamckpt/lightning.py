@@ -16,7 +16,9 @@ One argument switches a ``Trainer`` from ``torch.save`` files to streamckpt chec
 state is staged in host memory (``sc.async_save``) and uploads while training goes on; the
 next save, a load, a removal of that checkpoint and ``teardown`` (the end of ``fit``) wait
 for it and raise its error. Lightning's own ``AsyncCheckpointIO(StreamCheckpointIO(...))``
-works too (a thread runs the blocking save on a copy of the tensors).
+works too (a thread runs the blocking save on a copy of the tensors; removing or loading a
+checkpoint that thread is saving waits for its commit, so ``ModelCheckpoint`` cannot remove a
+checkpoint whose upload then lands after the removal).
 
 What a checkpoint is
   Each Lightning checkpoint "file" (``.../epoch=1-step=10.ckpt``) is a streamckpt checkpoint
@@ -76,6 +78,7 @@ Needs the ``lightning`` package (``pip install 'streamckpt[lightning]'``); impor
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Mapping
 
 import torch
@@ -128,6 +131,10 @@ class StreamCheckpointIO(CheckpointIO):
         self.staging_budget = staging_budget
         self._pending: tuple[str, SaveHandle] | None = None
         self._solo: Any = None
+        # saves running on any thread, by URI: Lightning's AsyncCheckpointIO saves on its own
+        # thread while ModelCheckpoint removes an outranked checkpoint from the main one
+        self._saving: dict[str, int] = {}
+        self._saved = threading.Condition()
 
     # ------------------------------------------------------------------ saving
 
@@ -136,6 +143,18 @@ class StreamCheckpointIO(CheckpointIO):
         uri = _uri(path)
         opts = self._options(storage_options)
         self.wait()  # surfaces the previous save's error before starting another
+        with self._saved:
+            self._saving[uri] = self._saving.get(uri, 0) + 1
+        try:
+            self._save(checkpoint, uri, opts)
+        finally:
+            with self._saved:
+                self._saving[uri] -= 1
+                if not self._saving[uri]:
+                    del self._saving[uri]
+                self._saved.notify_all()
+
+    def _save(self, checkpoint: dict[str, Any], uri: str, opts: dict[str, Any]) -> None:
         kwargs: dict[str, Any] = dict(storage_options=opts, process_group=self._group(), compression=self.compression,
                                       overwrite=True)
         try:
@@ -190,6 +209,7 @@ class StreamCheckpointIO(CheckpointIO):
         uri = _uri(path)
         device = _device_of(map_location)
         self.wait()
+        self._wait_for(uri)
         state = api.load_state(uri, storage_options=self.storage_options, device=device)
         if not isinstance(state, dict):
             raise CheckpointError(f"{uri} holds no Lightning checkpoint dict (got {type(state).__name__})")
@@ -211,9 +231,15 @@ class StreamCheckpointIO(CheckpointIO):
 
     def _wait_for(self, uri: str) -> None:
         """Reading or removing the checkpoint being saved must wait for its commit (removing
-        another one, as ``ModelCheckpoint`` does right after a save, need not)."""
+        another one, as ``ModelCheckpoint`` does right after a save, need not): this plugin's
+        background save, or a save another thread is running (``AsyncCheckpointIO``'s; a save
+        still queued in its executor is out of sight)."""
         if self._pending is not None and self._pending[0] == uri:
             self.wait()
+        with self._saved:
+            if self._saving.get(uri):
+                log.info("waiting for the save of %s on another thread before removing or reading it", uri)
+            self._saved.wait_for(lambda: not self._saving.get(uri))
 
 
 def _fsspec_defaults(protocol: str, options: Mapping[str, Any]) -> None:

@@ -275,6 +275,10 @@ def merge(
             if out.entry is not None:
                 raise CheckpointError(f"{out.describe(out.entry)} names one file; merge writes a directory: "
                                       f"pass its directory URI")
+            same_store = out_storage_options is None or out_storage_options == storage_options
+            if same_store and out.describe("") == storage.describe(""):
+                raise CheckpointError(f"merge {storage.describe('')} into itself: pass another out_uri (the export "
+                                      f"would be written among the files it reads)")
             keys = select_keys(manifest, skip)
             if not keys:
                 raise CheckpointError(f"nothing to merge: {storage.describe('')} has no tensors left after skip={list(skip)}")

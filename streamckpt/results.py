@@ -112,6 +112,14 @@ class SaveResult:
         uri: The checkpoint's URI.
         bytes_reused: Stored bytes of this rank's shards that an incremental save did not
             upload because its base holds them (the manifest references them); 0 without a base.
+        requests: PUT requests this rank made: one per object in ``files`` (a retried PUT
+            counts once).
+        job_requests: PUTs of every rank of the save together (the same on every rank).
+        job_requests_per_s: ``job_requests`` ÷ the longest rank's upload, seconds: the rate the
+            checkpoint's key prefix took. Above ``STREAMCKPT_PUT_RATE_LIMIT`` (default 3500,
+            S3's documented PUT rate per prefix; 0: off) rank 0 logs a warning saying what to do.
+        request_prefix: The key prefix every data file of the save shares, as a URI
+            (``s3://bucket/run/step-100/data/``): the partition that took those PUTs.
     """
 
     bytes_written: int = 0
@@ -119,6 +127,10 @@ class SaveResult:
     seconds: float = 0.0
     uri: str = ""
     bytes_reused: int = 0
+    requests: int = 0
+    job_requests: int = 0
+    job_requests_per_s: float = 0.0
+    request_prefix: str = ""
 
 
 class DtypeName(str):

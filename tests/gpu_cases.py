@@ -49,6 +49,7 @@ class Case:
     transform: bool  # transpose + cast "b" on the way in (permute and cast on the GPU)
     cpu_targets: bool  # some targets stay on the CPU
     max_peers: int = 8  # PlanOptions.max_peers: small to relay pieces many ranks hold
+    direct_message_bytes: int = 16  # PlanOptions': small, so messages split into parts (split_message)
 
     def doc(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,6 +69,7 @@ def cases(min_world: int = 1, max_world: int = 8) -> st.SearchStrategy[Case]:
         current_device=st.integers(0, 7),
         transform=st.booleans(),
         cpu_targets=st.booleans(),
+        direct_message_bytes=st.sampled_from([16, 256 << 10]),
     )
 
 
@@ -172,7 +174,8 @@ def run_rank(case: Case, rank: int, comm: SoloComm | GroupComm, path: str,
     try:
         manifest = read_manifest(storage)
         specs = layout(case)
-        opts = PlanOptions(memory_budget=case.budget, read_once=case.read_once, max_peers=case.max_peers)
+        opts = PlanOptions(memory_budget=case.budget, read_once=case.read_once, max_peers=case.max_peers,
+                           direct_message_bytes=case.direct_message_bytes)
         plan = build_plan(manifest, specs, opts, view_of(case, manifest), rank=rank)
         settle_rounds(plan, comm.max_ints)
         fake = FakeCuda(current_device=case.current_device, fail_alloc=fail_alloc)
@@ -209,6 +212,7 @@ def run_rank(case: Case, rank: int, comm: SoloComm | GroupComm, path: str,
             "send_only_rounds": sum(1 for r in ex.schedule if r.sends and not r.recvs),
             "received_bytes": stats.bytes_received,
             "relay_sends": sum(1 for r in ex.schedule for m in r.sends if m.relayed),
+            "split_sends": sum(1 for r in ex.schedule for m in r.sends if m.part),
             "copies": fake.counts.get("copy", 0),
             "target_writes": len(fake.target_writes()),
         }

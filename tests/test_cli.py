@@ -100,8 +100,10 @@ def test_latest_prints_the_newest_and_says_when_there_is_none(s3_uri: str, s3_op
     assert (r.returncode, r.stdout, r.stderr) == (0, f"{s3_uri}/step-10\n", "")
     r = cli("latest", f"{s3_uri}/step-10", *s3_flags(s3_opts))  # a checkpoint holds no checkpoints
     assert (r.returncode, r.stdout) == (1, "")
-    assert r.stderr == (f"no committed checkpoint under {s3_uri}/step-10: it is itself a checkpoint; its run is "
-                        f"{s3_uri} (streamckpt latest {s3_uri})\n")
+    assert r.stderr.endswith(f"latest: {s3_uri}/step-10 is itself a committed checkpoint, not a run's root: latest "
+                             f"looks at the checkpoints directly under a root (this one's is {s3_uri}); taking "
+                             f"this None for 'start fresh' would pass over it\n"
+                             f"no committed checkpoint under {s3_uri}/step-10\n"), r.stderr
 
 
 @pytest.mark.slow
@@ -231,6 +233,9 @@ def test_demo() -> None:
     assert needed == read  # a full load reads each byte once
     # the multi-rank part: 4 gloo ranks save, 2 and 3 ranks load other layouts, read once in total
     assert "every rank's every element matched." in r.stdout
+    saves = [x for x in r.stdout.splitlines() if x.startswith("save/4 ")]
+    written = [float(re.findall(r"([\d.]+)Mi", x)[0]) for x in saves]  # a save's row: its bytes written, not 0
+    assert len(saves) == 4 and all(w > 0 for w in written) and 32.0 <= sum(written) < 32.5, saves
     for phase in ("cols", "rows"):
         line = next(x for x in r.stdout.splitlines() if x.startswith(f"{phase}: all ranks read"))
         read_mib, needed_mib = map(float, re.findall(r"([\d.]+) MiB", line)[:2])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tomllib
@@ -75,6 +76,26 @@ def test_the_s3server_module_runs_without_a_runtime_warning() -> None:
         out, err = proc.communicate(timeout=60)
     assert re.fullmatch(r"endpoint_url=http://127\.0\.0\.1:\d+ key=\S+ secret=\S+\n", line), (line, out, err)
     assert "RuntimeWarning" not in err and "Traceback" not in err, err
+
+
+def test_the_s3server_on_a_port_in_use_says_so_and_exits() -> None:
+    """moto's server thread exits when it cannot bind, and ``ThreadedMotoServer.start`` then
+    waited forever: the README's server block, run a second time, hung after werkzeug's message."""
+    from streamckpt.testing import LocalS3
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        p = subprocess.run([sys.executable, "-m", "streamckpt.testing.s3server", "--port", str(port), "--bucket", "b"],
+                           capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 2 and p.stdout == "", (p.returncode, p.stdout, p.stderr)
+        assert p.stderr == (f"python -m streamckpt.testing.s3server: error: cannot listen on 127.0.0.1:{port} "
+                            f"(Address already in use): if it is a local S3 server started earlier, use it or stop "
+                            f"it; or pass another port (0: a free one) and write that one in endpoint_url\n")
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            LocalS3(port=port).start()
 
 
 # ----------------------------------------------------------- no credentials

@@ -101,6 +101,8 @@ def test_gcs_save_to_a_missing_bucket_names_the_uri(gcs_opts: dict[str, Any]) ->
     ("ClientError: An error occurred (InvalidAccessKeyId) when calling GetObject", "access denied"),
     ("NoCredentialsError: Unable to locate credentials", "no credentials found"),
     ("OSError: [Errno 111] Connection refused", "nothing accepted a connection at http://h:1"),
+    ("gaierror: [Errno -2] Name or service not known", "could not resolve the host name of http://h:1"),
+    ("SSLError: [SSL: WRONG_VERSION_NUMBER] wrong version number", "http://h:1 does not speak TLS"),
     ("ValueError: the shard is odd", ""),
 ])
 def test_hints_by_what_the_clients_say(text: str, expect: str) -> None:
@@ -111,3 +113,37 @@ def test_hints_by_what_the_clients_say(text: str, expect: str) -> None:
 def test_a_native_panic_is_recognized() -> None:
     panic = type("PanicException", (BaseException,), {})("request valid: InvalidUri")
     assert endpoint.is_panic(panic) and not endpoint.is_panic(KeyboardInterrupt())
+
+
+def test_an_unknown_host_is_named_and_not_retried(backend: str) -> None:
+    """A typo'd host (``.invalid`` never resolves) fails after 2 attempts, saying to check the host name."""
+    url = "http://no-such-host.invalid:9000"
+    with pytest.raises(sc.StorageError) as e:
+        sc.load_full(f"s3://{BUCKET}/x", storage_options={"endpoint_url": url, "key": "k", "secret": "hush-hush"})
+    msg = str(e.value)
+    assert f"could not resolve the host name of {url}: check endpoint_url (its host name)" in msg, msg
+    assert "after 2 attempt(s)" in msg and "hush-hush" not in msg
+
+
+@pytest.mark.parametrize("backend", ["auto", "http", "s3fs"], indirect=True)
+def test_https_to_a_plain_http_server_says_to_write_http(backend: str, s3_opts: dict[str, Any]) -> None:
+    """moto speaks plain HTTP: an https:// endpoint fails the TLS handshake, and the message says why
+    (not "nothing accepted a connection"). obstore words this failure without its cause: not covered."""
+    https = s3_opts["endpoint_url"].replace("http://", "https://")
+    with pytest.raises(sc.StorageError) as e:
+        sc.load_full(f"s3://{BUCKET}/x", storage_options={**s3_opts, "endpoint_url": https})
+    msg = str(e.value)
+    plain = s3_opts["endpoint_url"]
+    assert f"the server at {https} does not speak TLS: for a server without TLS write '{plain}' in endpoint_url" in msg
+    assert "nothing accepted a connection" not in msg and "after 2 attempt(s)" in msg
+
+
+def test_no_endpoint_and_no_dns_names_aws_as_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    got = endpoint.hint(OSError("gaierror: [Errno -2] Name or service not known"), None, uri="s3://b/run")
+    assert got is not None and "with no endpoint_url (nor AWS_ENDPOINT_URL) this is AWS S3" in got.render()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio.internal:9000")
+    got = endpoint.hint(OSError("gaierror: [Errno -2] Name or service not known"), None, uri="s3://b/run")
+    assert got is not None and "could not resolve the host name of http://minio.internal:9000" in got.render()
+    gs = endpoint.hint(OSError("gaierror: [Errno -2] Name or service not known"), None, uri="gs://b/run")
+    assert gs is not None and "AWS" not in gs.render()

@@ -136,15 +136,18 @@ def test_receive_only_rounds_and_the_nccl_plane_are_covered() -> None:
              Case(seed=53, data_on_device=True, agree_every=1, **{**small, "world": 3}),
              Case(seed=40, data_on_device=True, agree_every=1, **{**small, "world": 2, "zstd": True})]
     per_rank = _run_cases(batch)
+    split = 0  # messages sent in parts (split_message) on the NCCL plane
     for i, case in enumerate(batch):
         reps = [per_rank[r][i] for r in range(case.world)]
         for rank, rep in enumerate(reps):
             check_report(case, rank, rep)
         assert sum(r["received_bytes"] for r in reps) > 0
+        split += sum(r["split_sends"] for r in reps) if case.data_on_device else 0
         if case.world == 8:
             assert sum(r["recv_only_rounds"] for r in reps) > 0, "no rank had a receive-only round"
         else:
             assert sum(r["send_only_rounds"] for r in reps) >= 2, "too few send-only rounds"
+    assert split > 0, "no message went in parts on the NCCL plane"
 
 
 def test_relays_keep_the_rules_on_both_data_planes() -> None:

@@ -289,3 +289,38 @@ def test_rank_zero_alone_saves_under_torch_distributed(s3_uri: str, s3_opts: dic
     for flag in ("False", "True"):
         assert objects(f"{s3_uri}/old-{flag}.ckpt", s3_opts) == []
         assert "manifest.json" in objects(f"{s3_uri}/new-{flag}.ckpt", s3_opts)
+
+
+def test_removing_a_checkpoint_another_thread_is_saving_waits_for_its_commit(
+        s3_uri: str, proxy_factory: Any) -> None:
+    """Lightning's AsyncCheckpointIO saves on its own thread while ModelCheckpoint removes an
+    outranked checkpoint from the main thread: a removal of the checkpoint being saved must
+    wait for the save, or the upload lands after it and the checkpoint stays (seen in a full
+    CI run on a loaded machine). The data PUT is held back 1.5 s by a proxy, so the removal
+    surely comes while the save is in flight."""
+    import threading
+
+    proxy = proxy_factory(faults=["stall"], rate=1.0, stall_seconds=1.5, max_repeats=1, methods=("PUT",),
+                          match=lambda method, path: "/data/" in path)
+    io = StreamCheckpointIO(proxy.storage_options)
+    uri = f"{s3_uri}/ckpts/epoch=0.ckpt"
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            io.save_checkpoint({"state_dict": {"w": torch.arange(1000.0)}, "epoch": 0}, uri)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    for _ in range(500):  # until the data PUT is being held back
+        if proxy.counts.get("stall"):
+            break
+        threading.Event().wait(0.01)
+    assert proxy.counts.get("stall") == 1
+    io.remove_checkpoint(uri)
+    assert not saver.is_alive()  # the removal waited for the save
+    saver.join()
+    assert errors == []
+    assert objects(uri, proxy.storage_options) == []

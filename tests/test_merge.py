@@ -162,6 +162,18 @@ def test_merge_everything_skipped(tmp_path: Path) -> None:
         merge(str(tmp_path / "src"), str(tmp_path / "out"), skip=[".exp_avg"])
 
 
+def test_merge_into_its_own_prefix_is_refused(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """The export would land among the files it reads (``streamckpt merge X X``, as ``copy X X`` is refused)."""
+    sc.save({"w": torch.ones(2, 2)}, s3_uri, storage_options=s3_opts)
+    for out in (s3_uri, s3_uri + "/"):
+        with pytest.raises(CheckpointError, match=f"^merge {s3_uri}/ into itself: pass another out_uri"):
+            sc.merge(s3_uri, out, storage_options=s3_opts)
+    assert sorted(p.rsplit("/", 1)[-1] for p in fsspec.filesystem("s3", **s3_opts).find(s3_uri)) == [
+        "00000-0000.safetensors", "manifest.json"]  # nothing written
+    sc.merge(s3_uri, s3_uri + "/hf", storage_options=s3_opts)  # a prefix below it is another place
+    assert torch.equal(sc.load_full(s3_uri + "/hf", storage_options=s3_opts)["w"], torch.ones(2, 2))
+
+
 # --------------------------------------------------- 2-rank checkpoint on S3
 
 _SAVE_AND_MERGE = textwrap.dedent("""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -107,3 +108,110 @@ def test_every_error_class_is_catchable_from_the_top_level() -> None:
     assert "StagingMemoryError" in names and "PeerError" in names
     for n in names:
         assert getattr(sc, n) is getattr(errors, n) and issubclass(getattr(sc, n), sc.CheckpointError), n
+
+
+def test_latests_none_passed_on_says_what_it_is(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """``sc.latest`` of a run with nothing committed is None; loading that names it, not a path 'None'."""
+    uri = sc.latest(s3_uri, storage_options=s3_opts)
+    assert uri is None
+    calls = [lambda: sc.load_state(uri, storage_options=s3_opts),
+             lambda: sc.load({"w": torch.zeros(1)}, uri, storage_options=s3_opts),
+             lambda: sc.load_full(uri, storage_options=s3_opts),
+             lambda: sc.inspect(uri, storage_options=s3_opts)]  # type: ignore[arg-type]
+    for call in calls:
+        with pytest.raises(sc.CheckpointNotFoundError, match=r"^the checkpoint URI is None \(sc\.latest returns "
+                                                             r"None when no checkpoint is committed"):
+            call()
+
+
+def test_storage_options_in_the_uris_place_are_refused_without_their_secret(s3_opts: dict[str, Any]) -> None:
+    with pytest.raises(sc.CheckpointError) as e:
+        sc.load({"w": torch.zeros(1)}, s3_opts)  # type: ignore[arg-type]
+    assert str(e.value) == ("a checkpoint URI is a str (s3://bucket/prefix, a local path), not a dict "
+                            "(storage options go in storage_options=)")
+    assert s3_opts["secret"] not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["manifest.json", ".metadata"])
+def test_a_uri_naming_the_metadata_object_names_the_prefix(saved: str, s3_opts: dict[str, Any], name: str) -> None:
+    with pytest.raises(sc.CheckpointNotFoundError) as e:
+        sc.load_state(f"{saved}/{name}", storage_options=s3_opts)
+    assert str(e.value).endswith(f"(that URI names the checkpoint's {name}: give its prefix, {saved})")
+
+
+def test_an_s3_server_addressed_by_its_http_url_says_to_write_s3(saved: str, s3_opts: dict[str, Any]) -> None:
+    """``http://host:port/bucket/prefix`` goes to fsspec's HTTP client, which takes no endpoint_url."""
+    bucket_path = saved.removeprefix("s3://")
+    with pytest.raises(sc.StorageError) as e:
+        sc.load_state(f"{s3_opts['endpoint_url']}/{bucket_path}", storage_options=s3_opts)
+    msg = str(e.value)
+    assert ("storage_options has 'endpoint_url', an option of s3:// URIs that this client (http) does not take; "
+            "for an S3-compatible server write the URI as s3://BUCKET/PREFIX, with endpoint_url in storage_options"
+            in msg), msg
+    assert "did you mean" not in msg and s3_opts["secret"] not in msg
+
+
+def test_a_launched_rank_that_never_joined_its_group_is_told_to(s3_uri: str, s3_opts: dict[str, Any],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun without ``init_process_group`` each process saves alone: its half of a
+    tensor leaves holes, and the error says why (WORLD_SIZE is set, no group is)."""
+    half = {"w": sc.ShardedTensor(torch.ones(2, 2), (4, 2), (0, 0))}
+    with pytest.raises(sc.IncompatibleStateDictError) as e:
+        sc.save(half, s3_uri, storage_options=s3_opts)
+    assert str(e.value).endswith("distinct shards may not overlap")  # no launcher: no hint
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(sc.IncompatibleStateDictError) as e:
+        sc.save(half, s3_uri, storage_options=s3_opts)
+    assert str(e.value).endswith("; this process ran alone, as rank 0 of 1: torch.distributed is not initialized, "
+                                 "yet WORLD_SIZE=2 (torchrun?): call torch.distributed.init_process_group() first, "
+                                 "so that the ranks save and load together")
+    with pytest.raises(sc.CheckpointNotFoundError):  # nothing committed
+        sc.inspect(s3_uri, storage_options=s3_opts)
+
+
+@pytest.mark.parametrize("leaf", [np.zeros((3, 4), dtype=np.float32), [0.0] * 12])
+def test_a_target_that_is_no_tensor_is_not_called_missing(saved: str, s3_opts: dict[str, Any], leaf: Any) -> None:
+    with pytest.raises(sc.IncompatibleStateDictError) as e:
+        sc.load({"weight": leaf, "bias": torch.zeros(3)}, saved, storage_options=s3_opts)
+    assert str(e.value) == (f"weight: the checkpoint holds a tensor here (F32 [3, 4]), the state_dict a "
+                            f"{type(leaf).__name__}: pass a torch tensor to fill in place (torch.from_numpy(array) "
+                            f"shares an array's memory), or read it with sc.load_state / sc.load_full")
+    bias = torch.zeros(3)
+    sc.load({"weight": leaf, "bias": bias}, saved, storage_options=s3_opts, strict=False)  # loads the rest
+    assert torch.equal(bias, torch.ones(3))
+    if isinstance(leaf, np.ndarray):  # what the message says works
+        sc.load({"weight": torch.from_numpy(leaf), "bias": bias}, saved, storage_options=s3_opts)
+        assert np.array_equal(leaf, np.arange(12.0, dtype=np.float32).reshape(3, 4))
+
+
+def test_an_expanded_target_is_refused_by_name(saved: str, s3_opts: dict[str, Any]) -> None:
+    with pytest.raises(sc.IncompatibleStateDictError, match=r"^weight: the target's elements share memory \(a "
+                                                            r"stride-0 view, as expand\(\) makes\)"):
+        sc.load({"weight": torch.zeros(4).expand(3, 4), "bias": torch.zeros(3)}, saved, storage_options=s3_opts)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("call", ["load_full", "load_state"])
+def test_cuda_on_a_machine_without_it_is_named_before_any_read(saved: str, s3_opts: dict[str, Any], call: str) -> None:
+    why = "this torch is a CPU-only build" if not torch.backends.cuda.is_built() else "0 CUDA device(s) are visible"
+    with pytest.raises(sc.CheckpointError, match=rf"^device='cuda': {why}; load to 'cpu' \(the default\)"):
+        getattr(sc, call)(saved, storage_options=s3_opts, device="cuda")
+    with pytest.raises(sc.CheckpointError, match=r"^device='tpu' is not a torch device"):
+        getattr(sc, call)(saved, storage_options=s3_opts, device="tpu")
+
+
+def test_latest_of_a_checkpoint_instead_of_its_root_warns(saved: str, s3_opts: dict[str, Any],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """None from ``sc.latest`` means "start fresh" in a resume; given the checkpoint itself it
+    still returns None (nothing under it), and says which root was meant."""
+    with caplog.at_level("WARNING", logger="streamckpt"):
+        assert sc.latest(saved, storage_options=s3_opts) is None
+    root = saved.rpartition("/")[0]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"latest: {saved} is itself a committed checkpoint, not a run's root: latest looks at the checkpoints "
+        f"directly under a root (this one's is {root}); taking this None for 'start fresh' would pass over it"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="streamckpt"):
+        assert sc.latest(root, storage_options=s3_opts) == saved
+        assert sc.latest(f"{saved}-none", storage_options=s3_opts) is None  # an empty prefix: no warning
+    assert not caplog.records

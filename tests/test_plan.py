@@ -148,7 +148,8 @@ def simulate_local(plans, files, world, targets_by_rank, dtype):
             shape = spec.shape if spec.flat_range is None else (spec.numel,)
             tensors[uid] = torch.full(shape, -7, dtype=dtype)
         dests.append(Destinations(tensors))
-    schedules = [local_schedule(plans[r], r) for r in range(world)]
+    # a small threshold: most contiguous pieces travel as messages of their own (split_message)
+    schedules = [local_schedule(plans[r], r, direct_bytes=64) for r in range(world)]
     assert len({len(s) for s in schedules}) == 1
     sent = defaultdict(list)  # (round, src, dst) -> [(tag, size)]
     posted = defaultdict(list)
@@ -185,6 +186,8 @@ def simulate_local(plans, files, world, targets_by_rank, dtype):
         for src, m, msg in delivered:
             unpack_message(msg, m.copies, dests[m.peer])
             mine = waiting[(m.peer, src, plans[src].reads[m.read_index].tag)].pop(0)
+            assert (mine.part, len(mine.copies)) == (m.part, len(m.copies))  # the receiver split alike
+            assert all(a.target == b.target and a.length == b.length for a, b in zip(mine.copies, m.copies))
             if mine.keep:
                 kept[(m.peer, mine.read_index)] = msg
     assert dict(sent) == dict(posted)
@@ -227,9 +230,11 @@ def _units(plan, rnd, edge):
     for i in sorted({m.read_index for m in rnd.sends if m.relayed}):  # a relay buffer and its sends
         unit = LocalRound(sends=[m for m in rnd.sends if m.read_index == i and m.relayed])
         out.append((ranks_of(plan.reads[i], plan.targets) if edge else None, unit))
-    for m in rnd.recvs:
-        r = plan.reads[m.read_index]
-        out.append((ranks_of(r, plan.targets) if edge else None, LocalRound(recvs=[m])))
+    received: dict[tuple[int, int], list] = {}
+    for m in rnd.recvs:  # a read's message from one peer, however many parts it travels in
+        received.setdefault((m.read_index, m.peer), []).append(m)
+    for (i, _), parts in received.items():
+        out.append((ranks_of(plan.reads[i], plan.targets) if edge else None, LocalRound(recvs=parts)))
     return out
 
 

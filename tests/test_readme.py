@@ -85,6 +85,31 @@ def blocks(page: Path = README) -> list[Block]:
     return out
 
 
+_OUTPUT_LIKE = re.compile(r"^(\[|\d|s3://)")  # a comment part that shows output, not prose
+
+
+def printed(block: Block) -> list[str]:
+    """What the block's ``print(...)  # comment`` lines say they print: the first part of the
+    comment (split at ": ") that looks like output (a list, a number, a URI), or, for a comment
+    ending in ":", the comment line below it. A reader compares these with what the block
+    prints, so the harness does too."""
+    if block.lang != "python":
+        return []
+    lines = block.text.splitlines()
+    out: list[str] = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^print\(.*\)\s+#\s*(.*)$", line)
+        if not m:
+            continue
+        comment = m.group(1).strip()
+        if comment.endswith(":") and i + 1 < len(lines) and lines[i + 1].lstrip().startswith("#"):
+            comment = lines[i + 1].lstrip().lstrip("#").strip()
+        found = [part for part in comment.split(": ") if _OUTPUT_LIKE.match(part)]
+        if found:
+            out.append(found[0])
+    return out
+
+
 def _marks(lines: list[str], fence: int) -> dict[str, str]:
     """``<!-- kind: text -->`` comments on the lines right above ``fence`` (blank lines between allowed)."""
     marks: dict[str, str] = {}
@@ -164,6 +189,8 @@ def run_block(block: Block, port: int, workdir: Path, timeout: float = 300) -> O
     out = Outcome(block, time.monotonic() - t0, rc, output)
     if rc == 0 and "prints" in block.marks and block.marks["prints"] not in output:
         out.rc, out.output = -998, f"expected {block.marks['prints']!r} in the output\n{output}"
+    elif rc == 0 and (absent := [p for p in printed(block) if p not in output]):
+        out.rc, out.output = -997, f"its comments say it prints {absent!r}, not in the output\n{output}"
     return out
 
 
@@ -229,6 +256,28 @@ def test_every_block_is_run_or_skipped_with_a_reason(page: list[Block]) -> None:
     for b in page:
         assert len({"not-run", "background", "slow"} & set(b.marks)) <= 1, f"README.md:{b.line}: {b.marks}"
     assert sum("slow" in b.marks for b in page) <= 2
+
+
+def test_the_output_comments_are_found(page: list[Block]) -> None:
+    """``printed`` reads the comments a reader checks the output against (run_block then
+    requires each in the output); prose comments such as "# newest *committed* checkpoint" are not."""
+    found = {b.line: printed(b) for b in page if printed(b)}
+    assert sorted(sum(found.values(), [])) == sorted([
+        "2097152 2097152 1", "s3://bucket/lightning/ckpts/epoch=1-step=8.ckpt", "s3://bucket/async/step-00001000",
+        "[0, 500, 600, 700]", "[0, 500, 900, 1000]", "94976 94976",
+        "['model.bias', 'model.weight', 'optim.state.0.step', 'optim.state.1.step']"]), found
+    md = Block(1, "python", "print(x)  # 3 4: both\nprint(y)  # prose only\nprint(z)  # see:\n# [1, 2]\n", {})
+    assert printed(md) == ["3 4", "[1, 2]"]
+
+
+def test_the_page_says_to_activate_the_venv_before_its_bare_commands(page: list[Block]) -> None:
+    """The harness puts the environment's ``bin`` on PATH; a reader's shell has no ``streamckpt``
+    or ``torchrun`` until ``.venv`` is active, so the page says so before the first block that
+    calls one bare."""
+    bare = re.compile(r"^\s*(streamckpt|torchrun|python)\b", re.M)
+    first = min(b.line for b in page if bare.search(b.text) and "not-run" not in b.marks)
+    before = "\n".join(README.read_text(encoding="utf-8").splitlines()[:first])
+    assert "`. .venv/bin/activate`" in before, f"README.md:{first} calls a command the reader's shell lacks"
 
 
 def test_the_harness_parses_marks_and_reports_a_failing_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -226,10 +226,9 @@ def check_memory(key: str, tensor: torch.Tensor, for_save: bool) -> None:
         raise IncompatibleStateDictError(f"{key}: a {tensor.layout} tensor is not supported (only dense "
                                          f"tensors are stored); {todo}")
     if not for_save and _overlaps(tensor):
-        raise IncompatibleStateDictError(
-            f"{key}: the tensor's elements share memory (stride {list(tensor.stride())} for shape "
-            f"{list(tensor.shape)}: an expand()ed or broadcast view), so a load cannot write each one; "
-            f"load into a tensor with memory of its own (.clone() it first)")
+        raise IncompatibleStateDictError(  # torch's own words come from deep inside the copy
+            f"{key}: the target's elements share memory (a stride-0 view, as expand() makes), so it cannot "
+            f"be filled in place: pass a tensor that owns its elements (.clone())")
 
 
 def _overlaps(tensor: torch.Tensor) -> bool:

@@ -59,6 +59,24 @@ SAVE_BLOCK_BYTES = 32 << 20  # each of the two pinned blocks a save stages devic
 _SINGLE = {"nccl": {"cuda": "nccl"}, "gloo": {"cpu": "gloo", "cuda": "gloo"}, "mpi": {"cpu": "mpi", "cuda": "mpi"}}
 
 
+def checked_device(device: Any) -> torch.device:
+    """``device`` as a torch.device, refused by name before any byte is read when it cannot
+    hold tensors here (a CUDA device on a CPU-only build, or one that is not visible):
+    torch itself would say only ``AssertionError: Torch not compiled with CUDA enabled``."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise CheckpointError(f"device={device!r} is not a torch device ({e}); load to 'cpu' (the default) or "
+                              f"'cuda:N'") from None
+    if d.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (d.index is not None and d.index >= count):
+            why = ("this torch is a CPU-only build" if not torch.backends.cuda.is_built()
+                   else f"{count} CUDA device(s) are visible")
+            raise CheckpointError(f"device={device!r}: {why}; load to 'cpu' (the default) or a device that exists")
+    return d
+
+
 def parse_backends(text: str) -> dict[str, str]:
     """Device type -> backend for a backend string; ``{}`` when it says nothing ("undefined")."""
     text = text.strip().lower()

@@ -149,8 +149,8 @@ def plan_landings(schedule: Sequence[Any], dest: Destinations, on_device: Collec
 
 
 def receive_targets(schedule: Sequence[Any], dest: Destinations, on_device: Collection[int]
-                    ) -> dict[tuple[int, int], torch.Tensor]:
-    """Messages this rank receives straight into a target's memory, by ``(read index, peer)``:
+                    ) -> dict[tuple[int, int, int], torch.Tensor]:
+    """Messages this rank receives straight into a target's memory, by ``Message.key``:
     one piece whose bytes are its host target's bytes as they are (``target_memory``), in a
     target no other target shares. The rest are received into staging and scattered.
 
@@ -170,5 +170,5 @@ def receive_targets(schedule: Sequence[Any], dest: Destinations, on_device: Coll
                 continue
             if target_memory(dest, c) is None:
                 continue
-            out[(m.read_index, m.peer)] = dest.target_view(c).detach().reshape(-1).view(torch.uint8)
+            out[m.key] = dest.target_view(c).detach().reshape(-1).view(torch.uint8)
     return out

@@ -28,6 +28,7 @@ from ..formats.native import read_native_bytes
 from ..plan.planner import IdentityView, LoadPlan, PlanOptions, build_plan, settle_rounds
 from ..results import LoadResult
 from ..storage import Storage
+from ..storage.ratelimit import prefix_uri
 from .missing import kind_clash, warn_missing
 from . import requestrate
 from .pipeline import Destinations, Executor
@@ -126,12 +127,25 @@ def _metadata_and_specs(comm: SoloComm | GroupComm, storage: Storage, specs: lis
     with cf.ThreadPoolExecutor(1, thread_name_prefix="streamckpt-metadata") as pool:
         started = start_metadata(comm, storage, pool, speculative)
         try:
-            all_specs = gather_targets(comm, specs, own)
+            all_specs = gather_targets(comm, specs, own, "sc.load")
         except BaseException:
             if started is not None:
                 started.cancel()
             raise
         return shared_manifest(comm, storage, started, speculative=speculative), all_specs
+
+
+def _check_not_tensors(values: Sequence[ValueSlot], view: Any) -> None:
+    """A leaf that is no tensor (a numpy array, a list) where the checkpoint holds a tensor is
+    not a missing key, as it would otherwise be reported: say what to pass instead."""
+    for v in values:
+        if v.value is not None and v.key in view.tensors:
+            meta = view.tensors[v.key]
+            raise IncompatibleStateDictError(
+                f"{v.key}: the checkpoint holds a tensor here ({getattr(meta, 'dtype', '?')} "
+                f"{list(getattr(meta, 'shape', ()))}), the state_dict a {type(v.value).__name__}: pass a torch "
+                f"tensor to fill in place (torch.from_numpy(array) shares an array's memory), or read it with "
+                f"sc.load_state / sc.load_full")
 
 
 def _view(manifest: mf.Manifest, transforms: Any) -> Any:
@@ -159,7 +173,7 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
     source = storage.describe("")
     if req.manifest is not None and isinstance(comm, SoloComm):
         manifest = req.manifest
-        all_specs = gather_targets(comm, [t.spec for t in targets], own)
+        all_specs = gather_targets(comm, [t.spec for t in targets], own, "sc.load")
     else:
         (manifest, source), all_specs = _metadata_and_specs(comm, storage, [t.spec for t in targets], own,
                                                             speculative=req.transforms is None)
@@ -250,6 +264,8 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
         plan_view = view if not heads else (
             IdentityView(plan_manifest) if req.transforms is None else spec.HeadsView(view, heads))
         plan = build_plan(plan_manifest, all_specs, req.options, plan_view, rank=comm.rank)
+        if req.strict:  # strict=False leaves it alone, as any key it cannot fill (warn_missing names it)
+            _check_not_tensors(values, view)
         vplan = plan_values(values, manifest.values, _unloadable(manifest))
         missing = plan.missing[comm.rank] + vplan.missing
         any_missing = any(plan.missing) or bool(missing)
@@ -326,9 +342,7 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
 def _request_prefix(storage: Storage, manifest: mf.Manifest) -> str:
     """The key prefix the checkpoint's data files share, as a URI (``s3://bucket/ckpt/data/``):
     the same on every rank (it depends on the manifest alone)."""
-    paths = [storage.path(name) for name in manifest.files] or [storage.path("")]
-    scheme = storage.uri.split("://", 1)[0] if "://" in storage.uri else "file"
-    return f"{scheme}://{requestrate.key_prefix(paths)}"
+    return prefix_uri(storage.uri, [storage.path(name) for name in manifest.files] or [storage.path("")])
 
 
 def _head_alloc(cuda: CudaApi, tensors: Sequence[torch.Tensor]) -> Callable[[int], torch.Tensor]:

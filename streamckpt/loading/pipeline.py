@@ -6,8 +6,10 @@ into targets. A read that serves only this rank lands straight in its host targe
 memory where its bytes are theirs as stored (``landing``), verified in place; what
 is left of it, and every other read, lands in two staging arenas per rank,
 allocated once at the size this rank's largest round needs (at most half the memory
-budget each). A message from a peer that is one piece of a host target, its bytes as
-the target holds them, is received straight into the target (``landing``). On the host
+budget each). A read's large contiguous pieces go to each peer as messages of their own,
+sent from the staged read (``schedule.split_message``); a message that is one piece of a host
+target, its bytes as the target holds them, is received straight into the target
+(``landing``), taking no receive buffer. On the host
 path each staged read is decoded and scattered as soon as it is verified, while the
 round's other reads are still in flight. A ``device``
 stage owns the arenas and every device-side rule: on CUDA they are pinned, each
@@ -108,7 +110,7 @@ class Executor:
         self.dest = destinations
         self.progress = progress
         self.rank = comm.rank
-        self.schedule = local_schedule(plan, self.rank)
+        self.schedule = local_schedule(plan, self.rank, plan.options.direct_message_bytes)
         # a progress display that shows a total: the bytes progress will count
         expect_total(progress, sum(r.length for rnd in self.schedule for _, r in rnd.reads))
         self.stats = Stats(rounds=plan.num_rounds)
@@ -123,7 +125,7 @@ class Executor:
         self.fetched = [[(i, r) for i, r in rnd.reads if i not in self.pure] for rnd in self.schedule]
         self.direct = DirectBatch([(i, r) for rnd in self.schedule for i, r in rnd.reads if i in self.pure],
                                   self.landings, progress)
-        self.layouts = [layout(r, self.landings) for r in self.schedule]
+        self.layouts = [layout(r, self.landings, self.recv_into) for r in self.schedule]
         sizes = [max((lay.size for lay in self.layouts[slot::2]), default=0) for slot in range(2)]
         self.stats.staging_bytes = sum(sizes)
         if self.stats.staging_bytes > plan.options.memory_budget:
@@ -260,13 +262,12 @@ class Executor:
         landed: list[tuple[Message, torch.Tensor]] = []
         for m in rnd.recvs:
             size = message_size(m.copies)
-            base = lay.recv[(m.read_index, m.peer)]
             if on_device:
-                buf = stage.recv_buffer(slot, base, size)  # type: ignore[union-attr]
+                buf = stage.recv_buffer(slot, lay.recv[m.key], size)  # type: ignore[union-attr]
             else:
-                buf = self.recv_into.get((m.read_index, m.peer))
+                buf = self.recv_into.get(m.key)
                 if buf is None:
-                    buf = arena[base: base + size]
+                    buf = arena[lay.recv[m.key]: lay.recv[m.key] + size]
             recvs.append(P2P(m.peer, buf, self.plan.reads[m.read_index].tag))
             landed.append((m, buf))
         failed = self._attempt(lambda: self._fill_sends(k, fills, reads))
@@ -335,7 +336,7 @@ class Executor:
         """Called once the round's receives have completed: only then do they count as received."""
         for m, buf in landed:
             self.stats.bytes_received += buf.numel()
-            if (m.read_index, m.peer) in self.recv_into:
+            if m.key in self.recv_into:
                 continue  # received straight into its target
             host, dev = self._split(buf, 0, buf.numel(), (c.target for c in m.copies))
             for o, c in message_pieces(m.copies):
@@ -479,7 +480,7 @@ def _send_span(m: Message, r: Read | None, lay: Layout) -> tuple[int, int]:
     if r is None:
         raise CheckpointError(f"internal: a message of read {m.read_index} has no staged read to send from")
     if is_packed(m.copies):
-        return lay.pack[(m.read_index, m.peer)], message_size(m.copies)
+        return lay.pack[m.key], message_size(m.copies)
     c = m.copies[0]
     base = lay.decode[m.read_index] if r.zstd else lay.fetch[m.read_index]
     return base + c.offset, c.length
@@ -489,7 +490,7 @@ def _exchange_extent(rnd: LocalRound, lay: Layout) -> int:
     """Bytes of a round's arena its messages span: its device exchange arena mirrors them."""
     reads = dict(rnd.reads)
     ends = [sum(_send_span(m, reads.get(m.read_index), lay)) for m in rnd.sends]
-    ends += [lay.recv[(m.read_index, m.peer)] + message_size(m.copies) for m in rnd.recvs]
+    ends += [lay.recv[m.key] + message_size(m.copies) for m in rnd.recvs if m.key in lay.recv]
     return max(ends, default=0)
 
 

@@ -21,44 +21,23 @@ warning is pessimistic; the throttled count says what the store thought).
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass
-from typing import Iterable
 
 from ..comm import GroupComm, SoloComm
 from ..results import plural
+from ..storage.ratelimit import DEFAULT_GET_LIMIT, GET_LIMIT_ENV, JobRequests, key_prefix, rate_limit
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GET_LIMIT = 5500.0  # GET/HEAD per second per partitioned prefix (AWS S3 User Guide, optimizing-performance)
-LIMIT_ENV = "STREAMCKPT_GET_RATE_LIMIT"  # requests per second; 0 turns the warning off
+LIMIT_ENV = GET_LIMIT_ENV  # requests per second; 0 turns the warning off
+
+__all__ = ["DEFAULT_GET_LIMIT", "JOB_REQUESTS_IN_FLIGHT", "JobRequests", "LIMIT_ENV", "gather_job", "get_limit",
+           "job_spread", "key_prefix", "over_limit"]
 
 
 def get_limit() -> float:
     """The per-prefix GET rate a load warns above: ``STREAMCKPT_GET_RATE_LIMIT`` (requests per
-    second, 0 for never) or ``DEFAULT_GET_LIMIT``. A value that is not a number is reported
-    and the default used (raising on one rank only would leave the others waiting)."""
-    raw = os.environ.get(LIMIT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_GET_LIMIT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value < 0 or value != value:
-        log.warning("%s=%r is not a number of requests per second >= 0; using %g", LIMIT_ENV, raw, DEFAULT_GET_LIMIT)
-        return DEFAULT_GET_LIMIT
-    return value
-
-
-def key_prefix(paths: Iterable[str]) -> str:
-    """The longest prefix ending in ``/`` that every path shares (``bucket/ckpt/data/``), or
-    the path's folder for one path; "" for none."""
-    paths = list(paths)
-    if not paths:
-        return ""
-    common = os.path.commonprefix(paths)
-    return common[: common.rfind("/") + 1]
+    second, 0 for never) or ``DEFAULT_GET_LIMIT``."""
+    return rate_limit(LIMIT_ENV, DEFAULT_GET_LIMIT)
 
 
 JOB_REQUESTS_IN_FLIGHT = 1024  # pieces a whole job's batches are cut into at once (see job_spread)
@@ -77,20 +56,6 @@ def job_spread(world: int, max_concurrency: int) -> int:
     (up to 16 MiB), 4x fewer GETs than 4 MiB pieces.
     """
     return max(1, min(max(1, max_concurrency // 2), JOB_REQUESTS_IN_FLIGHT // max(1, world)))
-
-
-@dataclass(frozen=True, slots=True)
-class JobRequests:
-    """The whole job's range requests during one load's data phase."""
-
-    requests: int  # range requests of every rank together
-    throttled: int  # throttled responses (503 SlowDown, ...) every rank's client saw
-    seconds: float  # the longest rank's data phase
-    prefix: str  # the key prefix every request went to (a URI: ``s3://bucket/ckpt/data/``)
-
-    @property
-    def per_second(self) -> float:
-        return self.requests / self.seconds if self.seconds > 0 else 0.0
 
 
 def gather_job(comm: SoloComm | GroupComm, requests: int, throttled: int, seconds: float,

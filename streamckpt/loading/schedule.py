@@ -10,15 +10,18 @@ offset's alignment so typed views stay aligned. No I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Collection, Mapping
 
-from ..plan.data import (ALIGN, Copy, LoadPlan, Read, holders_of, is_packed, message_layout, message_size, messages_of,
-                         read_links)
+from ..plan.data import (ALIGN, Copy, LoadPlan, PlanOptions, Read, holders_of, is_packed, message_layout,
+                         message_size, messages_of, read_links, wire_length)
 from .landing import ReadLanding
 
 
 def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+DIRECT_MESSAGE_BYTES = PlanOptions().direct_message_bytes  # a contiguous piece this large travels alone
 
 
 @dataclass(slots=True)
@@ -28,6 +31,33 @@ class Message:
     copies: list[Copy]
     relayed: bool = False  # a send from this rank's relay buffer (bytes it received the round before)
     keep: bool = False  # a receive this rank sends on next round: copied into that round's relay buffer
+    part: int = 0  # which of the messages of one read between this rank and ``peer`` (``split_message``)
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """The message's buffers in a round's layout: (read, peer, part)."""
+        return self.read_index, self.peer, self.part
+
+
+def split_message(copies: list[Copy], direct_bytes: int = DIRECT_MESSAGE_BYTES) -> list[list[Copy]]:
+    """The messages that carry one read's ``copies`` from its reader to one peer.
+
+    Each contiguous piece (its bytes in the staged read are its elements, back to back) of at
+    least ``direct_bytes`` goes alone: its sender sends it from the staged read and its
+    receiver can take it straight into its target (``landing.receive_targets``). Together the
+    rest go as one packed message, as before. Without this, a read spanning several tensors
+    (a safetensors file read whole) reached every peer packed: a copy into a pack buffer on
+    the sender and one out of the receive buffer on the receiver, for most of a replicated
+    load's bytes (issue 37 item 5). Sender and receiver split alike (the same copies, in the
+    order of the read); several messages to one peer with one tag are matched in order.
+    """
+    if len(copies) == 1:
+        return [copies]
+    alone = [[c] for c in copies if c.length >= direct_bytes and wire_length(c) == c.length]
+    if not alone:
+        return [copies]
+    rest = [c for c in copies if c.length < direct_bytes or wire_length(c) != c.length]
+    return alone + ([rest] if rest else [])
 
 
 @dataclass(slots=True)
@@ -41,8 +71,9 @@ class LocalRound:
         return not (self.reads or self.sends or self.recvs)
 
 
-def local_schedule(plan: LoadPlan, rank: int) -> list[LocalRound]:
-    """This rank's part of every round."""
+def local_schedule(plan: LoadPlan, rank: int, direct_bytes: int = DIRECT_MESSAGE_BYTES) -> list[LocalRound]:
+    """This rank's part of every round; ``direct_bytes``: see ``split_message`` (the same on
+    every rank)."""
     rounds = [LocalRound() for _ in range(plan.num_rounds)]
     for i, r in enumerate(plan.reads):
         if r.relay:
@@ -51,11 +82,13 @@ def local_schedule(plan: LoadPlan, rank: int) -> list[LocalRound]:
         if r.reader == rank:
             rounds[r.round].reads.append((i, r))
             for peer, copies in sorted(messages_of(r, plan.targets).items()):
-                rounds[r.round].sends.append(Message(peer, i, copies))
+                for part, piece in enumerate(split_message(copies, direct_bytes)):
+                    rounds[r.round].sends.append(Message(peer, i, piece, part=part))
         elif not r.private:
             mine = [c for c in r.copies if rank in plan.targets[c.target].needers]
             if mine:
-                rounds[r.round].recvs.append(Message(r.reader, i, mine))
+                for part, piece in enumerate(split_message(mine, direct_bytes)):
+                    rounds[r.round].recvs.append(Message(r.reader, i, piece, part=part))
     return rounds
 
 
@@ -91,14 +124,16 @@ class Layout:
     fetch: dict[int, int] = field(default_factory=dict)  # read index -> offset of fetched bytes
     decode: dict[int, int] = field(default_factory=dict)  # read index -> offset of decoded bytes
     spans: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # landing read -> (lo, hi, offset)
-    pack: dict[tuple[int, int], int] = field(default_factory=dict)  # (read, peer) -> packed message
-    recv: dict[tuple[int, int], int] = field(default_factory=dict)  # (read, peer) -> received message
+    pack: dict[tuple[int, int, int], int] = field(default_factory=dict)  # Message.key -> packed message
+    recv: dict[tuple[int, int, int], int] = field(default_factory=dict)  # Message.key -> received message
     relay: dict[int, int] = field(default_factory=dict)  # relayed read -> what this rank sends on
     size: int = 0
 
 
-def layout(rnd: LocalRound, landings: Mapping[int, ReadLanding] | None = None) -> Layout:
-    """The round's arena layout; a read in ``landings`` stages only its spans outside targets."""
+def layout(rnd: LocalRound, landings: Mapping[int, ReadLanding] | None = None,
+           received_direct: Collection[tuple[int, int, int]] = ()) -> Layout:
+    """The round's arena layout; a read in ``landings`` stages only its spans outside targets,
+    and a message in ``received_direct`` (received into its target) takes no receive buffer."""
     lay = Layout()
     landings = landings or {}
     pos = 0
@@ -127,17 +162,19 @@ def layout(rnd: LocalRound, landings: Mapping[int, ReadLanding] | None = None) -
                 lay.relay[m.read_index] = pos
                 pos += message_size(m.copies)
         elif is_packed(m.copies):
-            shared = next((at for (i, _), at in lay.pack.items() if i == m.read_index), None) \
+            shared = next((at for (i, _, _), at in lay.pack.items() if i == m.read_index), None) \
                 if relayed_pack(rnd, m) else None
             if shared is not None:  # a relayed read: every receiver gets the same message, packed once
-                lay.pack[(m.read_index, m.peer)] = shared
+                lay.pack[m.key] = shared
                 continue
             pos = align(pos)
-            lay.pack[(m.read_index, m.peer)] = pos
+            lay.pack[m.key] = pos
             pos += message_layout(m.copies)[1]
     for m in rnd.recvs:
+        if m.key in received_direct:
+            continue
         pos = align(pos)
-        lay.recv[(m.read_index, m.peer)] = pos
+        lay.recv[m.key] = pos
         pos += message_size(m.copies)
     lay.size = align(pos) + ALIGN
     return lay

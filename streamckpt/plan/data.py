@@ -32,6 +32,9 @@ class PlanOptions:
     max_peers: int = 8  # ranks one rank exchanges with per round for one holder set's relayed reads
     min_split_bytes: int = 1 << 20  # smallest piece a relayed holder set's reads are split into
     ranks_per_node: int = 0  # ranks r // ranks_per_node share a node (its NIC); 0: unknown
+    # a contiguous piece of a message at least this large goes as a message of its own
+    # (loading.schedule.split_message); the executor's, not the planner's: costs are unchanged
+    direct_message_bytes: int = 256 << 10
 
     @property
     def relay_above(self) -> int:

@@ -18,7 +18,8 @@ a budget the block is the share's size, kept for the next save that fits in it);
 when this rank's share is larger, ``async_save`` returns only once the rest has been
 staged, as buffers free up behind the upload — it then blocks for about the time it
 takes to upload ``share - staging_budget`` bytes. Uploads hold their own buffers
-besides: ``writer.UploadShape`` (4 × 8 MiB by default).
+besides: ``writer.UploadShape`` (4 × 8 MiB by default; up to 4 × 64 MiB in saves of 1,024
+ranks and more, ``writer.object_bytes_for``).
 
 Exit: the uploader is an ordinary (non-daemon) thread, so the interpreter waits for it
 before it finalizes. A daemon thread still running then is stopped by CPython with
@@ -287,7 +288,7 @@ def start_save(
         max_item = None if staging_budget is None else max(1 << 20, staging_budget // 4)
         prep = prepare(session.comm, storage, state_dict, compression=compression, metadata=metadata,
                        overwrite=overwrite, max_item_bytes=max_item, cuda=cuda, base=base,
-                       storage_options=storage_options, guard=guard)
+                       storage_options=storage_options, guard=guard, call="sc.async_save")
     except BaseException:
         storage.close()
         raise

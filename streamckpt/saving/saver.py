@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
-from ..comm import GroupComm, SoloComm, encode_error, gather_targets, raise_agreed
+from ..comm import GroupComm, SoloComm, alone_in_launched_job, encode_error, gather_targets, raise_agreed
 from ..core import manifest as mf, tree as trees, values as vals
 from ..core.report import expect_total
 from ..core.targets import LocalTarget, TargetSpec, collect
@@ -30,8 +30,9 @@ from ..errors import (CheckpointError, CheckpointExistsError, CheckpointNotFound
                       IncompatibleStateDictError)
 from ..results import SaveResult
 from ..storage import Storage
+from ..storage.ratelimit import prefix_uri
 from ..storage.uploads import delete_written
-from . import writeplan
+from . import putrate, writeplan
 from .incremental import BaseShards, read_base, split
 from .writer import DEFAULT_CHUNK_SIZE, ShardToWrite, UploadShape, write_data_files
 
@@ -57,8 +58,8 @@ def _holds_data(storage: Storage) -> bool:
         return False
 
 
-def _check_layout(holders: dict[TargetSpec, list[int]]) -> None:
-    """The distinct regions of every tensor must tile it exactly once."""
+def _check_layout(holders: dict[TargetSpec, list[int]], hint: str = "") -> None:
+    """The distinct regions of every tensor must tile it exactly once (``hint``: appended to the error)."""
     by_key: dict[str, list[TargetSpec]] = {}
     for spec in holders:
         by_key.setdefault(spec.key, []).append(spec)
@@ -69,7 +70,7 @@ def _check_layout(holders: dict[TargetSpec, list[int]]) -> None:
             ranks = sorted({r for sp in specs for r in holders[sp]})
             raise IncompatibleStateDictError(
                 f"the ranks' shards do not form a valid checkpoint: {e} (held by ranks {ranks[:16]}); every "
-                f"element of every tensor must be held by some rank, and distinct shards may not overlap"
+                f"element of every tensor must be held by some rank, and distinct shards may not overlap{hint}"
             ) from None
 
 
@@ -145,6 +146,7 @@ def prepare(
     base: str | None = None,
     storage_options: dict[str, Any] | None = None,
     guard: Guard | None = None,
+    call: str = "sc.save",
 ) -> Prepared:
     """Validate, gather every rank's specs and assign writers; raises the agreed error on every rank.
 
@@ -156,7 +158,8 @@ def prepare(
     on rank 0 before a committed checkpoint is replaced (``overwrite``), or when a fresh save
     finds data files under its prefix (a pruned base's shared files stay there), before
     anything is deleted; its ``CheckpointError`` fails the save on every rank (the wiring passes
-    ``manage.references.check_unreferenced``: saving sits below manage).
+    ``manage.references.check_unreferenced``: saving sits below manage). ``call``: the public
+    call, as a rank that waits long for its peers names it.
     """
     t0 = time.perf_counter()
     own: BaseException | None = None
@@ -182,7 +185,7 @@ def prepare(
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"metadata must be a JSON-serializable dict ({e})") from None
         try:
-            upload = UploadShape.from_env()
+            upload = UploadShape.from_env(comm.world_size)
         except ValueError as e:
             raise CheckpointError(f"upload settings: {e}") from None
         local, slots = collect(state_dict, for_save=True)
@@ -206,10 +209,10 @@ def prepare(
                 base_doc, base_manifest = read_base(storage.uri, str(base), storage_options)
     except CheckpointError as e:
         own = e
-    all_specs = gather_targets(comm, specs, own)  # compact: distinct layouts travel once
+    all_specs = gather_targets(comm, specs, own, call)  # compact: distinct layouts travel once
     items: list[writeplan.WriteItem] = []
     try:
-        _check_layout(writeplan.holders_of(all_specs))  # before any upload: a bad layout leaves no orphans
+        _check_layout(writeplan.holders_of(all_specs), alone_in_launched_job(comm))  # before any upload: a bad layout leaves no orphans
         items = writeplan.assign(all_specs)[comm.rank]
         cap = min(upload.object_bytes, max_item_bytes or upload.object_bytes)
         items = [piece for it in items for piece in writeplan.split_item(it, cap)]
@@ -246,6 +249,7 @@ def write_and_commit(
     refs: dict[str, int] = {}
     upload = list(range(len(mine)))
     digests: dict[int, str] = {}  # an incremental save's digests of uploads it hashed to compare
+    upload_seconds = 0.0
 
     def written(i: int) -> None:
         if on_written is not None:
@@ -263,10 +267,12 @@ def write_and_commit(
                 if on_written is not None:
                     on_written(i)
         if upload:
+            t_upload = time.perf_counter()
             new, files = write_data_files(
                 storage, lambda i: _data_name(comm.rank, i, prep.compression), [mine[i] for i in upload],
                 compression=prep.compression, shape=prep.upload, chunk_size=chunk_size, on_written=written,
                 cuda=cuda, progress=progress, digests=[digests.get(i) for i in upload])
+            upload_seconds = time.perf_counter() - t_upload
             records += new
             result.files.extend(files)
             result.bytes_written += sum(files.values())
@@ -300,9 +306,25 @@ def write_and_commit(
         own = e
     comm.agree(own)
     result.seconds = time.perf_counter() - prep.started
+    _count_puts(comm, storage, result, upload_seconds, prep.upload)
     if comm.rank == 0:
         log.info("streamckpt save %s: %d files, %.3f s", storage.describe(""), len(result.files), result.seconds)
     return result
+
+
+def _count_puts(comm: SoloComm | GroupComm, storage: Storage, result: SaveResult, upload_seconds: float,
+                shape: UploadShape) -> None:
+    """The job's PUTs on the checkpoint's data prefix into ``result`` (one collective, on every
+    rank after the commit); rank 0 warns when they came faster than a prefix is served."""
+    result.requests = len(result.files)
+    job = putrate.gather_puts(comm, result.requests, upload_seconds, prefix_uri(storage.uri, [storage.path("data/")]))
+    result.job_requests = job.requests
+    result.job_requests_per_s = job.per_second
+    result.request_prefix = job.prefix
+    if comm.rank == 0:
+        warning = putrate.over_put_limit(job, putrate.put_limit(), shape)
+        if warning:
+            log.warning("streamckpt save %s: %s", storage.describe(""), warning)
 
 
 def run_save(

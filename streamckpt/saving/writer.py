@@ -57,6 +57,23 @@ def chunk_size_for(nbytes: int, max_chunk: int, compressed: bool) -> int:
 ZSTD_LEVEL = 3
 OBJECT_BYTES = 8 << 20  # a data file's size on upload (items are cut to fit): one request each
 UPLOAD_BUFFERS = 4  # data files being filled or in flight at once, per rank
+RANKS_PER_DOUBLING = 128  # from 256 saving ranks on, the default data file doubles (object_bytes_for)
+MAX_DEFAULT_OBJECT_BYTES = 64 << 20
+
+
+def object_bytes_for(world: int) -> int:
+    """The default data file size for a save by ``world`` ranks: 8 MiB up to 255 ranks, then
+    doubling at 256, 512 and 1,024 ranks, to 64 MiB.
+
+    Every file is one PUT into the checkpoint's one ``data/`` prefix, which S3 serves at
+    about 3,500 PUT/s until it has split it; with 8 MiB files a save of 256 ranks asks for
+    ~4,200/s and one of 2,048 ranks for ~34,000/s (docs/SCALE.md, "Saves: PUTs at scale").
+    Larger files cut that in proportion, at ``UPLOAD_BUFFERS`` × the size in upload memory
+    per rank (256 MiB at 64 MiB); small jobs keep 8 MiB, where the rate is far below the
+    limit and memory is what matters.
+    """
+    steps = max(0, world // RANKS_PER_DOUBLING).bit_length() - 1  # 256 -> 1, 512 -> 2, 1024 -> 3
+    return min(MAX_DEFAULT_OBJECT_BYTES, OBJECT_BYTES << max(0, steps))
 
 
 @dataclass(slots=True)
@@ -249,13 +266,14 @@ class UploadShape:
     """How a rank's share goes up: data files of about ``object_bytes`` (items are cut to fit
     before), each one request, up to ``buffers`` of them being filled or in flight. The
     save's upload memory is ``buffers`` × ``object_bytes``. Environment:
-    ``STREAMCKPT_UPLOAD_OBJECT_BYTES``, ``STREAMCKPT_UPLOAD_BUFFERS``."""
+    ``STREAMCKPT_UPLOAD_OBJECT_BYTES`` (default ``object_bytes_for`` the save's world size),
+    ``STREAMCKPT_UPLOAD_BUFFERS``."""
 
     object_bytes: int = OBJECT_BYTES
     buffers: int = UPLOAD_BUFFERS
 
     @classmethod
-    def from_env(cls) -> "UploadShape":
+    def from_env(cls, world: int = 1) -> "UploadShape":
         def num(var: str, default: int, low: int) -> int:
             raw = os.environ.get(var)
             try:
@@ -266,7 +284,7 @@ class UploadShape:
                 raise ValueError(f"{var}={value} is below the minimum {low}")
             return value
 
-        return cls(num("STREAMCKPT_UPLOAD_OBJECT_BYTES", OBJECT_BYTES, 1 << 20),
+        return cls(num("STREAMCKPT_UPLOAD_OBJECT_BYTES", object_bytes_for(world), 1 << 20),
                    num("STREAMCKPT_UPLOAD_BUFFERS", UPLOAD_BUFFERS, 1))
 
 

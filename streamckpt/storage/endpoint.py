@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import re
 import socket
 from typing import Any, Awaitable, TypeVar
@@ -27,6 +28,10 @@ REFUSED_ATTEMPTS = 2  # a refused connection is an absent server, not a slow one
 _REFUSED = ("connection refused", "could not connect to the endpoint", "errno 111", "actively refused",
             "connect call failed", "cannot connect to host",
             "connectionrefused")
+_UNRESOLVED = ("name or service not known", "nodename nor servname", "no address associated with hostname",
+               "getaddrinfo failed", "failed to lookup address", "dns error")  # a name DNS does not know
+_NOT_TLS = ("wrong_version_number", "wrong version number", "record layer failure", "unknown protocol",
+            "http request to an https server", "packet length too long")  # https:// to a plain-HTTP server
 _NO_CREDENTIALS = ("unable to locate credentials", "nocredentialserror", "no credentials")
 AZURE_DENIED_HINT = ("access denied: check the credentials (account_name with account_key or sas_token, the "
                      "AccountKey= or SharedAccessSignature= of connection_string, or the AZURE_STORAGE_* variables) "
@@ -91,6 +96,16 @@ def _text(exc: BaseException) -> str:
     return " ".join(parts).lower()
 
 
+def unresolved(exc: BaseException) -> bool:
+    """A host name that DNS does not know (a typo'd endpoint, or no network): retrying won't help."""
+    return any(s in _text(exc) for s in _UNRESOLVED)
+
+
+def not_tls(exc: BaseException) -> bool:
+    """A TLS handshake the server answered in plain HTTP: ``https://`` for a server without TLS."""
+    return any(s in _text(exc) for s in _NOT_TLS)
+
+
 def refused(exc: BaseException) -> bool:
     """A connection the endpoint refused (nothing listening), as any client words it."""
     return isinstance(exc, ConnectionRefusedError) or any(s in _text(exc) for s in _REFUSED)
@@ -106,10 +121,26 @@ DENIED_HINT = Hint("access denied: check the keys (", _KEYS, ", AWS_* variables)
                    "for this URI")
 
 
-def hint(exc: BaseException, endpoint: str | None, store: str = "s3") -> Hint | None:
+def hint(exc: BaseException, endpoint: str | None, store: str = "s3", uri: str = "") -> Hint | None:
     """What to check, for the failures a user causes; None for the others. ``store`` picks
-    the words: ``"azure"`` names Azure's options (its backend explains denials itself)."""
+    the words: ``"azure"`` names Azure's options (its backend explains denials itself);
+    ``uri`` (the checkpoint's) tells an ``s3://`` one, whose default endpoint is AWS's."""
     text = _text(exc)
+    aws = uri.startswith(("s3://", "s3a://"))
+    endpoint = endpoint or (os.environ.get("AWS_ENDPOINT_URL") if aws else None)
+    if not_tls(exc):
+        where = f"the server at {endpoint}" if endpoint else "the server"
+        plain = f"'{endpoint.replace('https://', 'http://', 1)}'" if endpoint else "http://"
+        return Hint(f"{where} does not speak TLS: for a server without TLS write {plain} in ", _ENDPOINT_OPTION)
+    if unresolved(exc):
+        if endpoint:
+            return Hint(f"could not resolve the host name of {endpoint}: check ", _ENDPOINT_OPTION,
+                        " (its host name) and this machine's DNS")
+        if aws:
+            return Hint("could not resolve the store's host name: with no ", _ENDPOINT_OPTION, " (nor "
+                        "AWS_ENDPOINT_URL) this is AWS S3 (s3.amazonaws.com); check the network, or set ",
+                        _ENDPOINT_OPTION, " for another S3-compatible server")
+        return Hint("could not resolve the store's host name: check the network and this machine's DNS")
     if refused(exc):
         where = f"at {endpoint}" if endpoint else "at the store's endpoint"
         if store == "azure":

@@ -94,8 +94,14 @@ def classify(exc: BaseException, path: str) -> BackendError:
     text = f"{type(exc).__name__}: {exc}"
     option = _unknown_option(exc)
     if option is not None:
+        s3_names = _option_names()
+        if option in s3_names:  # s3fs takes it, so this client is another: an S3 server's URI without s3://
+            return Permanent(f"{text}: storage_options has {option!r}, an option of s3:// URIs that this "
+                             f"client ({path.split('://', 1)[0] if '://' in path else 'fsspec'}) does not take; "
+                             f"for an S3-compatible server write the URI as s3://BUCKET/PREFIX, with "
+                             f"endpoint_url in storage_options")
         return Permanent(f"{text}: storage_options has {option!r}, which the client does not take; check its "
-                         f"name{close_to([option], _option_names())}")
+                         f"name{close_to([option], s3_names)}")
     bucket = missing_bucket(text, path)
     if bucket is not None:
         return NotFound(text, bucket=bucket)

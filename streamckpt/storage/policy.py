@@ -89,7 +89,8 @@ class Attempts:
     def check(self, exc: BaseException) -> None:
         """Count a failed attempt; raise ``StorageError`` when no further one may start."""
         self.count += 1
-        limit = min(self.limit, endpoint.REFUSED_ATTEMPTS) if endpoint.refused(exc) else self.limit
+        absent = endpoint.refused(exc) or endpoint.unresolved(exc) or endpoint.not_tls(exc)  # no server to wait for
+        limit = min(self.limit, endpoint.REFUSED_ATTEMPTS) if absent else self.limit
         if not retryable(exc) or self.count >= limit or time.monotonic() >= self.deadline:
             raise self._describe.failure(f"{self.what} failed after {self.count} attempt(s)", exc) from None
 
@@ -179,7 +180,7 @@ class Describer:
     def failure(self, what: str, exc: BaseException) -> StorageError:
         """The ``StorageError`` for a call that failed: ``what`` failed, the client's words, and
         what to check when the user can fix it (a hint each front end words in its own syntax)."""
-        why = endpoint.hint(exc, self.endpoint, self.store)
+        why = endpoint.hint(exc, self.endpoint, self.store, uri=self.public_uri)
         if why is not None:
             why = Hint(*(self.scrub(p) if isinstance(p, str) else p for p in why.parts))
         return StorageError(f"{what}: {self.error(exc)}", hint=why)

@@ -48,6 +48,7 @@ PART_SIZE = 8 << 20  # upload part size (larger when an object's size hint needs
 PARTS_IN_FLIGHT = 4  # upload part buffers per object, the one being filled included (4 x 8 MiB = 32 MiB)
 MAX_PARTS = 9_000
 ENTRY_SUFFIXES = (".safetensors", ".safetensors.index.json")  # objects a URI may name for a checkpoint
+METADATA_NAMES = ("manifest.json", ".metadata")  # a checkpoint's own metadata object: its prefix is the URI
 _SECRET_OPTION = re.compile(r"(secret|token|password|passwd|key|credential|sas|signature|connection_string)", re.I)
 
 
@@ -274,6 +275,9 @@ class Storage:
         URI pasted with a space around it."""
         if self.uri != self.uri.strip():
             return f" (the URI has spaces around it, which are part of the name: did you mean {self.uri.strip()!r}?)"
+        head, _, base = self.uri.rstrip("/").rpartition("/")
+        if base in METADATA_NAMES and head:
+            return f" (that URI names the checkpoint's {base}: give its prefix, {_public(head)})"
         if "://" in self.uri or self._protocol not in _LOCAL_PROTOCOLS or os.path.exists(self.root):
             return ""
         hint = f" (a local path, and there is no {self.root!r} here"
@@ -558,6 +562,24 @@ def _unimplemented(text: str) -> bool:
     return "501" in low or "not implemented" in low
 
 
+def checked_uri(uri: Any) -> str:
+    """``uri`` as a string; None (``sc.latest``'s answer when nothing is committed, passed on
+    unchecked) and other non-paths are refused by name instead of read as the path ``None``, and an
+    empty one instead of taken as the current directory (``sc.save`` wrote manifest.json there)."""
+    if uri is None:
+        raise CheckpointNotFoundError(
+            "the checkpoint URI is None (sc.latest returns None when no checkpoint is committed under "
+            "its root; check for None and start fresh, or check the root URI)")
+    if not isinstance(uri, (str, os.PathLike)):
+        raise CheckpointError(f"a checkpoint URI is a str (s3://bucket/prefix, a local path), not a "
+                              f"{type(uri).__name__} (storage options go in storage_options=)")
+    uri = os.fspath(uri) if isinstance(uri, os.PathLike) else uri
+    if not uri.strip():  # an unset variable, most often: not the current directory
+        raise CheckpointError(f"the checkpoint URI is empty ({uri!r}): pass a URI (s3://bucket/prefix) or a "
+                              f"directory path ('.' for the current directory)")
+    return uri
+
+
 def split_entry(uri: str) -> tuple[str, str | None]:
     """``(directory URI, object name)`` for a URI naming one of ``ENTRY_SUFFIXES``, else ``(uri, None)``."""
     if "?" in uri or "::" in uri:
@@ -599,17 +621,3 @@ def _scheme_hint(uri: str) -> str:
     if meant == uri:
         return ""
     return f" (did you mean {meant!r}? schemes are lower case, and the URI is taken as given, spaces included)"
-
-
-def checked_uri(uri: Any) -> str:
-    """``uri`` as a str; an empty one (an unset variable, most often) is refused rather than
-    taken as the current directory, and a value that is no URI at all (None, a number) too."""
-    if isinstance(uri, os.PathLike):
-        uri = os.fspath(uri)
-    if not isinstance(uri, str):
-        raise CheckpointError(f"uri must be a str (s3://bucket/prefix, a local path) or a path object, "
-                              f"got {type(uri).__name__} {uri!r}")
-    if not uri.strip():
-        raise CheckpointError(f"uri is empty ({uri!r}): pass a URI (s3://bucket/prefix) or a directory path "
-                              f"('.' for the current directory)")
-    return uri

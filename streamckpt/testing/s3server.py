@@ -28,6 +28,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _check_free(host: str, port: int) -> None:
+    """Raise ``OSError`` naming the port when it cannot be bound. Why: moto's server thread
+    exits on a bind failure while ``ThreadedMotoServer.start`` waits for it forever."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as werkzeug binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen on {host}:{port} ({e.strerror}): if it is a local S3 server "
+                                   f"started earlier, use it or stop it; or pass another port (0: a free one) "
+                                   f"and write that one in endpoint_url") from None
+
+
 def _quiet_werkzeug() -> None:
     """werkzeug logs every request at INFO unless its logger is configured."""
     wlog = logging.getLogger("werkzeug")
@@ -78,6 +91,8 @@ class LocalS3:
 
         _default_region()
         _quiet_werkzeug()
+        if self._requested_port:
+            _check_free(self.host, self._requested_port)
         server = ThreadedMotoServer(ip_address=self.host, port=self._requested_port, verbose=False)
         server.start()
         self._server = server
@@ -153,12 +168,16 @@ def main() -> None:
     import argparse
     import threading
 
-    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m streamckpt.testing.s3server", description=main.__doc__)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--bucket", action="append", default=[])
     args = ap.parse_args()
-    with LocalS3(host=args.host, port=args.port) as s3:
+    try:
+        s3 = LocalS3(host=args.host, port=args.port).start()
+    except OSError as e:
+        ap.exit(2, f"{ap.prog}: error: {e.strerror}\n")
+    with s3:
         for b in args.bucket:
             s3.make_bucket(b)
         print(f"endpoint_url={s3.endpoint_url} key={TEST_KEY} secret={TEST_SECRET}", flush=True)
