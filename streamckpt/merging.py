@@ -252,9 +252,6 @@ def merge(
     try:  # agreed before the first collective: a mistake on one rank must not leave the others waiting
         opened.append(Storage(uri, storage_options))
         opened.append(Storage(out_uri, storage_options if out_storage_options is None else out_storage_options))
-        if opened[0].describe("") == opened[1].describe(""):
-            raise CheckpointError(f"merge {uri} into itself: the Hugging Face files would land beside the checkpoint's "
-                                  f"own; pass another out_uri")
     except CheckpointError as e:
         own = e
     try:

@@ -104,7 +104,7 @@ def same_uri(comm: SoloComm | GroupComm, storage: Storage, source: str, call: st
 def fail_together(comm: SoloComm | GroupComm, own: CheckpointError) -> NoReturn:
     """A rank whose load failed before the load's first collective (a bad argument, an unknown
     storage option) takes part in it with its error: every rank raises it, none waits for this one."""
-    gather_targets(comm, [], own)
+    gather_targets(comm, [], own, "sc.load")
     raise own  # pragma: no cover - gather_targets raised (alone: this error; in a group: the agreed one)
 
 

@@ -283,7 +283,7 @@ def start_save(
                                   f"got {staging_budget!r}")
         storage = Storage(uri, storage_options)
     except CheckpointError as e:
-        fail_together(session.comm, e)
+        fail_together(session.comm, e, "sc.async_save")
     try:
         max_item = None if staging_budget is None else max(1 << 20, staging_budget // 4)
         prep = prepare(session.comm, storage, state_dict, compression=compression, metadata=metadata,

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
-from ..comm import GroupComm, SoloComm, alone_in_launched_job, encode_error, gather_targets, raise_agreed
+from ..comm import (GroupComm, SoloComm, alone_in_launched_job, encode_error, gather_targets, raise_agreed,
+                    warn_if_peers_late)
 from ..core import manifest as mf, tree as trees, values as vals
 from ..core.report import expect_total
 from ..core.targets import LocalTarget, TargetSpec, collect
@@ -93,7 +94,7 @@ def _gather_json(comm: SoloComm | GroupComm, doc: Any, own: BaseException | None
     return [g["ok"] for g in got]
 
 
-def same_call(comm: SoloComm | GroupComm, uri: str, **options: Any) -> None:
+def same_call(comm: SoloComm | GroupComm, uri: str, call: str = "sc.save", **options: Any) -> None:
     """Every rank of a collective save names the same checkpoint and the same options, checked
     before rank 0 deletes or writes anything (its overwrite decides what it replaces): ranks given
     different URIs committed rank 0's manifest listing data files the others wrote elsewhere.
@@ -101,7 +102,8 @@ def same_call(comm: SoloComm | GroupComm, uri: str, **options: Any) -> None:
     if isinstance(comm, SoloComm):
         return
     mine = {"uri": uri, **{k: v if v is None or isinstance(v, (bool, int, str)) else str(v) for k, v in options.items()}}
-    every = _gather_json(comm, mine, None)
+    with warn_if_peers_late(comm, call):  # the save's first collective: where a rank-0-only save waits
+        every = _gather_json(comm, mine, None)
     for rank, theirs in enumerate(every):
         differ = [k for k in every[0] if theirs.get(k) != every[0][k]]
         if differ:
@@ -110,10 +112,11 @@ def same_call(comm: SoloComm | GroupComm, uri: str, **options: Any) -> None:
                                   f"of the group must pass the same (nothing was written)")
 
 
-def fail_together(comm: SoloComm | GroupComm, own: CheckpointError) -> NoReturn:
+def fail_together(comm: SoloComm | GroupComm, own: CheckpointError, call: str = "sc.save") -> NoReturn:
     """A rank whose save failed before the save's first collective (``same_call``: a bad
     argument, an unknown storage option) takes part in it with its error: every rank raises it."""
-    _gather_json(comm, None, own)
+    with warn_if_peers_late(comm, call):
+        _gather_json(comm, None, own)
     raise own  # pragma: no cover - _gather_json raised (alone: this error; in a group: the agreed one)
 
 
@@ -170,7 +173,7 @@ def prepare(
     tree: dict[str, Any] = {}
     base_doc = b""
     base_manifest: mf.Manifest | None = None
-    same_call(comm, storage.describe(""), overwrite=overwrite, compression=compression, base=base)
+    same_call(comm, storage.describe(""), call, overwrite=overwrite, compression=compression, base=base)
     try:
         if storage.entry is not None:
             raise CheckpointError(
