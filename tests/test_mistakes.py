@@ -215,3 +215,18 @@ def test_latest_of_a_checkpoint_instead_of_its_root_warns(saved: str, s3_opts: d
         assert sc.latest(root, storage_options=s3_opts) == saved
         assert sc.latest(f"{saved}-none", storage_options=s3_opts) is None  # an empty prefix: no warning
     assert not caplog.records
+
+
+def test_a_hugging_face_hub_model_id(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """'org/name' that is neither a local path nor written as a bucket may be a Hub model id:
+    the message says streamckpt reads storage, not the Hub, and how to get the files."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(sc.CheckpointNotFoundError) as e:
+        sc.load_full("meta-llama/Llama-3.1-8B")
+    assert str(e.value).endswith(
+        "for a bucket, write its scheme: s3://meta-llama/Llama-3.1-8B; for a Hugging Face Hub model id: streamckpt "
+        "reads storage, not the Hub: download it first (huggingface-cli download meta-llama/Llama-3.1-8B "
+        "--local-dir DIR) and pass DIR, or copy it to your bucket and pass that URI)")
+    with pytest.raises(sc.CheckpointNotFoundError) as e:
+        sc.load_full("bucket/run/step-1")  # two slashes: a bucket's prefix, not a model id
+    assert "Hugging Face Hub" not in str(e.value)

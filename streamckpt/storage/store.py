@@ -286,6 +286,10 @@ class Storage:
             hint += f"; for a bucket, write two slashes after the scheme: {one_slash[1]}://{one_slash[2]}"
         elif not self.uri.startswith(("/", ".", "~")) and ("endpoint_url" in self._fs_options or "/" in self.uri):
             hint += f"; for a bucket, write its scheme: s3://{self.uri}"
+            if re.fullmatch(r"[\w.-]+/[\w.-]+", self.uri):  # meta-llama/Llama-3.1-8B
+                hint += (f"; for a Hugging Face Hub model id: streamckpt reads storage, not the Hub: download it "
+                         f"first (huggingface-cli download {self.uri} --local-dir DIR) and pass DIR, or copy it "
+                         f"to your bucket and pass that URI")
         return hint + ")"
 
     def describe(self, name: str) -> str:
