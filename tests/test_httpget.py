@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import random
-import socket
-import subprocess
-import sys
-import time
 from typing import Any, Iterator
 
 import pytest
@@ -25,7 +20,8 @@ from streamckpt.storage import RangeRead, RetryPolicy, Storage
 from streamckpt.storage.httpget import AUTO_PICKS_HTTP, SigV4, canonical_query, http_target
 from streamckpt.storage.obstore_backend import AUTO_PICKS_OBSTORE, BACKEND_ENV, NotConfigurable
 from streamckpt.storage.reads import Landing
-from streamckpt.testing.s3server import free_port
+
+from signing_moto import signing_moto
 
 from conftest import STALL_SECONDS, fault_test_policy, put_random, storage_on
 
@@ -341,37 +337,9 @@ def test_signature_with_a_query_matches_botocore() -> None:
 
 @pytest.fixture(scope="module")
 def auth_s3() -> Iterator[tuple[str, dict[str, str]]]:
-    """A moto server in its own process that checks signatures (``INITIAL_NO_AUTH_ACTION_COUNT``:
-    its first 5 requests, which set up a bucket, an object and a user's key, are free)."""
-    boto3 = pytest.importorskip("boto3")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="5"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    pytest.fail("moto server with auth did not start")
-                time.sleep(0.05)
-        endpoint = f"http://127.0.0.1:{port}"
-        kw = {"endpoint_url": endpoint, "aws_access_key_id": "setup", "aws_secret_access_key": "setup",
-              "region_name": "us-east-1"}
-        s3, iam = boto3.client("s3", **kw), boto3.client("iam", **kw)
-        s3.create_bucket(Bucket="signed")
-        s3.put_object(Bucket="signed", Key="ck/obj.bin", Body=bytes(range(256)) * 64)
-        iam.create_user(UserName="reader")
-        iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps(
-            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
-        key = iam.create_access_key(UserName="reader")["AccessKey"]
-        yield endpoint, {"endpoint_url": endpoint, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    """A moto server that checks signatures, holding ``signed/ck/obj.bin``."""
+    with signing_moto({"ck/obj.bin": bytes(range(256)) * 64}) as server:
+        yield server
 
 
 def test_signed_requests_accepted_and_bad_credentials_permanent(

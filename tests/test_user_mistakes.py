@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from typing import Any, Iterator
 
 import pytest
 import torch
 
 import streamckpt as sc
-from streamckpt.testing.s3server import free_port
+
+from signing_moto import signing_moto
 
 
 @pytest.fixture
@@ -98,36 +97,9 @@ def test_a_device_this_process_lacks_is_named_before_any_read(saved: str, s3_opt
 
 @pytest.fixture(scope="module")
 def signed_s3() -> Iterator[dict[str, str]]:
-    """A moto server in its own process that checks signatures (its first 5 requests, which
-    make the bucket and a user's key, are free); yields that user's storage options."""
-    boto3 = pytest.importorskip("boto3")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="5"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    pytest.fail("moto server with auth did not start")
-                time.sleep(0.05)
-        endpoint = f"http://127.0.0.1:{port}"
-        kw = {"endpoint_url": endpoint, "aws_access_key_id": "setup", "aws_secret_access_key": "setup",
-              "region_name": "us-east-1"}
-        boto3.client("s3", **kw).create_bucket(Bucket="signed")
-        iam = boto3.client("iam", **kw)
-        iam.create_user(UserName="u")
-        iam.put_user_policy(UserName="u", PolicyName="all", PolicyDocument=json.dumps(
-            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
-        key = iam.create_access_key(UserName="u")["AccessKey"]
-        yield {"endpoint_url": endpoint, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    """A moto server that checks signatures; yields its user's storage options."""
+    with signing_moto() as (_, opts):
+        yield opts
 
 
 @pytest.mark.parametrize("wrong", [{"secret": "wrong"}, {"key": "AKIANOSUCHKEY"}])
