@@ -27,6 +27,7 @@ fi
 WHEELS=(
   zstandard==0.25.0      # streamckpt: zstd frames (imported by formats at import time)
   crc32c==2.9.post0      # streamckpt: CRC32C of every data file
+  xxhash==4.1.0          # streamckpt: content digests (incremental saves); the image has one, this pins ours
   obstore==0.12.1        # streamckpt: Rust S3 reads
   s3fs==2026.9.0         # streamckpt: S3 writes and fallback reads
   fsspec==2026.9.0       # s3fs pins fsspec to its own version; the image's may differ
