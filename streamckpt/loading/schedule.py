@@ -53,11 +53,11 @@ def split_message(copies: list[Copy], direct_bytes: int = DIRECT_MESSAGE_BYTES) 
     """
     if len(copies) == 1:
         return [copies]
-    alone = [[c] for c in copies if c.length >= direct_bytes and wire_length(c) == c.length]
-    if not alone:
+    goes_alone = [c.length >= direct_bytes and wire_length(c) == c.length for c in copies]
+    if not any(goes_alone):
         return [copies]
-    rest = [c for c in copies if c.length < direct_bytes or wire_length(c) != c.length]
-    return alone + ([rest] if rest else [])
+    rest = [c for c, alone in zip(copies, goes_alone) if not alone]
+    return [[c] for c, alone in zip(copies, goes_alone) if alone] + ([rest] if rest else [])
 
 
 @dataclass(slots=True)

@@ -4,8 +4,8 @@ Every saving rank uploads its data files, one PUT each, into the checkpoint's on
 ``data/`` prefix; S3 serves about 3,500 PUTs per second on a prefix it has not split
 (``storage.ratelimit``). docs/SCALE.md ("Saves: PUTs at scale") predicts that a save of a
 few hundred ranks with 8 MiB objects asks for more. Each rank knows its own PUTs and upload
-seconds, so the job's are gathered after the commit (one small collective, the same on
-every rank) and rank 0 says, in one warning, when the rate passed the limit and what to do.
+seconds, so the job's travel with the shard records every rank gathers before the commit
+(no collective of their own) and rank 0 says, in one warning, when the rate passed the limit and what to do.
 
 What is counted: the objects each rank wrote (its data files, and rank 0's manifest), one
 PUT each; a retried PUT counts once, and a throttled response is not seen (the upload
@@ -14,7 +14,8 @@ client retries it). The rate divides them by the longest rank's upload.
 
 from __future__ import annotations
 
-from ..comm import GroupComm, SoloComm
+from typing import Any, Mapping, Sequence
+
 from ..storage.ratelimit import DEFAULT_PUT_LIMIT, PUT_LIMIT_ENV, JobRequests, rate_limit
 from .writer import UploadShape
 
@@ -25,12 +26,12 @@ def put_limit() -> float:
     return rate_limit(PUT_LIMIT_ENV, DEFAULT_PUT_LIMIT)
 
 
-def gather_puts(comm: SoloComm | GroupComm, puts: int, seconds: float, prefix: str) -> JobRequests:
-    """Every rank's PUTs summed and the longest upload, on every rank (a collective: every
-    rank calls it once its save is committed)."""
-    rows = comm.gather_ints([puts, round(seconds * 1e6)])
-    return JobRequests(requests=sum(r[0] for r in rows), throttled=0,
-                       seconds=max(r[1] for r in rows) / 1e6, prefix=prefix)
+def job_puts(per_rank: Sequence[Mapping[str, Any]], prefix: str) -> JobRequests:
+    """The job's PUTs from every rank's shard-record document (``saver.write_and_commit``
+    gathers them for the manifest anyway, so counting costs no collective): each rank's data
+    files, its upload's microseconds, and rank 0's manifest."""
+    return JobRequests(requests=sum(d["puts"] for d in per_rank) + 1, throttled=0,
+                       seconds=max(d["upload_us"] for d in per_rank) / 1e6, prefix=prefix)
 
 
 def over_put_limit(job: JobRequests, limit: float, shape: UploadShape) -> str | None:

@@ -283,7 +283,8 @@ def write_and_commit(
     except CheckpointError as e:
         own = e
     doc = {"files": {**files, **refs}, "records": [[k, json.loads(json.dumps(mf._shard_doc(s)))] for k, s in records],
-           "tree": prep.tree if comm.rank != 0 and prep.tree else None}
+           "tree": prep.tree if comm.rank != 0 and prep.tree else None,
+           "puts": len(files), "upload_us": round(upload_seconds * 1e6)}  # the job's PUT rate (putrate)
     try:
         per_rank = _gather_json(comm, doc, own)
     except BaseException:
@@ -309,18 +310,18 @@ def write_and_commit(
         own = e
     comm.agree(own)
     result.seconds = time.perf_counter() - prep.started
-    _count_puts(comm, storage, result, upload_seconds, prep.upload)
+    _count_puts(comm, storage, result, per_rank, prep.upload)
     if comm.rank == 0:
         log.info("streamckpt save %s: %d files, %.3f s", storage.describe(""), len(result.files), result.seconds)
     return result
 
 
-def _count_puts(comm: SoloComm | GroupComm, storage: Storage, result: SaveResult, upload_seconds: float,
+def _count_puts(comm: SoloComm | GroupComm, storage: Storage, result: SaveResult, per_rank: Sequence[Any],
                 shape: UploadShape) -> None:
-    """The job's PUTs on the checkpoint's data prefix into ``result`` (one collective, on every
-    rank after the commit); rank 0 warns when they came faster than a prefix is served."""
+    """The job's PUTs on the checkpoint's data prefix into ``result``, from the shard records
+    every rank gathered; rank 0 warns when they came faster than a prefix is served."""
     result.requests = len(result.files)
-    job = putrate.gather_puts(comm, result.requests, upload_seconds, prefix_uri(storage.uri, [storage.path("data/")]))
+    job = putrate.job_puts(per_rank, prefix_uri(storage.uri, [storage.path("data/")]))
     result.job_requests = job.requests
     result.job_requests_per_s = job.per_second
     result.request_prefix = job.prefix
