@@ -115,6 +115,19 @@ def test_a_changed_dtype_or_compression_is_uploaded_again(s3_uri: str, s3_opts: 
     assert all(torch.equal(back[f"model.{k}"], t) for k, t in half["model"].items())
 
 
+def test_same_bytes_of_another_dtype_are_not_reused(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """A zero float32 tensor and a zero int32 tensor of one shape have the same bytes and digest:
+    only the dtype in the match tells them apart (the dtype test above uses bf16, whose bytes differ)."""
+    sc.save({"w": torch.zeros(64, 32, dtype=torch.float32)}, f"{s3_uri}/a", storage_options=s3_opts)
+    r = sc.save({"w": torch.zeros(64, 32, dtype=torch.int32)}, f"{s3_uri}/b", storage_options=s3_opts,
+                base=f"{s3_uri}/a")
+    assert r.bytes_reused == 0 and r.bytes_written >= 64 * 32 * 4
+    m = _manifest(f"{s3_uri}/b", s3_opts)
+    assert not m.get("bases") and all(not s["file"].startswith("../") for s in m["tensors"]["w"]["shards"])
+    back = sc.load_full(f"{s3_uri}/b", storage_options=s3_opts)
+    assert back["w"].dtype == torch.int32 and torch.equal(back["w"], torch.zeros(64, 32, dtype=torch.int32))
+
+
 def test_bad_bases_are_refused_with_a_clear_error(s3_uri: str, s3_opts: dict[str, Any], tmp_path: Any) -> None:
     sc.save(_state(1), f"{s3_uri}/step-1", storage_options=s3_opts)
     cases = {
