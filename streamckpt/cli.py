@@ -256,15 +256,15 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_copy(args: argparse.Namespace) -> int:
-    import time
-
     from .manage.copying import copy_checkpoint
 
-    t0 = time.perf_counter()
-    out = copy_checkpoint(args.uri, args.out, storage_options=args.storage_options,
+    res = copy_checkpoint(args.uri, args.out, storage_options=args.storage_options,
                           out_storage_options=args.out_storage_options)
-    print(f"copied {args.uri} to {args.out}: {plural(len(out.files) + 1, 'file')}, {human(sum(out.files.values()))} "
-          f"of data (self-contained), {time.perf_counter() - t0:.2f} s")
+    what = "" if res.checkpoints == [""] else f" ({plural(len(res.checkpoints), 'checkpoint')} of the run)"
+    print(f"copied {args.uri} to {args.out}{what}: {plural(len(res.files), 'file')}, {human(res.bytes_written)} "
+          f"({'references kept shared' if what else 'self-contained'}), {res.seconds:.2f} s")
+    for name, why in res.skipped:
+        print(f"  left out {name}: its manifest cannot be read ({why})")
     return 0
 
 
@@ -550,11 +550,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out-storage-option", action="append", default=None, metavar="KEY=VALUE", type=key_value,
                    help="storage option for OUT (repeatable; default: the same options as for URI)")
 
-    s = _command(sub, "copy", cmd_copy, "copy a checkpoint, self-contained (references materialized)",
+    s = _command(sub, "copy", cmd_copy, "copy a checkpoint (self-contained) or a run (every committed checkpoint)",
                  "Copy the streamckpt checkpoint at URI to OUT (another prefix, bucket or store) as a "
                  "self-contained checkpoint: the files an incremental checkpoint shares with its siblings "
-                 "are copied too, every checksum is verified on the way, the manifest is written last.", both)
-    s.add_argument("uri", metavar="URI", help=URI_HELP)
+                 "are copied too, every checksum is verified on the way, the manifest is written last. "
+                 "Given a run's root (a CheckpointManager's), copy every committed checkpoint under it, "
+                 "references kept shared, manifests last.", both)
+    s.add_argument("uri", metavar="URI", help=URI_HELP + "; or a run's root")
     s.add_argument("out", metavar="OUT", help="the copy's prefix (any URI, like URI); no committed checkpoint there")
     s.add_argument("--out-storage-option", action="append", default=None, metavar="KEY=VALUE", type=key_value,
                    help="storage option for OUT (repeatable; default: the same options as for URI)")
