@@ -109,5 +109,30 @@ def test_an_unreadable_lease_is_replaced_and_a_bad_ttl_refused(tmp_path: Path) -
     assert json.loads((tmp_path / LEASE_NAME).read_text())["id"] == lease.me.id
     lease.release()
     for bad in (0, -1, "60", True):
-        with pytest.raises(sc.CheckpointError, match="lease ttl must be"):
+        with pytest.raises(sc.CheckpointError, match="must be a number of seconds > 0"):
             Lease(Storage(str(tmp_path)), ttl=bad)  # type: ignore[arg-type]
+
+
+def test_a_second_manager_writing_into_a_run_is_refused(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """Through the manager, on moto: a second writer (another process's lease, alive) is refused at its
+    first save; reading needs no lease; close() lets go and the next writer goes on."""
+    import torch
+
+    with sc.CheckpointManager(s3_uri, storage_options=s3_opts, writer_lease=60) as first:
+        first.save(1, {"w": torch.ones(4)})
+        store = Storage(s3_uri, s3_opts)
+        doc = json.loads(store.read_bytes(LEASE_NAME))
+        assert doc["pid"] == os.getpid()
+        doc.update(id="other", host="elsewhere", pid=4242)  # as another host's live job would hold it
+        store.write_bytes(LEASE_NAME, json.dumps(doc).encode())
+        clock = Clock()
+        lease = Lease(Storage(s3_uri, s3_opts), ttl=60, clock=clock, sleep=lambda s: (
+            clock.sleep(s), store.write_bytes(LEASE_NAME, json.dumps({**doc, "heartbeat": clock.now}).encode())))
+        with pytest.raises(sc.CheckpointInUseError, match="pid 4242 on elsewhere"):
+            lease.acquire()
+        assert sc.CheckpointManager(s3_uri, storage_options=s3_opts).steps() == [1]  # a reader: no lease
+        doc.update(id=first._lease.me.id, host=socket.gethostname(), pid=os.getpid())  # type: ignore[union-attr]
+        store.write_bytes(LEASE_NAME, json.dumps(doc).encode())
+    assert LEASE_NAME not in store.list_info("")  # released at close
+    with pytest.raises(sc.CheckpointError, match="writer_lease"):
+        sc.CheckpointManager(s3_uri, storage_options=s3_opts, writer_lease=0)

@@ -2,7 +2,7 @@
 
 Two training jobs saving into one root (a job launched twice, a stale job still alive beside
 its requeued self) would prune each other's steps and interleave their histories. The first
-save of a ``CheckpointManager`` takes the lease: a small JSON object ``<root>/LEASE_NAME``
+save of a ``CheckpointManager(..., writer_lease=ttl)`` takes the lease: a small JSON object ``<root>/LEASE_NAME``
 naming its holder (host, pid, a random id, the job id the launcher gave, start and heartbeat
 times). A heartbeat thread rewrites it every ``ttl / 3`` seconds; ``close()`` deletes it.
 
@@ -100,14 +100,19 @@ class Lease:
     def __init__(self, storage: Storage, *, ttl: float = DEFAULT_TTL, clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         """``storage``: the run's root, a ``Storage`` of the lease's own (its heartbeat thread uses it)."""
-        if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or ttl <= 0:
-            raise CheckpointError(f"lease ttl must be a number of seconds > 0, got {ttl!r}")
+        self.check_ttl(ttl)
         self.storage, self.ttl, self._clock, self._sleep = storage, float(ttl), clock, sleep
         now = clock()
         self.me = Holder(uuid.uuid4().hex, socket.gethostname(), os.getpid(), launcher_job(), now, now)
         self._held = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def check_ttl(ttl: object) -> None:
+        """Raises CheckpointError unless ``ttl`` is a number of seconds > 0."""
+        if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or ttl <= 0:
+            raise CheckpointError(f"writer_lease (the lease's ttl) must be a number of seconds > 0, got {ttl!r}")
 
     @property
     def held(self) -> bool:
@@ -135,7 +140,7 @@ class Lease:
         self._thread.start()
 
     def release(self) -> None:
-        """Stop the heartbeat and delete the lease if it is still ours (best effort)."""
+        """Stop the heartbeat, delete the lease if it is still ours (best effort), close the storage."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -148,6 +153,8 @@ class Lease:
                 self.storage.delete(LEASE_NAME)
         except CheckpointError as e:
             log.warning("could not release the writer lease %s: %s", self.storage.describe(LEASE_NAME), e)
+        finally:
+            self.storage.close()
 
     # ------------------------------------------------------------------ internals
 

@@ -9,6 +9,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -22,6 +23,7 @@ from .collective import gather_outcome, on_one_rank
 from .deletion import delete_checkpoint
 from .garbage import mark
 from .index import METRICS_KEY, STEP_KEY, Entry, Index, Listing
+from .lease import Lease
 from .passthrough import check_names
 from .retention import Policy
 
@@ -94,6 +96,11 @@ class Manager:
             committed checkpoint references it. Default False: every save is self-contained.
         name: The child name of a step, a format string with ``{step}`` and no ``/``.
             Default ``"step-{step}"``.
+        writer_lease: Seconds (e.g. 60): the first save takes the run's writer lease, an object
+            ``.streamckpt-writer.json`` at the root renewed every third of that, and a second
+            manager saving into the root meanwhile gets ``CheckpointInUseError`` naming the
+            holder (a holder silent that long, of the same launcher job, or a dead pid on this
+            host is taken over). Default None: no lease (one writer per root is the caller's rule).
 
     Raises:
         CheckpointError: a bad argument (a rule, ``save_every``, ``name``).
@@ -104,7 +111,8 @@ class Manager:
     def __init__(self, root: str, *, storage_options: dict[str, Any] | None = None, process_group: Any = None,
                  keep_last: int | None = None, keep_every: int | None = None,
                  keep_best: tuple[str, str, int] | None = None, save_every: int | None = None,
-                 async_save: bool = False, incremental: bool = False, name: str = "step-{step}") -> None:
+                 async_save: bool = False, incremental: bool = False, name: str = "step-{step}",
+                 writer_lease: float | None = None) -> None:
         if save_every is not None and (not isinstance(save_every, int) or isinstance(save_every, bool)
                                        or save_every < 1):
             raise CheckpointError(f"save_every must be a positive int or None, got {save_every!r}")
@@ -126,6 +134,10 @@ class Manager:
         self._after: cf.Future[None] | None = None  # its retention, run once it commits
         self._worker: cf.ThreadPoolExecutor | None = None
         self._closed = False
+        self._lease: Lease | None = None  # taken by the first save (rank 0), released by close()
+        self.writer_lease = writer_lease
+        if writer_lease is not None:
+            Lease.check_ttl(writer_lease)
 
     # ------------------------------------------------------------------ context
 
@@ -153,6 +165,8 @@ class Manager:
             self._closed = True
             if self._worker is not None:
                 self._worker.shutdown(wait=True)
+            if self._lease is not None:
+                self._lease.release()
             if self._storage is not None:
                 self._storage.close()
 
@@ -233,6 +247,7 @@ class Manager:
             own = e
         self._comm.agree(own)
         self.wait()  # one save in flight: the previous one (and its retention) ends first
+        on_one_rank(self._comm, self._hold_lease)
         existing = None if force else on_one_rank(self._comm, lambda: self._committed_name(step))
         users = on_one_rank(self._comm, lambda: self._users_of(step))
         if users:
@@ -589,6 +604,14 @@ class Manager:
                 f"step {step} is already committed under {self.root} ({self.uri(step)}), by another writer since "
                 f"this manager looked (a second CheckpointManager or process on this root?): pass force=True to "
                 f"replace it, or give each run a root of its own") from e
+
+    def _hold_lease(self) -> None:
+        """Rank 0: the run's writer lease (``manage.lease``), taken by the first save."""
+        if self._lease is None and self.writer_lease is not None:
+            lease = Lease(Storage(self.root, self.storage_options), ttl=self.writer_lease)
+            lease.acquire()
+            self._lease = lease
+            weakref.finalize(self, lease.release).atexit = False  # dropped without close(): let go; at exit the beat ends
 
     def _bound(self) -> Calls:
         if self._calls is None:
