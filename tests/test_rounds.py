@@ -90,17 +90,21 @@ def test_lazy_packer_places_reads_like_the_plain_rule(seed, world, cap):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.integers(1, 24))
-def test_readers_go_to_the_least_loaded_holder(seed, world):
-    """Shared reads go to the least-loaded holder, the lowest rank among ties (the planner
-    keeps runs over one holder set in a heap; here each pick is made the plain way)."""
+@given(st.integers(0, 2**32 - 1), st.integers(1, 24), st.sampled_from([0, 3, 9]))
+def test_readers_go_to_the_least_loaded_holder(seed, world, relay_above):
+    """Shared reads go to the least-loaded holder, the lowest rank among ties, or among
+    more than ``relay_above`` holders (a relayed set) the earliest in ``reader_order`` (the
+    planner keeps runs over one holder set in a heap; here each pick is made the plain way)."""
+    from streamckpt.plan.balance import reader_order
     from streamckpt.plan.planner import _assign_readers
 
     targets, pairs = _case(seed, world)
     reads = [a for a, _ in pairs]
-    _assign_readers(reads, world, targets)
+    _assign_readers(reads, world, targets, relay_above)
     load = [0] * world
     for r in reads:
         holders = sorted({n for c in r.copies for n in targets[c.target].needers})
-        assert r.reader == min(holders, key=lambda k: (load[k], k))
+        tie = dict(zip(holders, reader_order(len(holders)))) if relay_above and len(holders) > relay_above \
+            else {k: k for k in holders}
+        assert r.reader == min(holders, key=lambda k: (load[k], tie[k]))
         load[r.reader] += r.length
