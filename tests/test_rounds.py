@@ -8,7 +8,10 @@ copies, private reads, oversized reads) must get the same rounds and counts.
 
 from __future__ import annotations
 
+import math
 import random
+
+import pytest
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -110,26 +113,30 @@ def test_readers_go_to_the_least_loaded_holder(seed, world, relay_above):
         load[r.reader] += r.length
 
 
-def test_grid_read_keeps_the_phase_other_grids_start_in():
-    """A grid read that first fits one round off its grid's first phase (here: its reader's
-    line still holds the packed piece before it) waits for the next round of that phase when
-    that is at most ``PHASE_SLACK`` rounds later: in lockstep rounds every round with a fetch
-    waits a first byte, and a set that drifted off phase fetched in rounds the others did not
-    (405B case of docs/SCALE.md: 382 rounds with fetches in stage 0 instead of 225)."""
-    holders = list(range(16))  # a grid (8, 2): pieces start in even rounds
+@pytest.mark.parametrize("grid,nodes,reader,expected", [((8, 2), False, 1, 2), ((2, 2, 2), True, 2, 3)])
+def test_grid_read_starts_where_grids_of_its_size_start(grid, nodes, reader, expected):
+    """A grid read of D dimensions that first fits in a round that is not a multiple of D
+    (here round 1: its line at depth 0 holds the packed piece before it, with no room) waits
+    for the next multiple when that is at most ``PHASE_SLACK`` rounds later: in lockstep
+    rounds every round with a fetch waits a first byte, and a set that drifted fetched in
+    rounds the others did not (405B case of docs/SCALE.md: 382 rounds with fetches in stage 0
+    instead of 225). A node grid steps by D too, not by its phases' period D - 1 (round 2
+    here): its pieces, D rounds long, start every D rounds."""
+    n = math.prod(grid)
+    holders = list(range(n))
     targets = [Target(TargetSpec(f"t{i}", "U8", (4096,), (0,), (4096,)), holders) for i in range(3)]
     big, small = 4096, 1024
     cap = 2 * big + 256
 
-    def read(reader: int, uids: list[int], n: int) -> Read:
-        copies = [Copy(u, 0, n // len(uids), "U8", (n // len(uids),), (1,), Box((0,), (n // len(uids),)))
-                  for u in uids]
-        return Read("f", 0, n, reader, (), False, n, copies, relay=8, grid=(8, 2))
+    def read(rank: int, uids: list[int], size: int) -> Read:
+        part = size // len(uids)
+        copies = [Copy(u, 0, part, "U8", (part,), (1,), Box((0,), (part,))) for u in uids]
+        return Read("f", 0, size, rank, (), False, size, copies, relay=8, grid=grid, grid_nodes=nodes)
 
-    packer = RoundPacker(16, cap, 8)
+    packer = RoundPacker(n, cap, 8)
     first = read(0, [0, 1], big)  # packed: rank 0 stages the read and its pack buffer in round 0
-    second = read(1, [2], small)  # rank 0 would receive it in round 0 too: no room
+    second = read(reader, [2], small)  # rank 0 would receive it in round 0 too: no room
     packer.place(first, targets)
     packer.place(second, targets)
     assert first.round == 0
-    assert second.round == 2  # first fit: round 1, off phase
+    assert second.round == expected  # first fit: round 1

@@ -24,8 +24,9 @@ from .needs import Group
 from .ranksets import RankSets
 
 SHIFT = 64  # a rank's round sits above its bytes used (used < 2**63)
-# a grid read that first fits off its grid's first phase goes to the next round of that phase
-# (where every other grid of its period starts its pieces) when that is at most this much later
+# a grid read of D dimensions (it holds bytes for D rounds) that first fits in a round that
+# is not a multiple of D goes to the next multiple, where every grid of its size starts its
+# pieces, when that is at most this much later
 PHASE_SLACK = 2
 USED = (1 << SHIFT) - 1
 
@@ -222,8 +223,8 @@ class RoundPacker:
         period = max(1, dims - (1 if r.grid_nodes else 0))
         variants: dict[int, tuple[list[int], list[int], int]] = {}
         rnd = self._grid_fit(r, holders, size, packed, variants, low, 1)
-        if rnd % period:  # off the rounds where the other sets' pieces start: there, if that is near
-            aligned = self._grid_fit(r, holders, size, packed, variants, rnd + period - rnd % period, period)
+        if rnd % dims:  # off the rounds where grids of its size start their pieces: there, if that is near
+            aligned = self._grid_fit(r, holders, size, packed, variants, rnd + dims - rnd % dims, dims)
             if aligned - rnd <= PHASE_SLACK:
                 rnd = aligned
         r.round = rnd
