@@ -60,7 +60,8 @@ def _largest_quotient(m: int, n: int) -> int:
 
 
 def reader_order(n: int) -> list[int]:
-    """Tie-break key of each holder position 0..n-1: the position ``n · M mod H`` gets key ``n``."""
+    """Tie-break key of each holder position 0..n-1: position ``i · M mod n`` gets key ``i``
+    (``M`` = ``multiplier(n)``)."""
     m = multiplier(n)
     key = [0] * n
     p = 0

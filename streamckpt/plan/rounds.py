@@ -215,7 +215,10 @@ class RoundPacker:
         """``_charge_relay`` for a grid read, in one pass per candidate round over its holders:
         each holds ``size`` bytes from the depth it first holds the piece at to the last
         (``data.grid_entries``), the reader its read at depth 0. Its hops depend on its
-        round's place among the grid's dimensions, so the layout is redone per phase."""
+        round's place among the grid's dimensions, so the layout is redone per phase. A first
+        fit off a multiple of the grid's dimension count moves to the next multiple when that
+        fits within ``PHASE_SLACK`` rounds: grids of one size start their pieces together, and
+        a holder set does not drift into rounds that fetch for it alone."""
         holders = targets[r.copies[0].target].needers
         size = message_layout(r.copies)[1]
         packed = is_packed(r.copies)
