@@ -251,6 +251,10 @@ class Counts:
     cells: dict[tuple[int, int], Cell] = field(default_factory=dict)
     links: dict[int, set[int]] = field(default_factory=dict)  # rank -> every peer over the load
     comms: dict[int, int] = field(default_factory=dict)  # rank -> broadcast communicators (Run:ai)
+    # rank -> what a ring all-gather would ask it to send for the same exchanges: each read's (or
+    # broadcast's) delivered bytes spread evenly over the ranks taking part (the reader and its
+    # receivers): a replicated read of L bytes on h holders asks L × (h - 1) / h of each
+    share: dict[int, float] = field(default_factory=dict)
 
     def cell(self, rank: int, rnd: int) -> Cell:
         got = self.cells.get((rank, rnd))
@@ -270,6 +274,24 @@ class Counts:
         b.peers.add(src)
         self.links.setdefault(src, set()).add(dst)
         self.links.setdefault(dst, set()).add(src)
+
+    def spread(self, ranks: Iterable[int], delivered: int) -> None:
+        """Charge ``ranks`` (a read's reader and receivers) an even part of ``delivered`` bytes
+        as their all-gather share."""
+        ranks = list(ranks)
+        for r in ranks:
+            self.share[r] = self.share.get(r, 0.0) + delivered / len(ranks)
+
+    def egress_ratio(self) -> float:
+        """The busiest rank's egress (bytes sent, within and across nodes) over the largest
+        all-gather share (``share``); 0 without exchange."""
+        top = max(self.share.values(), default=0.0)
+        if not top:
+            return 0.0
+        sent: dict[int, int] = {}
+        for (rank, _), c in self.cells.items():
+            sent[rank] = sent.get(rank, 0) + c.sent_intra + c.sent_inter
+        return max(sent.values(), default=0) / top
 
 
 def _lands_whole(r: Any) -> bool:
@@ -317,8 +339,14 @@ def count_plan(plan: Any, ranks: Sequence[int], per_node: int, concurrency: int 
         else:
             for rank, cost in costs_of(r, plan.targets).items():
                 out.cell(ranks[rank], r.round).staging += cost
+        delivered, involved = 0, {reader}
         for depth, src, dst, copies in hops_of(r, plan.targets):
-            out.send(ranks[src], ranks[dst], r.round + depth, message_size(copies), per_node)
+            n = message_size(copies)
+            out.send(ranks[src], ranks[dst], r.round + depth, n, per_node)
+            delivered += n
+            involved.add(ranks[dst])
+        if delivered:
+            out.spread(involved, delivered)
     for (rank, _), reads in batches.items():  # the direct batch's reads counted in their plan rounds
         step = piece_for(sum(n for _, n in reads), PIECE if piece is None else piece, concurrency,
                          spread=spread)
@@ -370,6 +398,7 @@ def count_runai(manifest: Any, targets: Sequence[Sequence[Any]], ranks: Sequence
         c.fetched += n
         c.requests += sum(_gets(s.byte_length, request_bytes) for s in manifest.tensors[key].shards)
         _broadcast(out, reader, held, n, per_node)
+        out.spread(held | {reader}, n * (len(held) - 1))
         groups[frozenset(held)] = None
     for g in groups:
         for r in g:
@@ -423,6 +452,7 @@ class Prediction:
     staging_MiB: float
     nccl_GiB_per_rank: float
     gloo_MiB_per_rank: float
+    egress_ratio: float = 0.0  # the busiest rank's egress ÷ an all-gather's per-rank share (``Counts.egress_ratio``)
     terms: dict[str, float] = field(default_factory=dict)
 
 
@@ -515,6 +545,7 @@ def predict(counts: Counts, m: Machine, strategy: str, scale: float = 1.0, world
         max_links=conn, max_inter_sent_GB_per_rank=_max_total(counts, "sent_inter") * scale / GB,
         staging_MiB=max((c.staging for c in cells), default=0) / MiB,
         nccl_GiB_per_rank=conn * m.nccl_peer_bytes / 2**30, gloo_MiB_per_rank=conn * m.gloo_peer_bytes / MiB,
+        egress_ratio=counts.egress_ratio(),
         terms={k: round(v * scale, 2) for k, v in charged.items()})
 
 
@@ -581,6 +612,8 @@ CASES = {
                        LLAMA3_405B, Layout(8, 16, 16), Layout(8, 16, 128), stages=(0, 8, 15)),
     "70b-serve": Case("70B, TP8 → 512 TP8 replicas (4096), weights",
                       LLAMA3_70B, Layout(8, 1, 1), Layout(8, 1, 512), layers=4),
+    "70b-serve-1024": Case("70B, TP8 → 128 TP8 replicas (1024, 128 nodes), weights",
+                           LLAMA3_70B, Layout(8, 1, 1), Layout(8, 1, 128)),
     "70b-fsdp": Case("70B, FSDP 512 → 1024, weights + exp_avg",
                      LLAMA3_70B, Layout(1, 1, 512, fsdp=True), Layout(1, 1, 1024, fsdp=True), optim=True, layers=8),
 }
@@ -589,13 +622,14 @@ CASES = {
 def table(rows: list[tuple[str, Prediction]]) -> str:
     head = ("| case | strategy | predicted s | bottleneck | rounds | fetched GB (job) | GETs (job) | GET/s "
             "| peers/rank/round max (mean) | peers over the load (max) | inter-node sent GB (max rank) "
-            "| staging MiB (max) | NCCL GiB/rank |")
+            "| staging MiB (max) | NCCL GiB/rank | busiest egress ÷ all-gather share |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, p in rows:
         lines.append(f"| {name} | {p.strategy} | {p.seconds:.1f} | {p.bottleneck} | {p.rounds} | "
                      f"{p.fetched_GB:.0f} | {p.requests} | {p.gets_per_s:.0f} | "
                      f"{p.max_peers_per_round} ({p.mean_peers_per_round:.1f}) | {p.max_links} | "
-                     f"{p.max_inter_sent_GB_per_rank:.2f} | {p.staging_MiB:.0f} | {p.nccl_GiB_per_rank:.2f} |")
+                     f"{p.max_inter_sent_GB_per_rank:.2f} | {p.staging_MiB:.0f} | {p.nccl_GiB_per_rank:.2f} | "
+                     f"{p.egress_ratio:.2f} |")
     return "\n".join(lines)
 
 

@@ -50,6 +50,19 @@ def test_one_tensor_all_need_it(machine: sm.Machine) -> None:
     assert p.nccl_GiB_per_rank == pytest.approx(3 * 16 / 1024)
 
 
+def test_egress_ratio_by_hand(machine: sm.Machine) -> None:
+    """One 64 KiB tensor on 4 ranks: an all-gather asks 3/4 × N of each rank. streamckpt's reader
+    sends it straight to the 3 others (3N: 4×); Run:ai's ring sends N across and N within each
+    node from the node's head (2N: 8/3×); DCP exchanges nothing."""
+    manifest, targets, ranks = _one_tensor()
+    counts = sm.plan_counts(manifest, targets, ranks, machine)
+    assert counts["streamckpt"].share == {r: pytest.approx(3 * N / 4) for r in ranks}
+    assert counts["streamckpt"].egress_ratio() == pytest.approx(4.0)
+    assert counts["runai"].egress_ratio() == pytest.approx(8 / 3)
+    assert counts["dcp"].egress_ratio() == 0.0
+    assert sm.predict(counts["streamckpt"], machine, "streamckpt").egress_ratio == pytest.approx(4.0)
+
+
 def test_peers_strategies_by_hand(machine: sm.Machine) -> None:
     manifest, targets, ranks = _one_tensor()
     counts = sm.plan_counts(manifest, targets, ranks, machine)

@@ -57,6 +57,7 @@ from .data import (
     wire_length,
 )
 from ..core.targets import TargetSpec
+from .balance import reader_order
 from .private import absorb_small_shared, closure, edge_tag, plan_private
 from .rounds import RoundPacker, reachable
 from .ranksets import RankSets
@@ -271,30 +272,41 @@ def _check_target(spec: TargetSpec, vt: Any, transformed: bool, needers: Sequenc
 
 
 
-def _assign_readers(reads: list[Read], needs_world: int, targets: Sequence[Target]) -> None:
+def _assign_readers(reads: list[Read], needs_world: int, targets: Sequence[Target], relay_above: int = 0) -> None:
     """Each shared read goes to the least-loaded rank (by bytes) among those needing it,
-    the lowest rank among ties. A run of reads with the same candidates keeps them in
-    a heap of (load, rank): within the run only its own picks change their loads."""
+    the lowest rank among ties; among more than ``relay_above`` candidates (0: never), a
+    relayed holder set, ties go by ``balance.reader_order`` instead, so that the readers
+    of its pieces, and so the ranks that relay them, spread evenly over its grid. A run of
+    reads with the same candidates keeps them in a heap of (load, tie key, rank): within
+    the run only its own picks change their loads."""
     load = [0] * needs_world
     by_load = load.__getitem__
     run: list[int] | None = None
-    heap: list[tuple[int, int]] = []
+    heap: list[tuple[int, int, int]] = []
+    orders: dict[int, list[int]] = {}  # holder count -> its reader_order
     for r in reads:
         first = targets[r.copies[0].target].needers
         if all(targets[c.target].needers is first for c in r.copies):
             cands: list[int] = first  # ascending
         else:
             cands = sorted({n for c in r.copies for n in targets[c.target].needers})
+        relayed = relay_above and len(cands) > relay_above
+        if relayed and len(cands) not in orders:
+            orders[len(cands)] = reader_order(len(cands))
         if len(cands) < 8:
             run = None
-            best = min(cands, key=by_load)
+            if relayed:
+                best = min(zip(cands, orders[len(cands)]), key=lambda x: (load[x[0]], x[1]))[0]
+            else:
+                best = min(cands, key=by_load)
         else:
             if run is None or (run is not cands and run != cands):
                 run = cands
-                heap = [(load[x], x) for x in cands]
+                keys = orders[len(cands)] if relayed else cands
+                heap = [(load[x], k, x) for k, x in zip(keys, cands)]
                 heapq.heapify(heap)
-            best = heap[0][1]
-            heapq.heapreplace(heap, (load[best] + r.length, best))
+            _, key, best = heap[0]
+            heapq.heapreplace(heap, (load[best] + r.length, key, best))
         r.reader = best
         load[best] += r.length
 
@@ -383,8 +395,8 @@ def _plan_component(
             r = make_read(*g, ctx.offsets)
             r.tag = i
             reads.append(r)
-    _assign_readers(reads, world, ctx.targets)
     _relay(reads, ctx.targets, ctx.options)
+    _assign_readers(reads, world, ctx.targets, ctx.options.relay_above)
     return reads
 
 

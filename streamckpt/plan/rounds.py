@@ -24,6 +24,10 @@ from .needs import Group
 from .ranksets import RankSets
 
 SHIFT = 64  # a rank's round sits above its bytes used (used < 2**63)
+# a grid read of D dimensions (it holds bytes for D rounds) that first fits in a round that
+# is not a multiple of D goes to the next multiple, where every grid of its size starts its
+# pieces, when that is at most this much later
+PHASE_SLACK = 2
 USED = (1 << SHIFT) - 1
 
 
@@ -211,13 +215,51 @@ class RoundPacker:
         """``_charge_relay`` for a grid read, in one pass per candidate round over its holders:
         each holds ``size`` bytes from the depth it first holds the piece at to the last
         (``data.grid_entries``), the reader its read at depth 0. Its hops depend on its
-        round's place among the grid's dimensions, so the layout is redone per phase."""
+        round's place among the grid's dimensions, so the layout is redone per phase. A first
+        fit off a multiple of the grid's dimension count moves to the next multiple when that
+        fits within ``PHASE_SLACK`` rounds: grids of one size start their pieces together, and
+        a holder set does not drift into rounds that fetch for it alone."""
         holders = targets[r.copies[0].target].needers
         size = message_layout(r.copies)[1]
         packed = is_packed(r.copies)
         dims = len(r.grid)
         period = max(1, dims - (1 if r.grid_nodes else 0))
         variants: dict[int, tuple[list[int], list[int], int]] = {}
+        rnd = self._grid_fit(r, holders, size, packed, variants, low, 1)
+        if rnd % dims:  # off the rounds where grids of its size start their pieces: there, if that is near
+            aligned = self._grid_fit(r, holders, size, packed, variants, rnd + dims - rnd % dims, dims)
+            if aligned - rnd <= PHASE_SLACK:
+                rnd = aligned
+        r.round = rnd
+        got, (r0,), first = variants[rnd % period]
+        state, future = self.state, self.future
+        self.last[key] = rnd
+        for p, rank in enumerate(holders):  # rounds after a rank's current one are booked
+            s = state[rank]
+            cur = s >> SHIFT
+            d = 0 if p == r0 else got[p]
+            c = first if p == r0 else size
+            while d < dims:
+                t = rnd + d
+                if t == cur:
+                    self._take(rank, cur, c, ())
+                else:
+                    fut = future.get(rank)
+                    if fut is None:
+                        fut = future[rank] = {}
+                    fut[t] = fut.get(t, 0) + c
+                d += 1
+                c = size
+        self.touched.update(holders)
+        r.round = rnd
+
+    def _grid_fit(self, r: Read, holders: Sequence[int], size: int, packed: bool,
+                  variants: dict[int, tuple[list[int], list[int], int]], low: int, step: int) -> int:
+        """The first round from ``low``, a multiple of ``step`` (``low`` is one), where every
+        holder of grid read ``r`` has room at every depth; ``variants`` caches the layout of
+        each phase (``data.grid_entries``)."""
+        dims = len(r.grid)
+        period = max(1, dims - (1 if r.grid_nodes else 0))
         state, future, cap = self.state, self.future, self.cap
         rnd = low
         while True:
@@ -248,27 +290,8 @@ class RoundPacker:
                     d += 1
                     c = size
             if need == rnd:
-                break
-            rnd = need
-        self.last[key] = rnd
-        for p, rank in enumerate(holders):  # rounds after a rank's current one are booked
-            s = state[rank]
-            cur = s >> SHIFT
-            d = 0 if p == r0 else got[p]
-            c = first if p == r0 else size
-            while d < dims:
-                t = rnd + d
-                if t == cur:
-                    self._take(rank, cur, c, ())
-                else:
-                    fut = future.get(rank)
-                    if fut is None:
-                        fut = future[rank] = {}
-                    fut[t] = fut.get(t, 0) + c
-                d += 1
-                c = size
-        self.touched.update(holders)
-        r.round = rnd
+                return rnd
+            rnd = -(-need // step) * step
 
     def _flush(self) -> None:
         """Write the current run's states out."""
