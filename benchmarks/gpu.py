@@ -24,7 +24,10 @@ so that ``gpu_check.sh`` ends within 5 minutes and a lease leaves time for a rer
 and the better time kept; every result is checked against what was written. Each check appends
 one ``PASS|FAIL|SKIP name: figure`` line to ``--summary``: FAIL is a broken part (an exception, with
 its traceback printed in full, or wrong bytes); a missed speed goal says MISSED in the figure.
-Parts run in turn while time is left under ``--budget-s``; the rest are FAIL "out of time".
+Parts run in turn, the most informative first (the H2D/D2H ceilings, then loads into and saves from
+CUDA), while time is left under ``--budget-s``; a part that runs out of time is not broken: it is
+``TIMEOUT <part> after N s`` (not started once the budget is spent, or ended by the check's own
+limit, whose SIGTERM arrives here as ``SystemExit``), never FAIL.
 """
 
 from __future__ import annotations
@@ -57,8 +60,12 @@ class Summary:
     def check(self, ok: bool, name: str, figure: str) -> None:
         self.say("PASS" if ok else "FAIL", name, figure)
 
+    def timeout(self, name: str, seconds: float, figure: str) -> None:
+        """A part out of time: ``TIMEOUT <part> after N s``, not counted as failed."""
+        self.say("TIMEOUT", f"{name} after {seconds:.0f} s", figure)
+
     def say(self, verdict: str, name: str, figure: str) -> None:
-        """One line: PASS, FAIL (counted), or SKIP (what this machine cannot run, and why)."""
+        """One line: PASS, FAIL (counted), TIMEOUT, or SKIP (what this machine cannot run, and why)."""
         line = f"{verdict} {name}: {figure}"
         self.failed += verdict == "FAIL"
         self.lines.append(line)
@@ -302,6 +309,11 @@ def stall(nbytes: int, device: str, root: Path, out: Summary, report: list[str],
     reports = st.measure(nbytes, device, "file", st.SAVERS, st.LOOPS, root / "stall", deadline=deadline)
     report += st.render(reports, ["--size", f"{nbytes >> 20}MiB", "--device", device, "--target", "file"])
     for r in reports:
+        if r.timed_out:  # "TIMEOUT after N s" (ended at its limit) or "TIMEOUT: not started, ..."
+            after = r.error[len(st.TIMEOUT):]
+            out.say("TIMEOUT", f"stall-{r.saver}{after if after.startswith(' after') else ''}",
+                    "its process was ended at its time limit" if after.startswith(" after") else after.lstrip(": "))
+            continue
         for w in r.windows:
             out.check(not w.error, f"stall-{r.saver}-{w.loop}-{w.save}",
                       w.error or f"blocked {w.blocked:.3f} s, durable {w.durable:.2f} s, lost {w.lost:.2f} s, "
@@ -313,6 +325,31 @@ def stall(nbytes: int, device: str, root: Path, out: Summary, report: list[str],
             out.check("WRONG" not in r.checked, f"stall-{r.saver}-readback", r.checked)
     for g in st.goals(reports):
         print(g, flush=True)
+
+
+def run_parts(parts: list[tuple[str, Callable[[], None]]], out: Summary, t0: float, budget_s: float,
+              dev: torch.device) -> None:
+    """Each part in turn: FAIL on an exception (and go on), TIMEOUT once ``budget_s`` is spent or
+    when the check's limit ends this process mid-part (then for the rest too, and exit)."""
+    for i, (name, fn) in enumerate(parts):
+        if time.perf_counter() - t0 > budget_s:
+            out.timeout(name, time.perf_counter() - t0, f"not started: the benchmark's {budget_s:.0f} s were spent")
+            continue
+        print(f"## {name}", flush=True)
+        t1 = time.perf_counter()
+        try:
+            fn()
+        except SystemExit:  # the check's limit (SIGTERM): out of time, not broken
+            out.timeout(name, time.perf_counter() - t1, "ended by the check's time limit")
+            for rest, _ in parts[i + 1:]:
+                out.timeout(rest, time.perf_counter() - t0, "not started: the check's time limit ended the benchmark")
+            raise
+        except Exception as e:  # noqa: BLE001 - report what broke, in full, and run the other parts
+            traceback.print_exc()
+            out.check(False, name, f"{type(e).__name__}: {e}")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"## {name} took {time.perf_counter() - t1:.1f} s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,31 +392,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     stall_lines: list[str] = []
     ceiling = [0.0]
-    parts: list[tuple[str, Callable[[], None]]] = [
+    parts: list[tuple[str, Callable[[], None]]] = [  # the most informative first (issue 42)
         ("h2d", lambda: ceiling.__setitem__(0, h2d(total, dev, out))),
         ("d2h", lambda: d2h(total, dev, out)),
-        ("nccl", lambda: nccl_world1(dev, root, out)),
         ("load-save", lambda: load_and_save(int(args.load_gib * GiB), dev, ceiling[0] or float("nan"), root, out)),
+        ("nccl", lambda: nccl_world1(dev, root, out)),
         ("stall", lambda: stall(int(args.stall_gib * GiB), dev.type, root, out, stall_lines,
                                 deadline=t0 + args.budget_s + 15)),
     ]
     if args.smoke:
-        parts = parts[3:]
+        parts = [p for p in parts if p[0] in ("load-save", "stall")]
     try:
-        for name, fn in parts:
-            if time.perf_counter() - t0 > args.budget_s:
-                out.check(False, name, f"not run: out of time ({args.budget_s:.0f} s budget spent)")
-                continue
-            print(f"## {name}", flush=True)
-            t1 = time.perf_counter()
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - report what broke, in full, and run the other parts
-                traceback.print_exc()
-                out.check(False, name, f"{type(e).__name__}: {e}")
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            print(f"## {name} took {time.perf_counter() - t1:.1f} s", flush=True)
+        run_parts(parts, out, t0, args.budget_s, dev)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     text = "\n".join(head + out.lines + [""] + stall_lines)

@@ -188,3 +188,52 @@ def test_the_pin_probe(refuse: bool) -> None:
                                                             "unpinned: True")
         assert fake.pins.asked == [1 << 20] and fake.pins.live == {}
     assert "kernel " in figure and fake.violations == []
+
+
+# ----------------------------------------------------------------------------- out of time is TIMEOUT, not FAIL
+
+
+def test_a_part_out_of_time_is_timeout_not_fail() -> None:
+    """benchmarks.gpu's parts: an exception is FAIL; a part the check's limit ends (SIGTERM, which
+    exit_on_sigterm makes SystemExit) is ``TIMEOUT <part> after N s``, and so is every part not started
+    (budget spent, or the limit ended the benchmark); none of them counts as failed."""
+    from benchmarks.gpu import Summary, run_parts
+
+    def broken() -> None:
+        raise ValueError("wrong bytes")
+
+    def killed() -> None:
+        raise SystemExit(143)
+
+    out = Summary("")
+    run_parts([("a", lambda: None), ("b", broken)], out, time.perf_counter(), 100.0, torch.device("cpu"))
+    run_parts([("late", lambda: None)], out, time.perf_counter() - 10, 5.0, torch.device("cpu"))
+    with pytest.raises(SystemExit):
+        run_parts([("h2d", killed), ("stall", lambda: None)], out, time.perf_counter(), 100.0, torch.device("cpu"))
+    assert [ln.split(":")[0] for ln in out.lines] == [
+        "FAIL b", "TIMEOUT late after 10 s", "TIMEOUT h2d after 0 s", "TIMEOUT stall after 0 s"]
+    assert out.lines[0] == "FAIL b: ValueError: wrong bytes"
+    assert out.lines[1].endswith(": not started: the benchmark's 5 s were spent")
+    assert out.lines[2].endswith(": ended by the check's time limit")
+    assert out.failed == 1
+
+
+def test_a_saver_out_of_time_is_timeout(tmp_path: Path) -> None:
+    """benchmarks.stall: a saver not started for lack of time, or ended at its limit, is TIMEOUT in
+    the report, the GPU summary and the exit status (broken only when it failed)."""
+    from benchmarks import stall as st
+    from benchmarks.gpu import Summary, stall
+
+    reports = st.measure(1 << 20, "cpu", "file", ["streamckpt"], ["small"], tmp_path,
+                         deadline=time.perf_counter() + 5)
+    assert reports[0].timed_out and reports[0].error.startswith("TIMEOUT: not started, ")
+    spec = {"saver": "streamckpt", "device": "cpu", "target": "file", "nbytes": 1 << 20, "loops": ["small"],
+            "base": str(tmp_path / "x"), "storage_options": None}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = st.run_saver(spec, env, timeout=0.5)  # the child cannot even import torch in that time
+    assert r.timed_out and r.error == "TIMEOUT after 0 s"
+    assert not any("FAILED" in row for row in st.table([reports[0], r]))
+    out, lines = Summary(""), []
+    stall(1 << 20, "cpu", tmp_path, out, lines, deadline=time.perf_counter() + 5)
+    assert [ln.split(": not started, ")[0] for ln in out.lines] == [f"TIMEOUT stall-{s}" for s in st.SAVERS]
+    assert out.failed == 0
