@@ -10,10 +10,12 @@
 2. d2h: one GPU buffer copied to one pinned host buffer (the ceiling), then the save's staging
    (``DeviceToHost.spans``: two pinned blocks, event-gated, the host touching each span as a
    checksum would), ÷ the ceiling.
-3. nccl: ``SKIP nccl-exchange: 1 GPU`` on a 1-GPU machine (NCCL refuses two ranks on one device);
-   a world-1 NCCL ``GroupComm`` driving a real load through ``DeviceStage`` (``nccl_world1``).
-4. load: ``sc.load`` from local files (page cache, CRC32C checked) into CUDA targets and into CPU
+3. load: ``sc.load`` from local files (page cache, CRC32C checked) into CUDA targets and into CPU
    targets, GB/s and ÷ the H2D ceiling; ``sc.save`` of CUDA and of CPU tensors to local files.
+4. nccl: ``SKIP nccl-exchange: 1 GPU`` on a 1-GPU machine (NCCL refuses two ranks on one device);
+   on 2+ GPUs ``nccl-exchange`` (``benchmarks.gpu_nccl``: message parts, relays on 4, relay hops
+   kept on the device, every element checked); a world-1 NCCL ``GroupComm`` driving a real load
+   through ``DeviceStage`` (``nccl_world1``).
 5. stall: ``sc.async_save`` of CUDA tensors beside a GPU training loop, blocked time, time to
    durable and training time lost, beside ``dcp.async_save`` (thread and process modes) with
    DCP's ``FileSystemWriter`` (``benchmarks.stall --device cuda --target file``).
@@ -215,14 +217,19 @@ def pin_probe(dev: torch.device, api: Any = None) -> tuple[str, str]:
 
 
 def nccl_world1(dev: torch.device, root: Path, out: Summary, *, backend: str = "nccl", cuda: Any = None,
-                place: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                place: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                exchange: Callable[[int, Path], list[dict[str, Any]]] | None = None) -> None:
     """What one GPU can run of the NCCL path: NCCL refuses two ranks on one device, so the
     exchange between ranks is SKIP on a 1-GPU machine; a world-1 NCCL group still drives a real
     load through ``GroupComm`` (set-up, the GPU-side agreements and gathers, the data-plane
     choice) and ``DeviceStage`` (``run_load``: ``sc.load`` takes the single-process path at world 1).
 
-    ``backend``, ``cuda`` (a ``CudaApi``) and ``place`` (a host tensor as this device's) let a
-    CPU test run the same code on gloo with the CUDA stand-in."""
+    On 2+ GPUs, ``nccl-exchange``: ``benchmarks.gpu_nccl`` on min(GPUs, 4) ranks over NCCL, with
+    message parts and (on 4) relays, each relay hop kept on the device (issue 42, items 2 and 5).
+
+    ``backend``, ``cuda`` (a ``CudaApi``), ``place`` (a host tensor as this device's) and
+    ``exchange`` (world, folder -> the ranks' reports) let a CPU test run the same code on gloo
+    with the CUDA stand-in."""
     import torch.distributed as dist
 
     import streamckpt as sc
@@ -237,6 +244,18 @@ def nccl_world1(dev: torch.device, root: Path, out: Summary, *, backend: str = "
     if gpus < 2:
         out.say("SKIP", "nccl-exchange", f"{gpus} GPU (NCCL refuses two ranks on one device: the exchange between "
                                          f"ranks needs 2 GPUs)")
+    else:
+        from . import gpu_nccl
+
+        world = min(gpus, 4)
+        try:
+            reports = (exchange or gpu_nccl.run_exchange)(world, root)
+        except Exception as e:  # noqa: BLE001 - the world-1 load below still runs
+            traceback.print_exc()
+            out.check(False, "nccl-exchange", f"{world} ranks: {type(e).__name__}: {e}")
+        else:
+            ok, figure = gpu_nccl.verdict(reports, world)
+            out.check(ok, "nccl-exchange", figure)
     g = torch.Generator().manual_seed(36)
     want = {"w": torch.randn(1024, 1024, generator=g), "b": torch.randn(4099, generator=g).to(torch.bfloat16)}
     uri = str(root / "nccl-world1")

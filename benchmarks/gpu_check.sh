@@ -164,11 +164,11 @@ part_space() {
 part_tests() {
   # The other test marked gpu, test_multirank.py::test_cuda_targets_multirank, needs the moto S3 fixture
   # (moto is not on the image); test_gpu.py's two-gloo-rank case covers it on local files.
-  echo "## GPU tests: pytest -m gpu tests/test_gpu.py tests/test_gpu_save.py (local files; no S3 server)"
+  echo "## GPU tests: pytest -m gpu tests/test_gpu.py tests/test_gpu_save.py tests/test_gpu_nccl.py (local files; no S3 server)"
   local rc limit
   limit=$(left "$TESTS_S")
   "${LIMIT[@]}" "$limit" "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider --timeout 90 \
-    --junitxml="$OUTDIR/pytest_gpu.xml" tests/test_gpu.py tests/test_gpu_save.py
+    --junitxml="$OUTDIR/pytest_gpu.xml" tests/test_gpu.py tests/test_gpu_save.py tests/test_gpu_nccl.py
   rc=$?
   local tally
   tally=$(grep -oE '(tests|failures|errors|skipped)="[0-9]+"' "$OUTDIR/pytest_gpu.xml" 2>/dev/null | head -4 \

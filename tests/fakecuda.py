@@ -331,14 +331,18 @@ class FakeCuda:
             if block is not None:
                 block.recorded.add(stream.sid)
 
-    def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
-        """NCCL's op waits on the current stream and stays pending; gloo moves the bytes now, so
-        what the send buffers depend on runs now, early (re-checked when forced)."""
+    def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor],
+                        after: FakeStream | None = None) -> None:
+        """NCCL's op waits on the current stream (``after`` when posted under ``use_stream(after)``)
+        and stays pending; gloo moves the bytes now, so what the send buffers depend on runs now,
+        early (re-checked when forced)."""
         with self._lock:
             nccl = self._nccl.get(device)
             if nccl is None:
                 nccl = self._nccl[device] = self._stream(device, f"nccl:{device}")
-            self.wait_stream(nccl, self._caller_stream(device))
+            if after is not None:
+                self._same_device(after.device, device, "exchange_posted")
+            self.wait_stream(nccl, after if after is not None else self._caller_stream(device))
             self._count_call("exchange")
             self._enqueue(nccl, lambda: None, list(sends), list(recvs), "nccl send/recv", nccl=True)
             op = nccl.ops[-1]

@@ -140,12 +140,24 @@ NCCL_PART = textwrap.dedent("""
     from fakecuda import FakeCuda
     from benchmarks.gpu import Summary, nccl_world1
 
+    gpus = int(sys.argv[1])
     dev = torch.device("cuda", 0)
-    fake = FakeCuda(current_device=0, device_count=1)
+    fake = FakeCuda(current_device=0, device_count=gpus)
     fake.expect_device(dev)
     out = Summary("")
+
+    def exchange(world, root):  # benchmarks.gpu_nccl's ranks on gloo with the stand-in
+        import streamckpt as sc
+        from benchmarks import gpu_nccl
+        from distributed import run_ranks
+
+        sc.save(gpu_nccl.model(), str(root / "x"))
+        return [r.unwrap() for r in run_ranks(world, gpu_nccl.exchange_worker,
+                                              kwargs={"uri": str(root / "x"), "fake": True}, timeout=120)]
+
     with tempfile.TemporaryDirectory() as d:
-        nccl_world1(dev, Path(d), out, backend="gloo", cuda=fake, place=lambda t: fake.place(t, dev))
+        nccl_world1(dev, Path(d), out, backend="gloo", cuda=fake, place=lambda t: fake.place(t, dev),
+                    exchange=exchange)
     print("VIOLATIONS", fake.violations, fake.counts.get("copy", 0))
 """)
 
@@ -154,7 +166,7 @@ def test_the_nccl_part_skips_the_exchange_and_loads_on_a_world_1_group() -> None
     """On gloo with the stand-in (NCCL needs a GPU): the same function, a world-1 GroupComm, a real
     load through DeviceStage (copies through the stand-in), the values checked by the function."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
-    proc = subprocess.run([sys.executable, "-c", NCCL_PART], cwd=REPO, capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-c", NCCL_PART, "1"], cwd=REPO, capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith(">>> ")]
@@ -165,6 +177,25 @@ def test_the_nccl_part_skips_the_exchange_and_loads_on_a_world_1_group() -> None
     assert lines[1].endswith("wrong tensors: 0")
     violations = next(ln for ln in proc.stdout.splitlines() if ln.startswith("VIOLATIONS"))
     assert violations.startswith("VIOLATIONS [] ") and int(violations.split()[-1]) > 2
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_the_nccl_part_on_several_gpus_says_pass_with_parts_and_relays(gpus: int) -> None:
+    """On 2+ GPUs the summary has an nccl-exchange PASS/FAIL line (it had none): message parts on
+    2, relays on 4, no relay hop through the host (the ranks on gloo with the stand-in here)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    proc = subprocess.run([sys.executable, "-c", NCCL_PART, str(gpus)], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith(">>> ")]
+    assert lines[0].startswith(f"PASS nccl-exchange: {gpus} ranks, max_peers=1, direct_message_bytes=64, 1 MiB "
+                               f"budget: "), lines
+    assert " 0 device-to-host downloads, " in lines[0] and lines[0].endswith("wrong: 0")
+    if gpus == 4:
+        assert " 0 relayed sends" not in lines[0]
+    else:
+        assert "; relays need 4 GPUs" in lines[0]
+    assert lines[1].startswith("PASS nccl-world1: ")
 
 
 @pytest.mark.parametrize("refuse", [False, True])

@@ -72,8 +72,10 @@ class CudaApi(Protocol):
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         """Tell the allocator that ``stream`` uses ``t`` (no reuse before its work is done)."""
 
-    def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
-        """A grouped send/recv of device buffers was just posted (NCCL semantics)."""
+    def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor],
+                        after: Any = None) -> None:
+        """A grouped send/recv of device buffers is posted now (NCCL semantics): NCCL's stream waits
+        on ``after``, the stream current when it is posted (None: the caller's current stream)."""
 
     def use_stream(self, stream: Any) -> ContextManager[None]:
         """``stream`` (and its device) current inside: where ``work.wait()`` makes NCCL's completion wait."""
@@ -174,7 +176,8 @@ class TorchCuda:
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)
 
-    def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
+    def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor],
+                        after: Any = None) -> None:
         """Nothing to do: ProcessGroupNCCL makes its stream wait on the current stream and
         keeps the buffers alive for the allocator itself."""
 
