@@ -9,7 +9,8 @@
 #   carry:     [".whl"]
 #   timeout_s: 360
 # What comes back: $OUT/gpu_check.log (everything, tracebacks included), $OUT/gpu_summary.txt (one
-# PASS/FAIL/WARN/SKIP line per check, with its figure; after a failed set-up step, a last STOP line), $OUT/gpu.txt
+# PASS/FAIL/WARN/SKIP line per check, with its figure; `TIMEOUT <part> after N s` for a part out of time,
+# which is not a failure; after a failed set-up step, a last STOP line), $OUT/gpu.txt
 # (the benchmark's report, for `benchmarks.run --gpu-results`), $OUT/pytest_gpu.xml.
 #
 # Set-up steps; the script stops at the first that fails (every later part would fail on it), its
@@ -21,9 +22,12 @@
 # Then the parts, each run even when an earlier one failed; the exit status is 1 if any check failed:
 #   pin      pin and unpin 1 MiB with CudaApi.pin (cudaHostRegister), the kernel and the driver; a
 #            refusal is WARN: staging then falls back to torch's pinned allocator (issue 36);
-#   tests    pytest -m gpu tests/test_gpu.py tests/test_gpu_save.py, local files only (no S3 server, no moto);
-#   bench    python -m benchmarks.gpu: H2D and D2H ceilings and the pipeline (2 GiB), SKIP nccl-exchange on
-#            1 GPU and a world-1 NCCL load, sc.load/sc.save (1 GiB), async_save beside a training loop (0.5 GiB).
+#   tests    pytest -m gpu tests/test_gpu.py tests/test_gpu_save.py tests/test_gpu_nccl.py, local files only
+#            (no S3 server, no moto); the NCCL one needs 2 GPUs;
+#   bench    python -m benchmarks.gpu, the most informative first: H2D and D2H ceilings and the pipeline
+#            (2 GiB), sc.load into / sc.save from CUDA (1 GiB), SKIP nccl-exchange on 1 GPU (on 2-4: relays
+#            and message parts, benchmarks/gpu_nccl.py) and a world-1 NCCL load, async_save beside a
+#            training loop (0.5 GiB). The plan in time: docs/TESTING.md.
 # Every step runs under benchmarks/timelimit.py: a session of its own, its whole process group killed at its
 # limit (a grandchild holding the log pipe cannot outlive it). Work files go to /tmp (the device's 64 GiB
 # disk), not /dev/shm, after a free-space check.
