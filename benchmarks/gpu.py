@@ -10,10 +10,12 @@
 2. d2h: one GPU buffer copied to one pinned host buffer (the ceiling), then the save's staging
    (``DeviceToHost.spans``: two pinned blocks, event-gated, the host touching each span as a
    checksum would), ÷ the ceiling.
-3. nccl: ``SKIP nccl-exchange: 1 GPU`` on a 1-GPU machine (NCCL refuses two ranks on one device);
-   a world-1 NCCL ``GroupComm`` driving a real load through ``DeviceStage`` (``nccl_world1``).
-4. load: ``sc.load`` from local files (page cache, CRC32C checked) into CUDA targets and into CPU
+3. load: ``sc.load`` from local files (page cache, CRC32C checked) into CUDA targets and into CPU
    targets, GB/s and ÷ the H2D ceiling; ``sc.save`` of CUDA and of CPU tensors to local files.
+4. nccl: ``SKIP nccl-exchange: 1 GPU`` on a 1-GPU machine (NCCL refuses two ranks on one device);
+   on 2+ GPUs ``nccl-exchange`` (``benchmarks.gpu_nccl``: message parts, relays on 4, relay hops
+   kept on the device, every element checked); a world-1 NCCL ``GroupComm`` driving a real load
+   through ``DeviceStage`` (``nccl_world1``).
 5. stall: ``sc.async_save`` of CUDA tensors beside a GPU training loop, blocked time, time to
    durable and training time lost, beside ``dcp.async_save`` (thread and process modes) with
    DCP's ``FileSystemWriter`` (``benchmarks.stall --device cuda --target file``).
@@ -24,7 +26,10 @@ so that ``gpu_check.sh`` ends within 5 minutes and a lease leaves time for a rer
 and the better time kept; every result is checked against what was written. Each check appends
 one ``PASS|FAIL|SKIP name: figure`` line to ``--summary``: FAIL is a broken part (an exception, with
 its traceback printed in full, or wrong bytes); a missed speed goal says MISSED in the figure.
-Parts run in turn while time is left under ``--budget-s``; the rest are FAIL "out of time".
+Parts run in turn, the most informative first (the H2D/D2H ceilings, then loads into and saves from
+CUDA), while time is left under ``--budget-s``; a part that runs out of time is not broken: it is
+``TIMEOUT <part> after N s`` (not started once the budget is spent, or ended by the check's own
+limit, whose SIGTERM arrives here as ``SystemExit``), never FAIL.
 """
 
 from __future__ import annotations
@@ -57,8 +62,12 @@ class Summary:
     def check(self, ok: bool, name: str, figure: str) -> None:
         self.say("PASS" if ok else "FAIL", name, figure)
 
+    def timeout(self, name: str, seconds: float, figure: str) -> None:
+        """A part out of time: ``TIMEOUT <part> after N s``, not counted as failed."""
+        self.say("TIMEOUT", f"{name} after {seconds:.0f} s", figure)
+
     def say(self, verdict: str, name: str, figure: str) -> None:
-        """One line: PASS, FAIL (counted), or SKIP (what this machine cannot run, and why)."""
+        """One line: PASS, FAIL (counted), TIMEOUT, or SKIP (what this machine cannot run, and why)."""
         line = f"{verdict} {name}: {figure}"
         self.failed += verdict == "FAIL"
         self.lines.append(line)
@@ -208,14 +217,19 @@ def pin_probe(dev: torch.device, api: Any = None) -> tuple[str, str]:
 
 
 def nccl_world1(dev: torch.device, root: Path, out: Summary, *, backend: str = "nccl", cuda: Any = None,
-                place: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                place: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                exchange: Callable[[int, Path], list[dict[str, Any]]] | None = None) -> None:
     """What one GPU can run of the NCCL path: NCCL refuses two ranks on one device, so the
     exchange between ranks is SKIP on a 1-GPU machine; a world-1 NCCL group still drives a real
     load through ``GroupComm`` (set-up, the GPU-side agreements and gathers, the data-plane
     choice) and ``DeviceStage`` (``run_load``: ``sc.load`` takes the single-process path at world 1).
 
-    ``backend``, ``cuda`` (a ``CudaApi``) and ``place`` (a host tensor as this device's) let a
-    CPU test run the same code on gloo with the CUDA stand-in."""
+    On 2+ GPUs, ``nccl-exchange``: ``benchmarks.gpu_nccl`` on min(GPUs, 4) ranks over NCCL, with
+    message parts and (on 4) relays, each relay hop kept on the device (issue 42, items 2 and 5).
+
+    ``backend``, ``cuda`` (a ``CudaApi``), ``place`` (a host tensor as this device's) and
+    ``exchange`` (world, folder -> the ranks' reports) let a CPU test run the same code on gloo
+    with the CUDA stand-in."""
     import torch.distributed as dist
 
     import streamckpt as sc
@@ -230,6 +244,18 @@ def nccl_world1(dev: torch.device, root: Path, out: Summary, *, backend: str = "
     if gpus < 2:
         out.say("SKIP", "nccl-exchange", f"{gpus} GPU (NCCL refuses two ranks on one device: the exchange between "
                                          f"ranks needs 2 GPUs)")
+    else:
+        from . import gpu_nccl
+
+        world = min(gpus, 4)
+        try:
+            reports = (exchange or gpu_nccl.run_exchange)(world, root)
+        except Exception as e:  # noqa: BLE001 - the world-1 load below still runs
+            traceback.print_exc()
+            out.check(False, "nccl-exchange", f"{world} ranks: {type(e).__name__}: {e}")
+        else:
+            ok, figure = gpu_nccl.verdict(reports, world)
+            out.check(ok, "nccl-exchange", figure)
     g = torch.Generator().manual_seed(36)
     want = {"w": torch.randn(1024, 1024, generator=g), "b": torch.randn(4099, generator=g).to(torch.bfloat16)}
     uri = str(root / "nccl-world1")
@@ -302,6 +328,11 @@ def stall(nbytes: int, device: str, root: Path, out: Summary, report: list[str],
     reports = st.measure(nbytes, device, "file", st.SAVERS, st.LOOPS, root / "stall", deadline=deadline)
     report += st.render(reports, ["--size", f"{nbytes >> 20}MiB", "--device", device, "--target", "file"])
     for r in reports:
+        if r.timed_out:  # "TIMEOUT after N s" (ended at its limit) or "TIMEOUT: not started, ..."
+            after = r.error[len(st.TIMEOUT):]
+            out.say("TIMEOUT", f"stall-{r.saver}{after if after.startswith(' after') else ''}",
+                    "its process was ended at its time limit" if after.startswith(" after") else after.lstrip(": "))
+            continue
         for w in r.windows:
             out.check(not w.error, f"stall-{r.saver}-{w.loop}-{w.save}",
                       w.error or f"blocked {w.blocked:.3f} s, durable {w.durable:.2f} s, lost {w.lost:.2f} s, "
@@ -313,6 +344,31 @@ def stall(nbytes: int, device: str, root: Path, out: Summary, report: list[str],
             out.check("WRONG" not in r.checked, f"stall-{r.saver}-readback", r.checked)
     for g in st.goals(reports):
         print(g, flush=True)
+
+
+def run_parts(parts: list[tuple[str, Callable[[], None]]], out: Summary, t0: float, budget_s: float,
+              dev: torch.device) -> None:
+    """Each part in turn: FAIL on an exception (and go on), TIMEOUT once ``budget_s`` is spent or
+    when the check's limit ends this process mid-part (then for the rest too, and exit)."""
+    for i, (name, fn) in enumerate(parts):
+        if time.perf_counter() - t0 > budget_s:
+            out.timeout(name, time.perf_counter() - t0, f"not started: the benchmark's {budget_s:.0f} s were spent")
+            continue
+        print(f"## {name}", flush=True)
+        t1 = time.perf_counter()
+        try:
+            fn()
+        except SystemExit:  # the check's limit (SIGTERM): out of time, not broken
+            out.timeout(name, time.perf_counter() - t1, "ended by the check's time limit")
+            for rest, _ in parts[i + 1:]:
+                out.timeout(rest, time.perf_counter() - t0, "not started: the check's time limit ended the benchmark")
+            raise
+        except Exception as e:  # noqa: BLE001 - report what broke, in full, and run the other parts
+            traceback.print_exc()
+            out.check(False, name, f"{type(e).__name__}: {e}")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"## {name} took {time.perf_counter() - t1:.1f} s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,31 +411,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     stall_lines: list[str] = []
     ceiling = [0.0]
-    parts: list[tuple[str, Callable[[], None]]] = [
+    parts: list[tuple[str, Callable[[], None]]] = [  # the most informative first (issue 42)
         ("h2d", lambda: ceiling.__setitem__(0, h2d(total, dev, out))),
         ("d2h", lambda: d2h(total, dev, out)),
-        ("nccl", lambda: nccl_world1(dev, root, out)),
         ("load-save", lambda: load_and_save(int(args.load_gib * GiB), dev, ceiling[0] or float("nan"), root, out)),
+        ("nccl", lambda: nccl_world1(dev, root, out)),
         ("stall", lambda: stall(int(args.stall_gib * GiB), dev.type, root, out, stall_lines,
                                 deadline=t0 + args.budget_s + 15)),
     ]
     if args.smoke:
-        parts = parts[3:]
+        parts = [p for p in parts if p[0] in ("load-save", "stall")]
     try:
-        for name, fn in parts:
-            if time.perf_counter() - t0 > args.budget_s:
-                out.check(False, name, f"not run: out of time ({args.budget_s:.0f} s budget spent)")
-                continue
-            print(f"## {name}", flush=True)
-            t1 = time.perf_counter()
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - report what broke, in full, and run the other parts
-                traceback.print_exc()
-                out.check(False, name, f"{type(e).__name__}: {e}")
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            print(f"## {name} took {time.perf_counter() - t1:.1f} s", flush=True)
+        run_parts(parts, out, t0, args.budget_s, dev)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     text = "\n".join(head + out.lines + [""] + stall_lines)

@@ -84,6 +84,14 @@ class Report:
     checked: str = ""
     error: str = ""
 
+    @property
+    def timed_out(self) -> bool:
+        """Out of time (killed at its limit, or not started): not a broken saver."""
+        return self.error.startswith(TIMEOUT)
+
+
+TIMEOUT = "TIMEOUT"  # how a saver that ran out of time is reported, never as FAILED
+
 
 # ------------------------------------------------------------------ training loops
 
@@ -299,7 +307,7 @@ def run_saver(spec: dict[str, Any], env: dict[str, str], timeout: float) -> Repo
         os.unlink(f.name)
     sys.stderr.write(err[-4000:])
     if timed_out:
-        return Report(spec["saver"], spec["device"], spec["target"], 0, error=f"timed out after {timeout:.0f} s")
+        return Report(spec["saver"], spec["device"], spec["target"], 0, error=f"{TIMEOUT} after {timeout:.0f} s")
     last = out.strip().splitlines()[-1:] or [""]
     try:
         doc = json.loads(last[0])
@@ -341,7 +349,7 @@ def measure(nbytes: int, device: str, target: str, savers: list[str], loops: lis
                     "base": base, "storage_options": server.storage_options if server else None}
             left = 600.0 if deadline is None else deadline - time.perf_counter()
             if left < 20:
-                reports.append(Report(saver, device, target, 0, error="not run: out of time"))
+                reports.append(Report(saver, device, target, 0, error=f"{TIMEOUT}: not started, {left:.0f} s left"))
                 continue
             print(f"  (t) {saver} on {device}, {target} ...", flush=True)
             reports.append(run_saver(spec, env, timeout=min(600.0, left)))
@@ -403,7 +411,7 @@ def table(reports: list[Report]) -> list[str]:
             if w.error:
                 rows.append(f"| {w.loop} | {w.save} | {r.saver} | FAILED: {w.error[:200]} ||||||")
         if r.error:
-            rows.append(f"| | | {r.saver} | FAILED: {r.error[-300:]} ||||||")
+            rows.append(f"| | | {r.saver} | {'' if r.timed_out else 'FAILED: '}{r.error[-300:]} ||||||")
     return rows
 
 
@@ -474,7 +482,11 @@ def main(argv: list[str] | None = None) -> int:
     print(text, flush=True)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    return 1 if any(r.error or any(w.error for w in r.windows) for r in reports) else 0
+    for r in reports:
+        if r.timed_out:
+            print(f"TIMEOUT {r.saver} {r.error[len(TIMEOUT):].lstrip(': ')}", flush=True)
+    broken = [r for r in reports if (r.error and not r.timed_out) or any(w.error for w in r.windows)]
+    return 1 if broken else 0  # a saver out of time is reported TIMEOUT, not broken
 
 
 if __name__ == "__main__":

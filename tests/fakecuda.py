@@ -331,14 +331,18 @@ class FakeCuda:
             if block is not None:
                 block.recorded.add(stream.sid)
 
-    def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
-        """NCCL's op waits on the current stream and stays pending; gloo moves the bytes now, so
-        what the send buffers depend on runs now, early (re-checked when forced)."""
+    def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor],
+                        after: FakeStream | None = None) -> None:
+        """NCCL's op waits on the current stream (``after`` when posted under ``use_stream(after)``)
+        and stays pending; gloo moves the bytes now, so what the send buffers depend on runs now,
+        early (re-checked when forced)."""
         with self._lock:
             nccl = self._nccl.get(device)
             if nccl is None:
                 nccl = self._nccl[device] = self._stream(device, f"nccl:{device}")
-            self.wait_stream(nccl, self._caller_stream(device))
+            if after is not None:
+                self._same_device(after.device, device, "exchange_posted")
+            self.wait_stream(nccl, after if after is not None else self._caller_stream(device))
             self._count_call("exchange")
             self._enqueue(nccl, lambda: None, list(sends), list(recvs), "nccl send/recv", nccl=True)
             op = nccl.ops[-1]
@@ -582,3 +586,58 @@ def _unpin(self: FakeCuda, t: torch.Tensor, device: torch.device) -> None:
 FakeCuda.pins = property(_pins)  # type: ignore[attr-defined]
 FakeCuda.pin = _pin  # type: ignore[attr-defined]
 FakeCuda.unpin = _unpin  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------ torch.cuda.cudart(), no more than torch binds (issue 42)
+# torch/csrc/cuda/shared/cudart.cpp binds these and nothing else (no cudaGetLastError): a call the
+# library makes to any other method fails here on CPU as it would on the GPU, with AttributeError.
+
+TORCH_CUDART = ("cudaGetErrorString", "cudaProfilerStart", "cudaProfilerStop", "cudaHostRegister",
+                "cudaHostUnregister", "cudaStreamCreate", "cudaStreamDestroy", "cudaMemGetInfo")
+
+
+class FakeCudart:
+    """``torch.cuda.cudart()`` on CPU: exactly torch's methods. ``register_error``: what
+    ``cudaHostRegister`` returns (0: success); a failure leaves ``pending`` (CUDA's last error)
+    until something reads it away — which torch's binding cannot."""
+
+    __slots__ = ("register_error", "pending", "calls")
+
+    def __init__(self, register_error: int = 0) -> None:
+        self.register_error = register_error
+        self.pending = 0
+        self.calls: list[str] = []
+
+    def cudaGetErrorString(self, err: int) -> str:  # noqa: N802 - CUDA's names
+        return f"cudaError {int(err)} (fake)"
+
+    def cudaProfilerStart(self) -> int:  # noqa: N802
+        return 0
+
+    def cudaProfilerStop(self) -> int:  # noqa: N802
+        return 0
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802
+        self.calls.append("register")
+        if self.register_error:
+            self.pending = self.register_error
+        return self.register_error
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.calls.append("unregister")
+        return 0
+
+    def cudaStreamCreate(self, ptr: int) -> int:  # noqa: N802
+        return 0
+
+    def cudaStreamDestroy(self, ptr: int) -> int:  # noqa: N802
+        return 0
+
+    def cudaMemGetInfo(self, device: int) -> tuple[int, int]:  # noqa: N802
+        return 80 << 30, 80 << 30
+
+    def read_last_error(self) -> bool:
+        """What ``lasterror.clear_last_error`` does on a GPU (cudaGetLastError through libcudart)."""
+        self.calls.append("get-last-error")
+        self.pending = 0
+        return True

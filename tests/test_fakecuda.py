@@ -140,3 +140,15 @@ def test_an_injected_allocation_failure_is_torch_oom() -> None:
         fake.empty(101, DEV, cur)
     assert fake.pinned(1000, DEV).numel() == 1000
     assert fake.counts["failed empty"] == 1
+
+
+def test_the_stand_ins_cudart_has_exactly_torchs_methods() -> None:
+    """torch/csrc/cuda/shared/cudart.cpp binds these eight and no cudaGetLastError (issue 42): a
+    call to another one must fail on CPU as it fails on the GPU."""
+    from fakecuda import TORCH_CUDART, FakeCudart
+
+    assert TORCH_CUDART == ("cudaGetErrorString", "cudaProfilerStart", "cudaProfilerStop", "cudaHostRegister",
+                            "cudaHostUnregister", "cudaStreamCreate", "cudaStreamDestroy", "cudaMemGetInfo")
+    assert {m for m in dir(FakeCudart) if m.startswith("cuda")} == set(TORCH_CUDART)
+    with pytest.raises(AttributeError):
+        FakeCudart().cudaGetLastError()  # type: ignore[attr-defined]

@@ -140,12 +140,24 @@ NCCL_PART = textwrap.dedent("""
     from fakecuda import FakeCuda
     from benchmarks.gpu import Summary, nccl_world1
 
+    gpus = int(sys.argv[1])
     dev = torch.device("cuda", 0)
-    fake = FakeCuda(current_device=0, device_count=1)
+    fake = FakeCuda(current_device=0, device_count=gpus)
     fake.expect_device(dev)
     out = Summary("")
+
+    def exchange(world, root):  # benchmarks.gpu_nccl's ranks on gloo with the stand-in
+        import streamckpt as sc
+        from benchmarks import gpu_nccl
+        from distributed import run_ranks
+
+        sc.save(gpu_nccl.model(), str(root / "x"))
+        return [r.unwrap() for r in run_ranks(world, gpu_nccl.exchange_worker,
+                                              kwargs={"uri": str(root / "x"), "fake": True}, timeout=120)]
+
     with tempfile.TemporaryDirectory() as d:
-        nccl_world1(dev, Path(d), out, backend="gloo", cuda=fake, place=lambda t: fake.place(t, dev))
+        nccl_world1(dev, Path(d), out, backend="gloo", cuda=fake, place=lambda t: fake.place(t, dev),
+                    exchange=exchange)
     print("VIOLATIONS", fake.violations, fake.counts.get("copy", 0))
 """)
 
@@ -154,7 +166,7 @@ def test_the_nccl_part_skips_the_exchange_and_loads_on_a_world_1_group() -> None
     """On gloo with the stand-in (NCCL needs a GPU): the same function, a world-1 GroupComm, a real
     load through DeviceStage (copies through the stand-in), the values checked by the function."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
-    proc = subprocess.run([sys.executable, "-c", NCCL_PART], cwd=REPO, capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-c", NCCL_PART, "1"], cwd=REPO, capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith(">>> ")]
@@ -165,6 +177,25 @@ def test_the_nccl_part_skips_the_exchange_and_loads_on_a_world_1_group() -> None
     assert lines[1].endswith("wrong tensors: 0")
     violations = next(ln for ln in proc.stdout.splitlines() if ln.startswith("VIOLATIONS"))
     assert violations.startswith("VIOLATIONS [] ") and int(violations.split()[-1]) > 2
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_the_nccl_part_on_several_gpus_says_pass_with_parts_and_relays(gpus: int) -> None:
+    """On 2+ GPUs the summary has an nccl-exchange PASS/FAIL line (it had none): message parts on
+    2, relays on 4, no relay hop through the host (the ranks on gloo with the stand-in here)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    proc = subprocess.run([sys.executable, "-c", NCCL_PART, str(gpus)], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith(">>> ")]
+    assert lines[0].startswith(f"PASS nccl-exchange: {gpus} ranks, max_peers=1, direct_message_bytes=64, 1 MiB "
+                               f"budget: "), lines
+    assert " 0 device-to-host downloads, " in lines[0] and lines[0].endswith("wrong: 0")
+    if gpus == 4:
+        assert " 0 relayed sends" not in lines[0]
+    else:
+        assert "; relays need 4 GPUs" in lines[0]
+    assert lines[1].startswith("PASS nccl-world1: ")
 
 
 @pytest.mark.parametrize("refuse", [False, True])
@@ -188,3 +219,52 @@ def test_the_pin_probe(refuse: bool) -> None:
                                                             "unpinned: True")
         assert fake.pins.asked == [1 << 20] and fake.pins.live == {}
     assert "kernel " in figure and fake.violations == []
+
+
+# ----------------------------------------------------------------------------- out of time is TIMEOUT, not FAIL
+
+
+def test_a_part_out_of_time_is_timeout_not_fail() -> None:
+    """benchmarks.gpu's parts: an exception is FAIL; a part the check's limit ends (SIGTERM, which
+    exit_on_sigterm makes SystemExit) is ``TIMEOUT <part> after N s``, and so is every part not started
+    (budget spent, or the limit ended the benchmark); none of them counts as failed."""
+    from benchmarks.gpu import Summary, run_parts
+
+    def broken() -> None:
+        raise ValueError("wrong bytes")
+
+    def killed() -> None:
+        raise SystemExit(143)
+
+    out = Summary("")
+    run_parts([("a", lambda: None), ("b", broken)], out, time.perf_counter(), 100.0, torch.device("cpu"))
+    run_parts([("late", lambda: None)], out, time.perf_counter() - 10, 5.0, torch.device("cpu"))
+    with pytest.raises(SystemExit):
+        run_parts([("h2d", killed), ("stall", lambda: None)], out, time.perf_counter(), 100.0, torch.device("cpu"))
+    assert [ln.split(":")[0] for ln in out.lines] == [
+        "FAIL b", "TIMEOUT late after 10 s", "TIMEOUT h2d after 0 s", "TIMEOUT stall after 0 s"]
+    assert out.lines[0] == "FAIL b: ValueError: wrong bytes"
+    assert out.lines[1].endswith(": not started: the benchmark's 5 s were spent")
+    assert out.lines[2].endswith(": ended by the check's time limit")
+    assert out.failed == 1
+
+
+def test_a_saver_out_of_time_is_timeout(tmp_path: Path) -> None:
+    """benchmarks.stall: a saver not started for lack of time, or ended at its limit, is TIMEOUT in
+    the report, the GPU summary and the exit status (broken only when it failed)."""
+    from benchmarks import stall as st
+    from benchmarks.gpu import Summary, stall
+
+    reports = st.measure(1 << 20, "cpu", "file", ["streamckpt"], ["small"], tmp_path,
+                         deadline=time.perf_counter() + 5)
+    assert reports[0].timed_out and reports[0].error.startswith("TIMEOUT: not started, ")
+    spec = {"saver": "streamckpt", "device": "cpu", "target": "file", "nbytes": 1 << 20, "loops": ["small"],
+            "base": str(tmp_path / "x"), "storage_options": None}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = st.run_saver(spec, env, timeout=0.5)  # the child cannot even import torch in that time
+    assert r.timed_out and r.error == "TIMEOUT after 0 s"
+    assert not any("FAILED" in row for row in st.table([reports[0], r]))
+    out, lines = Summary(""), []
+    stall(1 << 20, "cpu", tmp_path, out, lines, deadline=time.perf_counter() + 5)
+    assert [ln.split(": not started, ")[0] for ln in out.lines] == [f"TIMEOUT stall-{s}" for s in st.SAVERS]
+    assert out.failed == 0

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from fakecuda import FakeCuda
+from fakecuda import FakeCuda, FakeCudart
 from test_gpu_save import _gpu_state, _loads_back
 
 import streamckpt as sc
@@ -61,31 +61,26 @@ class _DeviceGuard:
         _current.index = self.prev
 
 
-class RecordingCudart:
-    """``torch.cuda.cudart()``: each call with the calling thread's current device; a failing
-    ``cudaHostRegister`` leaves an error pending until ``cudaGetLastError`` takes it."""
+class RecordingCudart(FakeCudart):
+    """``torch.cuda.cudart()`` (exactly torch's methods, see ``fakecuda.FakeCudart``): each call
+    with the calling thread's current device; a failing ``cudaHostRegister`` leaves an error
+    pending until ``read_last_error`` (what ``lasterror`` does through libcudart) takes it."""
 
     def __init__(self, register_error: int = 0) -> None:
-        self.register_error = register_error
-        self.pending = 0  # the runtime's last error, not yet read
-        self.calls: list[tuple[str, int]] = []
-
-    def _log(self, what: str) -> None:
-        self.calls.append((what, getattr(_current, "index", 0)))
+        super().__init__(register_error)
+        self.log: list[tuple[str, int]] = []
 
     def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802 - CUDA's name
-        self._log("register")
-        self.pending = self.register_error
-        return self.register_error
+        self.log.append(("register", getattr(_current, "index", 0)))
+        return super().cudaHostRegister(ptr, nbytes, flags)
 
     def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
-        self._log("unregister")
-        return 0
+        self.log.append(("unregister", getattr(_current, "index", 0)))
+        return super().cudaHostUnregister(ptr)
 
-    def cudaGetLastError(self) -> int:  # noqa: N802
-        self._log("get-last-error")
-        err, self.pending = self.pending, 0
-        return err
+    def read_last_error(self) -> bool:
+        self.log.append(("get-last-error", getattr(_current, "index", 0)))
+        return super().read_last_error()
 
 
 @contextlib.contextmanager
@@ -102,9 +97,21 @@ def test_a_refused_pin_clears_cudas_error_state(monkeypatch: pytest.MonkeyPatch)
     with recorded_cudart(monkeypatch, register_error=712) as rt:  # cudaErrorHostMemoryAlreadyRegistered, say
         with pytest.raises(PinRefused, match=r"pinning 4096 bytes of host memory on cuda:3 failed "
                                              r"\(cudaHostRegister: cudaError 712\)"):
-            TorchCuda().pin(4096, DEV)
-    assert rt.calls == [("register", 3), ("get-last-error", 3)]
+            TorchCuda(clear_error=rt.read_last_error).pin(4096, DEV)
+    assert rt.log == [("register", 3), ("get-last-error", 3)]
     assert rt.pending == 0  # a later kernel launch finds no stray error
+
+
+def test_a_refused_pin_is_pin_refused_with_torchs_own_cudart(monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The default TorchCuda over a cudart with only torch's methods (no cudaGetLastError): still
+    PinRefused, never AttributeError; with no libcudart mapped here (CPU) and no cuda.bindings the
+    error is left, and a log line says so."""
+    with recorded_cudart(monkeypatch, register_error=1) as rt, caplog.at_level(logging.WARNING, "streamckpt"):
+        with pytest.raises(PinRefused):
+            TorchCuda().pin(4096, DEV)
+    assert rt.log == [("register", 3)]
+    assert any("CUDA's last error was not cleared" in r.getMessage() for r in caplog.records)
 
 
 def test_unpin_on_another_thread_runs_under_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,7 +122,7 @@ def test_unpin_on_another_thread_runs_under_its_device(monkeypatch: pytest.Monke
         th = threading.Thread(target=api.unpin, args=(t, DEV))
         th.start()
         th.join()
-    assert rt.calls == [("register", 3), ("unregister", 3)]
+    assert rt.log == [("register", 3), ("unregister", 3)]
 
 
 def test_async_save_unpins_on_the_uploader_thread_under_its_gpu(tmp_path: Path) -> None:
@@ -253,3 +260,24 @@ def test_a_failed_load_on_nccl_leaves_the_callers_stream_free(tmp_path: Path) ->
     assert all(r["exchanges"] > 0 for r in reps), reps  # NCCL exchanges were posted before the failure
     assert [r["follows"] for r in reps] == [[]] * 3, reps
     assert all(r["held"] == r["targets"] > 0 for r in reps), reps
+
+
+def test_saving_cuda_tensors_works_when_cudahostregister_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    """The lent VM's case (issue 42): the stand-in's pin goes through the real TorchCuda.pin over a
+    cudart with only torch's methods that refuses cudaHostRegister. The refusal must reach the
+    fallback as PinRefused (it was an AttributeError: no cudaGetLastError) and the save stays exact."""
+    fake = FakeCuda(current_device=0)
+    fake.expect_device(DEV)
+    with recorded_cudart(monkeypatch, register_error=1) as rt:
+        fake.pin = TorchCuda().pin  # type: ignore[method-assign]
+        sd, want = _gpu_state(fake, [9_000, 2_000], seed=11)
+        storage = Storage(str(tmp_path))
+        try:
+            run_save(SoloComm(), storage, sd, compression=None, metadata=None, overwrite=False, cuda=fake)
+        finally:
+            storage.close()
+    assert rt.log == [("register", 3)]  # asked once; the fallback took every later block
+    assert fake.counts.get("pinned") == 2  # torch's pinned allocator: the save's two blocks
+    assert fake.violations == []
+    _loads_back(tmp_path, want)

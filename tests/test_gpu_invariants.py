@@ -152,8 +152,8 @@ def test_receive_only_rounds_and_the_nccl_plane_are_covered() -> None:
 
 def test_relays_keep_the_rules_on_both_data_planes() -> None:
     """Relayed reads (``max_peers`` 2: pieces 4 and 5 ranks hold go over a grid or a tree): a
-    rank sends in round k + 1 what it received (a device buffer on the NCCL plane, downloaded
-    into its relay buffer) or sent in round k; the rules hold and every target is right."""
+    rank sends in round k + 1 what it received (a device buffer on the NCCL plane, copied on the
+    device into the next round's send buffer) or sent in round k; the rules hold and every target is right."""
     base = dict(budget=4096, read_once=True, zstd=False, chunk=64, current_device=0, transform=False,
                 cpu_targets=False, max_peers=2)
     batch = [Case(seed=61, world=4, data_on_device=True, agree_every=1, **base),

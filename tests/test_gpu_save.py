@@ -227,6 +227,25 @@ def test_staging_is_unpinned_when_the_group_goes_away(tmp_path: Path) -> None:
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def _pin_refusal() -> str:
+    """Why this GPU refuses ``cudaHostRegister`` (the lent VM may), or "" where it pins."""
+    from streamckpt.cuda.runtime import PinRefused, TorchCuda
+
+    api, dev = TorchCuda(), torch.device("cuda", torch.cuda.current_device())
+    try:
+        api.unpin(api.pin(4096, dev), dev)
+    except PinRefused as e:
+        return str(e)
+    return ""
+
+
+def _needs_pinning() -> None:
+    why = _pin_refusal()
+    if why:
+        pytest.skip(f"pinning is refused here, so exact pinned staging cannot be checked ({why}); "
+                    f"test_saving_cuda_tensors_when_pinning_is_refused_on_a_gpu covers the fallback")
+
+
 def _host_allocator_bytes() -> int:
     """Bytes torch's pinned host allocator holds (cached included); 0 where torch cannot tell."""
     stats = getattr(torch.cuda, "host_memory_stats", lambda: {})()
@@ -239,6 +258,7 @@ def _host_allocator_bytes() -> int:
 def test_pin_is_exact_and_registered_on_a_gpu(nbytes: int) -> None:
     from streamckpt.cuda.runtime import TorchCuda
 
+    _needs_pinning()
     api = TorchCuda()
     dev = torch.device("cuda", torch.cuda.current_device())
     before = _host_allocator_bytes()
@@ -256,6 +276,7 @@ def test_pin_is_exact_and_registered_on_a_gpu(nbytes: int) -> None:
 @pytest.mark.gpu
 @needs_gpu
 def test_async_save_and_save_of_cuda_tensors_on_a_gpu(tmp_path: Path) -> None:
+    _needs_pinning()
     dev = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator().manual_seed(7)
     want = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate([3 << 20, 1 << 20, 12345, 1])}
@@ -273,3 +294,23 @@ def test_async_save_and_save_of_cuda_tensors_on_a_gpu(tmp_path: Path) -> None:
     _loads_back(tmp_path / "async", want)
     _loads_back(tmp_path / "sync", want)
 
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_saving_cuda_tensors_when_pinning_is_refused_on_a_gpu(tmp_path: Path) -> None:
+    """Where cudaHostRegister is refused (the lent VM may), saves of CUDA tensors still come back
+    exact through the fallback (tests/test_gpu_hazards.py shows the same on CPU); where it pins,
+    the same saves (the pinned path) must be exact too."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    refused = _pin_refusal()
+    g = torch.Generator().manual_seed(9)
+    want = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate([1 << 20, 4099, 1])}
+    sd = {k: v.to(dev) for k, v in want.items()}
+    sc.save(sd, str(tmp_path / "sync"))
+    handle = sc.async_save(sd, str(tmp_path / "async"), staging_budget=1 << 20)
+    handle.result(timeout=120)
+    handle.release_staging()
+    _loads_back(tmp_path / "sync", want)
+    _loads_back(tmp_path / "async", want)
+    print(f"pinning refused: {refused or 'no'}")

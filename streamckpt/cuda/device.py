@@ -357,6 +357,27 @@ class DeviceStage:
         self.exchanged = True  # the side stream may from now on wait behind NCCL
         self.api.exchange_posted(self.device, sends, recvs)
 
+    def keep(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A relayed piece for its next NCCL hop, device to device on the side stream (never through
+        the host): ``src`` a received buffer (readable there after ``received``) or this round's
+        send buffer (filled on the current stream: the side stream waits on it first), ``dst`` the
+        next round's send buffer, whose exchange is then posted with ``post_after_keep``."""
+        self.api.wait_stream(self.stream, self._current())
+        self.api.copy(dst, src, self.stream)
+        self.api.record_stream(dst, self.stream)
+
+    def post_after_keep(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor],
+                        post: Callable[[], Any]) -> Any:
+        """``posted`` and ``post()`` (the grouped send/recv) with the side stream current, so that
+        NCCL waits on the side stream (after its ``keep`` copies, and the current stream's send
+        copies) while the caller's stream never waits on it (a dead peer's receive holds only
+        the side stream, see ``finish``)."""
+        self.exchanged = True
+        self.api.wait_stream(self.stream, self._current())
+        with self.api.use_stream(self.stream):
+            self.api.exchange_posted(self.device, sends, recvs, self.stream)
+            return post()
+
     def received(self, wait: Callable[[], None], bufs: Sequence[torch.Tensor]) -> None:
         """A round's exchange (sends only too), posted: ``wait`` (``work.wait()``) runs with the side
         stream current, so NCCL's completion orders the side stream and never the caller's: a

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import mmap
-from typing import Any, ContextManager, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 
 from ..errors import CheckpointError
+from .lasterror import clear_last_error
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,10 @@ class CudaApi(Protocol):
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         """Tell the allocator that ``stream`` uses ``t`` (no reuse before its work is done)."""
 
-    def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
-        """A grouped send/recv of device buffers was just posted (NCCL semantics)."""
+    def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor],
+                        after: Any = None) -> None:
+        """A grouped send/recv of device buffers is posted now (NCCL semantics): NCCL's stream waits
+        on ``after``, the stream current when it is posted (None: the caller's current stream)."""
 
     def use_stream(self, stream: Any) -> ContextManager[None]:
         """``stream`` (and its device) current inside: where ``work.wait()`` makes NCCL's completion wait."""
@@ -84,11 +87,16 @@ class CudaApi(Protocol):
 
 class PinRefused(CheckpointError):
     """CUDA refused to page-lock host memory (``cudaHostRegister`` failed: some VM runtimes and
-    locked-memory limits refuse it). The CUDA error state has been cleared."""
+    locked-memory limits refuse it). CUDA's last error has been read away where a binding allows
+    (``lasterror``)."""
 
 
 class TorchCuda:
-    """The real CUDA runtime through ``torch.cuda``."""
+    """The real CUDA runtime through ``torch.cuda``. ``clear_error`` reads CUDA's last error away
+    (torch's cudart binding has no ``cudaGetLastError``; see ``lasterror``)."""
+
+    def __init__(self, clear_error: Callable[[], bool] = clear_last_error) -> None:
+        self._clear_error = clear_error
 
     def device_count(self) -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -123,7 +131,7 @@ class TorchCuda:
             rt = torch.cuda.cudart()
             err = int(rt.cudaHostRegister(t.data_ptr(), nbytes, 1))  # 1: portable
             if err != 0:
-                rt.cudaGetLastError()  # clear it: the next kernel launch's check would raise it as its own
+                self._clear_error()  # the next kernel launch's check would raise it as its own
         if err != 0:
             raise PinRefused(
                 f"pinning {nbytes} bytes of host memory on {device} failed (cudaHostRegister: cudaError {err}); "
@@ -137,7 +145,7 @@ class TorchCuda:
             rt = torch.cuda.cudart()
             err = int(rt.cudaHostUnregister(t.data_ptr()))
             if err != 0:
-                rt.cudaGetLastError()
+                self._clear_error()
         if err != 0:
             log.warning("cudaHostUnregister of %d bytes on %s failed (cudaError %d)", t.numel(), device, err)
 
@@ -168,7 +176,8 @@ class TorchCuda:
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)
 
-    def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
+    def exchange_posted(self, device: torch.device, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor],
+                        after: Any = None) -> None:
         """Nothing to do: ProcessGroupNCCL makes its stream wait on the current stream and
         keeps the buffers alive for the allocator itself."""
 

@@ -145,6 +145,7 @@ class Executor:
             self.setup_error = _rank_error(e, self.rank)
             self.stage = HostStage([0, 0])
         self.arenas = self.stage.arenas
+        self.kept: list[set[int]] = [set(), set()]  # per slot: relay offsets whose bytes ``keep`` put on the device
         self.views = [memoryview(a.numpy()) if a.numel() else memoryview(b"") for a in self.arenas]
         self.dctx = zstandard.ZstdDecompressor()
         # On the host path each read is decoded and scattered as soon as it is verified, while
@@ -270,22 +271,29 @@ class Executor:
                     buf = arena[lay.recv[m.key]: lay.recv[m.key] + size]
             recvs.append(P2P(m.peer, buf, self.plan.reads[m.read_index].tag))
             landed.append((m, buf))
-        failed = self._attempt(lambda: self._fill_sends(k, fills, reads))
+        kept, self.kept[slot] = self.kept[slot], set()
+        failed = self._attempt(lambda: self._fill_sends(k, fills, reads, kept))
         error = error or failed
-        if on_device:
-            stage.posted([s.tensor for s in sends], [r.tensor for r in recvs])  # type: ignore[union-attr]
+        if not on_device:
+            return self.comm.exchange(sends, recvs), landed, error
+        wires = [s.tensor for s in sends], [r.tensor for r in recvs]
+        if kept:  # NCCL must follow the side stream's keep copies
+            works = stage.post_after_keep(*wires, lambda: self.comm.exchange(sends, recvs))  # type: ignore[union-attr]
+            return works, landed, error
+        stage.posted(*wires)  # type: ignore[union-attr]
         return self.comm.exchange(sends, recvs), landed, error
 
-    def _fill_sends(self, k: int, fills: Sequence[tuple[Message, int, torch.Tensor]], reads: dict[int, Read]) -> None:
+    def _fill_sends(self, k: int, fills: Sequence[tuple[Message, int, torch.Tensor]], reads: dict[int, Read],
+                    kept: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         """Pack the round's packed messages in its arena; on the NCCL plane copy each message
-        into its device send buffer."""
+        into its device send buffer, but for relayed ones already there (``kept``)."""
         arena = self.arenas[k % 2]
         packed: set[int] = set()
         for m, at, wire in fills:
             if is_packed(m.copies) and not m.relayed and at not in packed:  # a relayed read's pack is shared
                 packed.add(at)
                 pack_message(self._staged(k, m.read_index, reads[m.read_index]), m.copies, arena[at:])
-            if self.placement.data_on_device:
+            if self.placement.data_on_device and not (m.relayed and at in kept):
                 self.stage.fill_send(wire, arena[at: at + wire.numel()])  # type: ignore[union-attr]
 
     def _split(self, buf: torch.Tensor, lo: int, hi: int, targets: Iterable[int]) -> tuple[Any, Any]:
@@ -345,12 +353,19 @@ class Executor:
     def _keep_relayed(self, k: int, landed: Sequence[tuple[Message, torch.Tensor]]) -> None:
         """Relayed pieces this rank sends in round k + 1 (``data.read_links``), received or sent
         in round k, go into that round's relay buffer: round k's arena is reused two rounds
-        on, and the next round's was acquired before this round's exchange."""
+        on, and the next round's was acquired before this round's exchange. On the NCCL plane
+        they stay on the device: copied into the next round's send buffer (``DeviceStage.keep``),
+        never downloaded to the host and uploaded again."""
+        nxt = (k + 1) % 2
+        device = self.placement.data_on_device
         for m, buf in landed:
             if m.keep:
                 at = self.layouts[k + 1].relay[m.read_index]
-                host = self.stage.download(buf) if self.placement.is_device(buf) else buf
-                self.arenas[(k + 1) % 2][at: at + host.numel()].copy_(host)
+                if device:
+                    self.stage.keep(self.stage.send_buffer(nxt, at, buf.numel()), buf)  # type: ignore[union-attr]
+                    self.kept[nxt].add(at)
+                else:
+                    self.arenas[nxt][at: at + buf.numel()].copy_(buf)
         rnd = self.schedule[k]
         if rnd.carry:  # sent this round (from the staged read, a pack or a relay buffer) and again next round
             reads = dict(rnd.reads)
@@ -359,7 +374,12 @@ class Executor:
                 m = next(m for m in rnd.sends if m.read_index == i)
                 src, n = _send_span(m, reads.get(i), self.layouts[k])
                 at = self.layouts[k + 1].relay[i]
-                self.arenas[(k + 1) % 2][at: at + n].copy_(arena[src: src + n])
+                if device:  # from this round's send buffer, filled or kept on the device
+                    self.stage.keep(self.stage.send_buffer(nxt, at, n),  # type: ignore[union-attr]
+                                    self.stage.send_buffer(k % 2, src, n))  # type: ignore[union-attr]
+                    self.kept[nxt].add(at)
+                else:
+                    self.arenas[nxt][at: at + n].copy_(arena[src: src + n])
 
     def _attempt(self, fn: Callable[[], None]) -> BaseException | None:
         """Run a local step; its failure is returned, to be agreed on with the other ranks (an
