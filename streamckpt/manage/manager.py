@@ -16,6 +16,7 @@ from ..comm import make_comm, raise_agreed
 from ..errors import (CheckpointError, CheckpointExistsError, CheckpointInUseError, CheckpointNotFoundError,
                       CorruptCheckpointError, StorageError, near_names)
 from ..results import human_bytes
+from ..saving.asyncsave import finish_at_exit
 from ..storage import Storage
 from ..storage.store import checked_uri
 from .collective import gather_outcome, on_one_rank
@@ -258,6 +259,7 @@ class Manager:
         after: cf.Future[None] = cf.Future()
         self._pending, self._after = handle, after
         handle.add_done_callback(lambda h: self._on_async_end(h, after))
+        finish_at_exit(handle, "mgr.wait() or mgr.close()", self.wait)  # a normal exit commits it
         return handle
 
     def wait(self) -> None:
