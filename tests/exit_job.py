@@ -13,6 +13,7 @@ MODE:
 * ``mgr-inflight`` — a ``CheckpointManager(async_save=True)`` saves step 1, the script ends
   without ``mgr.wait()`` / ``mgr.close()`` (a normal exit: the save is finished).
 * ``mgr-inflight-raise`` — the same, but the script ends on an uncaught exception.
+* ``mgr-inflight-destroy`` — as ``mgr-inflight``, with ``destroy_process_group()`` at the end.
 * ``mgr-peer-dies`` — the same as ``mgr-inflight`` on rank 0, while rank 1 dies (``os._exit(3)``)
   right after the save is staged.
 
@@ -84,6 +85,8 @@ def main() -> None:
         print("DONE", flush=True)
         if mode == "mgr-inflight-raise":
             raise RuntimeError("the training loop failed")
+        if mode == "mgr-inflight-destroy" and ranks:
+            dist.destroy_process_group()
         return
     sc.async_save({prefix: state(1, model, optim)}, f"{root}/step-1", storage_options=opts)
     print("STAGED", flush=True)

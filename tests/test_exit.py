@@ -269,7 +269,7 @@ def test_end_of_script_finishes_a_managers_save(s3_uri: str, s3_opts: dict[str, 
     """Issue 44 item 4: the script ends with the manager's async save uploading and no
     mgr.wait(): a normal exit finishes and commits it (it was cancelled, losing the run's last
     checkpoint), with one line saying so that names mgr.wait() / mgr.close()."""
-    proxy, opts = _stalled_puts(proxy_factory, 1.0)
+    proxy, opts = _stalled_puts(proxy_factory, 0.5)
     proc = _start("mgr-inflight", s3_uri, opts)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
@@ -286,7 +286,7 @@ def test_an_exception_still_cancels_a_managers_save(s3_uri: str, s3_opts: dict[s
                                                     proxy_factory: Any) -> None:
     """The script dies on an uncaught exception: the manager's save is cancelled, as before,
     and the line names the manager's calls, not result()."""
-    _, opts = _stalled_puts(proxy_factory, 1.0)
+    _, opts = _stalled_puts(proxy_factory, 0.5)
     proc = _start("mgr-inflight-raise", s3_uri, opts)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, err[-3000:]
@@ -298,15 +298,17 @@ def test_an_exception_still_cancels_a_managers_save(s3_uri: str, s3_opts: dict[s
     assert objects_under(s3_uri, s3_opts) == []
 
 
-def test_torchrun_end_of_script_finishes_a_managers_save(s3_uri: str, s3_opts: dict[str, Any],
+@pytest.mark.parametrize("mode", ["mgr-inflight", pytest.param("mgr-inflight-destroy", marks=pytest.mark.slow)])
+def test_torchrun_end_of_script_finishes_a_managers_save(mode: str, s3_uri: str, s3_opts: dict[str, Any],
                                                          proxy_factory: Any) -> None:
-    """2 gloo ranks end their script with the manager's save uploading: each rank's uploader
-    still agrees on the commit at exit, and both ranks' shards are in it."""
-    _, opts = _stalled_puts(proxy_factory, 1.0)
-    env = {**_env(), "EXIT_JOB_WIDTH": "1024", "EXIT_JOB_LINGER": "1.0"}
-    proc = subprocess.run(_torchrun(2) + [JOB, "mgr-inflight", s3_uri, json.dumps(opts)], env=env, cwd=REPO_DIR,
+    """2 gloo ranks end their script with the manager's save uploading (one also after
+    destroy_process_group()): each rank's uploader still agrees on the commit at exit, and
+    both ranks' shards are in it."""
+    _, opts = _stalled_puts(proxy_factory, 0.5)
+    env = {**_env(), "EXIT_JOB_WIDTH": "1024", "EXIT_JOB_LINGER": "0.5"}
+    proc = subprocess.run(_torchrun(2) + [JOB, mode, s3_uri, json.dumps(opts)], env=env, cwd=REPO_DIR,
                           capture_output=True, text=True, timeout=180)
-    assert_clean(proc, "mgr-inflight")
+    assert_clean(proc, mode)
     ours = [ln for ln in proc.stderr.splitlines() if "finishing it before the exit" in ln]
     assert len(ours) == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -322,13 +324,13 @@ def test_a_rank_exiting_while_its_peer_died_does_not_hang(s3_uri: str, s3_opts: 
     the commit's agreement fails at once (rank 1's connection is closed), rank 0 says so and
     exits 0 well inside the bound, and nothing is committed. Two plain processes, not torchrun
     (whose agent would SIGTERM rank 0 once rank 1 died)."""
-    _, opts = _stalled_puts(proxy_factory, 1.0)
+    _, opts = _stalled_puts(proxy_factory, 0.5)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
     for rank in (0, 1):
-        env = {**_env(), "EXIT_JOB_WIDTH": "1024", "EXIT_JOB_LINGER": "1.0", "MASTER_ADDR": "127.0.0.1",
+        env = {**_env(), "EXIT_JOB_WIDTH": "1024", "EXIT_JOB_LINGER": "0", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
         procs.append(subprocess.Popen([sys.executable, JOB, "mgr-peer-dies", s3_uri, json.dumps(opts)], env=env,
                                       cwd=REPO_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
