@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from streamckpt.manage.index import Entry
 from streamckpt.manage.retention import Policy
 from streamckpt.manage.schedule import Schedule
 
+from conftest import BUCKET
 from distributed import REPO_DIR, run_ranks
 from test_exit import _env, _torchrun, sc_opts
 
@@ -66,6 +68,30 @@ def test_sigterm_to_torchrun_saves_the_step_after_it(s3_uri: str, s3_opts: dict[
     for rank in (0, 1):
         assert full[f"rank{rank}.marker"].tolist() == [float(step)] * 1024
     assert "preemption (SIGTERM) noticed by the ranks at step" in err, err[-3000:]
+
+
+def one_rank_signalled_worker(rank: int, world: int, root: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """Only rank 1 gets SIGTERM (at step 5): rank 0 must save and stop at the same step."""
+    seen = []
+    with sc.CheckpointManager(root, storage_options=opts, save_every=100, save_on_preemption=True) as mgr:
+        for step in range(1, 30):
+            if rank == 1 and step == 5:
+                signal.raise_signal(signal.SIGTERM)
+            if mgr.should_save(step):
+                mgr.save(step, {"w": sc.ShardedTensor(torch.full((4,), float(step + rank)), (8,), (4 * rank,))})
+                seen.append(step)
+            if mgr.reached_preemption(step):
+                break
+        return {"stopped": step, "saved": seen, "steps": mgr.steps()}
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(local_s3: Any) -> None:
+    root = f"s3://{BUCKET}/preempt-one-{uuid.uuid4().hex[:8]}"
+    ranks = [r.unwrap() for r in run_ranks(2, one_rank_signalled_worker, timeout=120,
+                                           kwargs={"root": root, "opts": local_s3.storage_options})]
+    assert ranks == [{"stopped": 5, "saved": [5], "steps": [5]}] * 2
+    assert sc.load_full(f"{root}/step-5", storage_options=local_s3.storage_options)["w"].tolist() == \
+        [5.0] * 4 + [6.0] * 4
 
 
 def test_the_handler_chains_the_users_and_is_put_back(tmp_path: Path) -> None:
