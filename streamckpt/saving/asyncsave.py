@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from ..comm import GroupComm, SoloComm, group_timeout, make_comm
+from ..comm import GroupComm, SoloComm, group_timeout, make_comm, warn_if_peers_late
 from ..core.targets import TargetSpec
 from ..cuda.runtime import CudaApi, TorchCuda
 from ..errors import CheckpointError, PeerError
@@ -244,7 +244,8 @@ def _session_for(process_group: Any) -> _Session:
     else:
         dist = train.dist
         ranks = dist.get_process_group_ranks(train.group)
-        comm = GroupComm(_new_save_group(dist, train.group, ranks))
+        with warn_if_peers_late(train, "sc.async_save"):  # its first wait for the others: a rank-0-only call waits here
+            comm = GroupComm(_new_save_group(dist, train.group, ranks))
     with _SESSIONS_LOCK:
         session = _SESSIONS.setdefault(key, _Session(comm))
     if not isinstance(train, SoloComm) and session.comm is comm:
