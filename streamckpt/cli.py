@@ -165,7 +165,7 @@ def _manager(args: argparse.Namespace, **policy: Any) -> Any:
 
 
 def _policy_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {"keep_last": args.keep_last, "keep_every": args.keep_every}
+    return {"keep_last": args.keep_last, "keep_every": args.keep_every, "keep_time_interval": args.keep_time_interval}
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -513,6 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable output (sizes in bytes)")
     s.add_argument("--keep-last", type=positive_int, metavar="N", help="show what keeping the N newest steps keeps")
     s.add_argument("--keep-every", type=positive_int, metavar="K", help="... and the steps divisible by K")
+    s.add_argument("--keep-time-interval", type=parse_duration, metavar="AGE", help="... and one step per AGE (1h, 1d)")
 
     s = _command(sub, "prune", cmd_prune, "delete the checkpoints a retention policy does not keep",
                  "Delete the committed checkpoints under ROOT that no rule keeps (the newest step always is), "
@@ -520,6 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("root", metavar="ROOT", help="the run's prefix (e.g. s3://bucket/run)")
     s.add_argument("--keep-last", type=positive_int, required=True, metavar="N", help="keep the N newest steps")
     s.add_argument("--keep-every", type=positive_int, metavar="K", help="also keep the steps divisible by K")
+    s.add_argument("--keep-time-interval", type=parse_duration, metavar="AGE",
+                   help="also keep one step per AGE of commit time (the oldest, then each AGE after the last kept)")
     s.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
 
     s = _command(sub, "gc", cmd_gc, "remove what no committed checkpoint references (dead saves, open uploads)",
