@@ -1,7 +1,7 @@
 """Noticing a preemption: SIGTERM sets a flag that the training loop reads at its next step.
 
 Cloud schedulers end a job with SIGTERM and a grace period before SIGKILL (30 s by default
-on Kubernetes/GKE, about 120 s on spot VMs). Its default action kills the process at once,
+on Kubernetes/GKE; from 30 s to 2 min on spot and preemptible VMs). Its default action kills the process at once,
 losing everything since the last checkpoint. The handler here only records that the signal
 came: nothing is saved from inside a signal handler (it can run between any two bytecodes
 of the main thread, in the middle of a collective or of the save itself); the manager acts
@@ -32,10 +32,6 @@ class Preemption:
         self.signals = signals
         self._noticed = threading.Event()
         self._previous: dict[int, Any] = {}
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._previous)
 
     @property
     def noticed(self) -> bool:

@@ -55,8 +55,8 @@ class Schedule:
         self._decided: tuple[int, Decision] | None = None
         self._preempted = False  # agreed once, it stays
         self._saved_at_preemption = False
-        if preemption is not None:
-            preemption.install()  # last: a bad argument above leaves no handler behind
+        if preemption is not None and not preemption.install():  # last: a bad argument above leaves no handler
+            self.preemption = None  # not the main thread: nothing to watch, no collective per step for it
 
     @property
     def agreed(self) -> bool:
