@@ -170,7 +170,8 @@ def async_save(
     process group: a second call first waits for the previous one to end. A process that
     ends with a save in flight (end of script, exception, Ctrl-C) cancels it: nothing is
     committed and what it uploaded is deleted, with one warning line; call ``result()``
-    first to keep it. Under SIGTERM nothing is committed and the objects already uploaded
+    first to keep it (a ``CheckpointManager``'s save is finished instead at a normal end of
+    the script). Under SIGTERM nothing is committed and the objects already uploaded
     are left as garbage (no manifest lists them).
 
     Args:

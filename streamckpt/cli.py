@@ -165,7 +165,8 @@ def _manager(args: argparse.Namespace, **policy: Any) -> Any:
 
 
 def _policy_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {"keep_last": args.keep_last, "keep_every": args.keep_every, "keep_best": args.keep_best}
+    return {"keep_last": args.keep_last, "keep_every": args.keep_every, "keep_best": args.keep_best,
+            "keep_time_interval": args.keep_time_interval}
 
 
 def parse_keep_best(text: str) -> tuple[str, str, int]:
@@ -187,6 +188,8 @@ def _add_policy(s: argparse.ArgumentParser, what: str) -> None:
     s.add_argument("--keep-every", type=positive_int, metavar="K", help=f"{what} the steps divisible by K")
     s.add_argument("--keep-best", type=parse_keep_best, metavar="METRIC:MODE:K",
                    help=f"{what} the K best steps by a metric saved with them (MODE: min or max), e.g. loss:min:3")
+    s.add_argument("--keep-time-interval", type=parse_duration, metavar="AGE",
+                   help=f"{what} one step per AGE of commit time (the oldest, then each AGE after the last kept)")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -207,7 +210,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     """Delete (or with --dry-run, list) the checkpoints the policy does not keep (status 1: none)."""
     policy = _policy_args(args)
     if all(v is None for v in policy.values()):
-        print("prune needs a rule to keep by: --keep-last N, --keep-every K and/or --keep-best METRIC:MODE:K "
+        print("prune needs a rule to keep by: --keep-last N, --keep-every K, --keep-best METRIC:MODE:K and/or "
+              "--keep-time-interval AGE "
               "(with none, every checkpoint is kept and nothing is deleted)", file=sys.stderr)
         return EXIT_CHECKPOINT_ERROR
     with _manager(args, **policy) as mgr:

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -337,6 +338,22 @@ def make_comm(process_group: Any | None) -> SoloComm | GroupComm:
     if comm.world_size == 1:
         return SoloComm()
     return comm
+
+
+def group_timeout(dist: Any, group: Any) -> "timedelta | None":
+    """The collective timeout ``group`` was made with (``init_process_group(timeout=...)``), read
+    from its backend's options; None when no backend says (torch's default then applies).
+
+    Why: a group streamckpt makes for its own use (the async save's) must give up when the
+    training group would, not after torch's default of 30 minutes."""
+    for device in getattr(group, "_device_types", ()) or ():
+        try:
+            timeout = group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    return None
 
 
 def alone_in_launched_job(comm: SoloComm | GroupComm) -> str:

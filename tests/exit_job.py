@@ -10,6 +10,14 @@ MODE:
 * ``inflight`` — start one ``async_save`` and end the script without waiting for it.
 * ``inflight-destroy`` — start one, call ``destroy_process_group()``, end.
 * ``wait``     — start one, print ``STAGED``, then keep "training" (sleep) until a signal.
+* ``mgr-inflight`` — a ``CheckpointManager(async_save=True)`` saves step 1, the script ends
+  without ``mgr.wait()`` / ``mgr.close()`` (a normal exit: the save is finished).
+* ``mgr-inflight-raise`` — the same, but the script ends on an uncaught exception.
+* ``mgr-inflight-destroy`` — as ``mgr-inflight``, with ``destroy_process_group()`` at the end.
+* ``mgr-peer-dies`` — the same as ``mgr-inflight`` on rank 0, while rank 1 dies (``os._exit(3)``)
+  right after the save is staged.
+
+The manager's saves also hold ``marker``: ``arange(4096) * step`` under the rank's key.
 
 Prints ``STAGED`` (flushed) once ``async_save`` has returned, ``DONE`` before a clean end.
 """
@@ -67,6 +75,19 @@ def main() -> None:
         print("DONE", flush=True)
         return
     step_once()
+    if mode.startswith("mgr-"):
+        mgr = sc.CheckpointManager(root, storage_options=opts, async_save=True)
+        mgr.save(1, {prefix: {**state(1, model, optim), "marker": torch.arange(4096.0)}})
+        print("STAGED", flush=True)
+        if mode == "mgr-peer-dies" and rank == 1:
+            os._exit(3)
+        time.sleep(float(os.environ.get("EXIT_JOB_LINGER", "0")))
+        print("DONE", flush=True)
+        if mode == "mgr-inflight-raise":
+            raise RuntimeError("the training loop failed")
+        if mode == "mgr-inflight-destroy" and ranks:
+            dist.destroy_process_group()
+        return
     sc.async_save({prefix: state(1, model, optim)}, f"{root}/step-1", storage_options=opts)
     print("STAGED", flush=True)
     if mode == "inflight":

@@ -205,3 +205,36 @@ def test_async_save_over_a_committed_checkpoint_raises_on_every_rank(s3_uri: str
     assert torch.equal(back["w"][:256], torch.full((256, 64), 10.0))
     assert torch.equal(back["w"][256:], torch.full((256, 64), 11.0))
     assert torch.equal(back["shared"], torch.full((128,), 7.0))
+
+
+def first_async_save_after_a_peer_died_worker(rank: int, world: int, uri: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1 dies after the last collective; rank 0's first async_save then makes its save
+    group (``new_group``), which waits for rank 1 in the store."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    time.sleep(0.5)
+    try:
+        sc.async_save({"w": torch.ones(64)}, uri, storage_options=opts).result(timeout=60)
+    except sc.CheckpointError as e:
+        return {"cls": type(e).__name__, "msg": str(e)}
+    return {"cls": None, "msg": ""}
+
+
+def test_first_async_save_after_a_peer_died_raises_within_the_groups_timeout(s3_uri: str,
+                                                                             s3_opts: dict[str, Any]) -> None:
+    """Issue 44 item 12: the save group was made with torch's default timeout (30 min), so the
+    survivor blocked there (this test's 90 s deadline killed it) and a shorter one surfaced a raw
+    DistStoreError. Bounded by the training group's timeout (3 s here), it is our PeerError."""
+    r0, r1 = run_ranks(2, first_async_save_after_a_peer_died_worker, kwargs={"uri": s3_uri, "opts": s3_opts},
+                       timeout=90, pg_timeout=3)
+    assert r1.error is not None and r1.error.cls == "NoResult"  # it exited without a result, as planned
+    out = r0.unwrap()
+    assert out["cls"] == "PeerError", out
+    assert "sc.async_save" in out["msg"] and "within 3 s" in out["msg"], out
+    assert sc.latest(s3_uri, storage_options=s3_opts) is None

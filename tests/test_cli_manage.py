@@ -104,3 +104,17 @@ def test_ls_into_a_pipe_closed_early(run: str, s3_opts: dict[str, Any]) -> None:
     lines = r.stdout.splitlines()
     assert lines[0].startswith("step") and lines[1].split()[:2] == ["10", "step-10"], r.stdout
     assert lines[2] in ("status=0", f"status={EXIT_BROKEN_PIPE}") and r.stderr == ""
+
+
+def test_keep_time_interval_on_the_command_line(run: str, s3_opts: dict[str, Any],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The four steps were committed seconds apart: one per hour keeps the oldest (and the
+    newest is kept by --keep-last)."""
+    flags = s3_flags(s3_opts)
+    status, out, _ = _main(capsys, "ls", run, *flags, "--keep-last", "1", "--keep-time-interval", "1h")
+    assert status == 0
+    assert [ln.split("  ")[-1].strip() for ln in out.splitlines()[1:]] == ["keep (time)", "prune", "prune",
+                                                                           "keep (last)"]
+    status, out, _ = _main(capsys, "prune", run, *flags, "--keep-last", "1", "--keep-time-interval", "1h")
+    assert status == 0 and out.splitlines() == [f"deleted {run}/step-20", f"deleted {run}/step-30"]
+    assert sc.CheckpointManager(run, storage_options=s3_opts).steps() == [10, 40]

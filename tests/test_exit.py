@@ -257,3 +257,89 @@ def test_no_daemon_thread_of_ours_runs_torch_at_shutdown(s3_uri: str, proxy_fact
         assert [t.name for t in plain if t.daemon] == []
     finally:
         handle.result(timeout=60)
+
+
+# ------------------------------------------------- a CheckpointManager's save in flight at exit
+
+def _marker(uri: str, opts: dict[str, Any], key: str) -> list[float]:
+    return sc.load_full(uri, keys=[key], storage_options=opts)[key].tolist()
+
+
+def test_end_of_script_finishes_a_managers_save(s3_uri: str, s3_opts: dict[str, Any], proxy_factory: Any) -> None:
+    """Issue 44 item 4: the script ends with the manager's async save uploading and no
+    mgr.wait(): a normal exit finishes and commits it (it was cancelled, losing the run's last
+    checkpoint), with one line saying so that names mgr.wait() / mgr.close()."""
+    proxy, opts = _stalled_puts(proxy_factory, 0.5)
+    proc = _start("mgr-inflight", s3_uri, opts)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "STAGED" in out and "DONE" in out
+    ours = [ln for ln in err.splitlines() if "in flight" in ln]
+    assert len(ours) == 1 and "finishing it before the exit" in ours[0] and "mgr.wait() or mgr.close()" in ours[0], err
+    assert "Traceback" not in err and not FATAL.search(err), err
+    assert proxy.counts.get("stall", 0) >= 1  # it really was uploading when the script ended
+    assert sc.latest(s3_uri, storage_options=s3_opts) == f"{s3_uri}/step-1"
+    assert _marker(f"{s3_uri}/step-1", s3_opts, "rank0.marker") == [float(i) for i in range(4096)]
+
+
+def test_an_exception_still_cancels_a_managers_save(s3_uri: str, s3_opts: dict[str, Any],
+                                                    proxy_factory: Any) -> None:
+    """The script dies on an uncaught exception: the manager's save is cancelled, as before,
+    and the line names the manager's calls, not result()."""
+    _, opts = _stalled_puts(proxy_factory, 0.5)
+    proc = _start("mgr-inflight-raise", s3_uri, opts)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    assert err.count("Traceback") == 1 and "RuntimeError: the training loop failed" in err, err
+    ours = [ln for ln in err.splitlines() if "in flight" in ln]
+    assert len(ours) == 1 and "on an exception" in ours[0] and "cancelling it, nothing is committed" in ours[0], err
+    assert "call mgr.wait() or mgr.close() before exiting" in ours[0], err
+    assert not FATAL.search(err), err
+    assert objects_under(s3_uri, s3_opts) == []
+
+
+@pytest.mark.parametrize("mode", ["mgr-inflight", pytest.param("mgr-inflight-destroy", marks=pytest.mark.slow)])
+def test_torchrun_end_of_script_finishes_a_managers_save(mode: str, s3_uri: str, s3_opts: dict[str, Any],
+                                                         proxy_factory: Any) -> None:
+    """2 gloo ranks end their script with the manager's save uploading (one also after
+    destroy_process_group()): each rank's uploader still agrees on the commit at exit, and
+    both ranks' shards are in it."""
+    _, opts = _stalled_puts(proxy_factory, 0.5)
+    env = {**_env(), "EXIT_JOB_WIDTH": "1024", "EXIT_JOB_LINGER": "0.5"}
+    proc = subprocess.run(_torchrun(2) + [JOB, mode, s3_uri, json.dumps(opts)], env=env, cwd=REPO_DIR,
+                          capture_output=True, text=True, timeout=180)
+    assert_clean(proc, mode)
+    ours = [ln for ln in proc.stderr.splitlines() if "finishing it before the exit" in ln]
+    assert len(ours) == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    uri = f"{s3_uri}/step-1"
+    assert sc.latest(s3_uri, storage_options=s3_opts) == uri
+    for rank in (0, 1):
+        assert _marker(uri, s3_opts, f"rank{rank}.marker") == [float(i) for i in range(4096)]
+
+
+def test_a_rank_exiting_while_its_peer_died_does_not_hang(s3_uri: str, s3_opts: dict[str, Any],
+                                                          proxy_factory: Any) -> None:
+    """Rank 1 dies right after the save is staged; rank 0 ends normally and finishes its save:
+    the commit's agreement fails at once (rank 1's connection is closed), rank 0 says so and
+    exits 0 well inside the bound, and nothing is committed. Two plain processes, not torchrun
+    (whose agent would SIGTERM rank 0 once rank 1 died)."""
+    _, opts = _stalled_puts(proxy_factory, 0.5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = {**_env(), "EXIT_JOB_WIDTH": "1024", "EXIT_JOB_LINGER": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
+        procs.append(subprocess.Popen([sys.executable, JOB, "mgr-peer-dies", s3_uri, json.dumps(opts)], env=env,
+                                      cwd=REPO_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    (out0, err0), (_, err1) = (p.communicate(timeout=150) for p in procs)
+    assert procs[1].returncode == 3, err1[-2000:]
+    assert procs[0].returncode == 0, err0[-3000:]
+    assert "DONE" in out0
+    assert len([ln for ln in err0.splitlines() if "finishing it before the exit" in ln]) == 1, err0
+    failed = [ln for ln in err0.splitlines() if "failed at exit, nothing was committed: PeerError" in ln]
+    assert len(failed) == 1, err0
+    assert not FATAL.search(err0), err0
+    assert sc.latest(s3_uri, storage_options=s3_opts) is None

@@ -79,3 +79,33 @@ def test_a_bad_setting_is_named_and_the_default_used(monkeypatch: pytest.MonkeyP
     assert peer_wait_seconds() == 2.5
     monkeypatch.delenv(PEER_WAIT_ENV)
     assert peer_wait_seconds() == 60.0
+
+
+def late_peer_async_worker(rank: int, world_size: int, uri: str, opts: dict[str, Any]) -> dict[str, Any]:
+    os.environ[PEER_WAIT_ENV] = "0.5"
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logging.getLogger("streamckpt").addHandler(Keep(logging.WARNING))
+    full = torch.arange(8.0).reshape(4, 2)
+    if rank == 1:
+        time.sleep(3.0)  # rank 0 waits in its first async_save, where the save's own group is made
+    sc.async_save({"w": sc.ShardedTensor(full[2 * rank:2 * rank + 2].clone(), (4, 2), (2 * rank, 0))}, uri,
+                  storage_options=opts).result(timeout=60)
+    return {"saved": seen}
+
+
+def test_a_rank_waiting_in_its_first_async_save_warns(local_s3: Any) -> None:
+    """The first async_save on a group waits for the other ranks while it makes its own group
+    (before its first collective): that wait is where a rank-0-only async_save would sit until
+    the group's timeout, so it warns there too (it said nothing before)."""
+    uri = f"s3://{BUCKET}/peer-wait-async-{uuid.uuid4().hex[:8]}"
+    r0, r1 = (r.unwrap() for r in run_ranks(2, late_peer_async_worker, timeout=120, kwargs={
+        "uri": uri, "opts": local_s3.storage_options}))
+    assert len(_waits(r0["saved"], 0, "sc.async_save")) == 1, r0
+    assert not any("has waited" in m for m in r1["saved"]), r1
+    back = sc.load_full(uri, storage_options=local_s3.storage_options)["w"]
+    assert back.tolist() == torch.arange(8.0).reshape(4, 2).tolist()

@@ -17,6 +17,7 @@ from ..comm import make_comm, raise_agreed
 from ..errors import (CheckpointError, CheckpointExistsError, CheckpointInUseError, CheckpointNotFoundError,
                       CorruptCheckpointError, StorageError, near_names)
 from ..results import human_bytes
+from ..saving.asyncsave import finish_at_exit
 from ..storage import Storage
 from ..storage.store import checked_uri
 from .collective import gather_outcome, on_one_rank
@@ -25,7 +26,9 @@ from .garbage import mark
 from .index import METRICS_KEY, STEP_KEY, Entry, Index, Listing
 from .lease import Lease
 from .passthrough import check_names
+from .preemption import Preemption
 from .retention import Policy
+from .schedule import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,13 @@ class Manager:
             committed checkpoint references it. Default False: every save is self-contained.
         name: The child name of a step, a format string with ``{step}`` and no ``/``.
             Default ``"step-{step}"``.
+        save_interval_s: ``should_save`` is also true once this many seconds have passed since
+            the last save (alone without ``save_every``). Default None.
+        keep_time_interval: Also keep one step per this many seconds of commit time. Default None.
+        save_on_preemption: On SIGTERM (recorded by a handler chained to the one it replaces;
+            main thread only; undone by ``close``) the next ``should_save`` is true, that ``save``
+            returns once committed, and ``reached_preemption`` is true. Default False.
+            With this or ``save_interval_s``, ``should_save`` is collective (``manage/schedule.py``).
         writer_lease: Seconds (e.g. 60): the first save takes the run's writer lease, an object
             ``.streamckpt-writer.json`` at the root renewed every third of that, and a second
             manager saving into the root meanwhile gets ``CheckpointInUseError`` naming the
@@ -112,6 +122,8 @@ class Manager:
                  keep_last: int | None = None, keep_every: int | None = None,
                  keep_best: tuple[str, str, int] | None = None, save_every: int | None = None,
                  async_save: bool = False, incremental: bool = False, name: str = "step-{step}",
+                 save_interval_s: float | None = None, keep_time_interval: float | None = None,
+                 save_on_preemption: bool = False,
                  writer_lease: float | None = None) -> None:
         if save_every is not None and (not isinstance(save_every, int) or isinstance(save_every, bool)
                                        or save_every < 1):
@@ -120,7 +132,8 @@ class Manager:
         self.root = checked_uri(root).rstrip("/")
         self.storage_options = storage_options
         self.process_group = process_group
-        self.policy = Policy(keep_last, keep_every, keep_best)
+        self.policy = Policy(keep_last, keep_every, keep_best, keep_time_interval)
+        self._schedule = Schedule(save_every, save_interval_s, Preemption() if save_on_preemption else None)
         self.save_every = save_every
         self.async_save = bool(async_save)
         self.incremental = bool(incremental)
@@ -169,11 +182,14 @@ class Manager:
                 self._lease.release()
             if self._storage is not None:
                 self._storage.close()
+            self._schedule.close()  # the replaced SIGTERM handler is back
 
     # ------------------------------------------------------------------ saving
 
     def should_save(self, step: int) -> bool:
-        """Whether ``step`` is one to save: divisible by ``save_every`` (every step when it is None).
+        """Whether ``step`` is one to save: divisible by ``save_every``, due by ``save_interval_s``,
+        or the first step after a preemption (every step when no rule is given). Collective with
+        ``save_interval_s`` or ``save_on_preemption``: every rank calls it at every step.
 
         Args:
             step: The training step.
@@ -182,7 +198,21 @@ class Manager:
             bool: True when the step should be saved.
         """
         _check_step(step)
-        return self.save_every is None or step % self.save_every == 0
+        return self._schedule.decide(step, self._comm).save
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether SIGTERM has reached any rank by ``step`` (``save_on_preemption``; Orbax's name):
+        the same on every rank, then stop the loop. Collective like ``should_save`` (reusing its
+        answer for the same step).
+
+        Args:
+            step: The training step.
+
+        Returns:
+            bool: True from the step at which the ranks agreed on the preemption on.
+        """
+        _check_step(step)
+        return self._schedule.decide(step, self._comm).preempted
 
     def uri(self, step: int) -> str:
         """The URI a save of ``step`` writes: ``root/<name with the step>``.
@@ -263,6 +293,7 @@ class Manager:
             save_kwargs["base"] = None if newest is None else f"{self.root}/{newest}"
         kwargs = dict(storage_options=self.storage_options, process_group=self.process_group,
                       metadata=metadata, overwrite=force, **save_kwargs)
+        self._schedule.saved()
         if not self.async_save:
             with self._another_writer(step):
                 result = calls.save(state, self.uri(step), **kwargs)
@@ -273,6 +304,9 @@ class Manager:
         after: cf.Future[None] = cf.Future()
         self._pending, self._after = handle, after
         handle.add_done_callback(lambda h: self._on_async_end(h, after))
+        finish_at_exit(handle, "mgr.wait() or mgr.close()", self.wait)  # a normal exit commits it
+        if self._schedule.preempted:
+            self.wait()  # the grace period is short: the loop may exit as soon as save returns
         return handle
 
     def wait(self) -> None:

@@ -3,8 +3,10 @@
 ``keep_last=N`` keeps the N newest steps, ``keep_every=K`` the steps divisible by K,
 ``keep_best=(metric, "min"|"max", k)`` the k best by a metric given to ``save`` (steps
 without it, or with nan or a non-number, are no candidates; of steps with equal values the
-newer ranks first, so a plateau keeps its latest weights). The newest step is always kept, and with no rule at all
-everything is.
+newer ranks first, so a plateau keeps its latest weights), ``keep_time_interval=T`` one step
+per T seconds of commit time (the oldest, then each committed at least T seconds after the
+last one so kept: a history thinned by time, whatever the step rate; Orbax's rule of that
+name). The newest step is always kept, and with no rule at all everything is.
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ class Policy:
     keep_last: int | None = None
     keep_every: int | None = None
     keep_best: tuple[str, str, int] | None = None
+    keep_time_interval: float | None = None  # seconds
 
     def __post_init__(self) -> None:
+        t = self.keep_time_interval
+        if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0):
+            raise CheckpointError(f"keep_time_interval must be a positive number of seconds or None, got {t!r}")
         for name in ("keep_last", "keep_every"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -40,7 +46,8 @@ class Policy:
 
     @property
     def keeps_all(self) -> bool:
-        return self.keep_last is None and self.keep_every is None and self.keep_best is None
+        return (self.keep_last is None and self.keep_every is None and self.keep_best is None
+                and self.keep_time_interval is None)
 
     def reasons(self, entries: Sequence[Entry]) -> dict[int, list[str]]:
         """For each step of ``entries`` (the managed ones), why it is kept; an empty list: pruned."""
@@ -60,6 +67,9 @@ class Policy:
         if self.keep_best is not None:
             for s in _best(entries, *self.keep_best):
                 out[s].append("best")
+        if self.keep_time_interval is not None:
+            for s in _spaced(entries, self.keep_time_interval):
+                out[s].append("time")
         if not out[steps[-1]]:
             out[steps[-1]].append("newest")
         return out
@@ -69,6 +79,17 @@ class Policy:
         reasons = self.reasons(entries)
         return sorted((e for e in entries if e.step is not None and not reasons.get(e.step)),
                       key=lambda e: e.step)  # type: ignore[arg-type, return-value]
+
+
+def _spaced(entries: Sequence[Entry], seconds: float) -> list[int]:
+    """The oldest step, then each committed at least ``seconds`` after the last one kept."""
+    kept: list[int] = []
+    last: int | None = None
+    for e in sorted((e for e in entries if e.step is not None), key=lambda e: e.step):  # type: ignore[arg-type, return-value]
+        if last is None or e.committed_ns - last >= seconds * 1e9:
+            kept.append(e.step)  # type: ignore[arg-type]
+            last = e.committed_ns
+    return kept
 
 
 def _best(entries: Sequence[Entry], metric: str, mode: str, k: int) -> list[int]:

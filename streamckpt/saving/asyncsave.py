@@ -30,6 +30,8 @@ after the checkpoint was already durable (the uploader was still closing its cli
 dropping the staged tensors). A process that exits with a save still in flight (the end of
 the script, or Ctrl-C) cancels it first, from a hook that runs before the thread pools shut
 down (``threading._register_atexit``): nothing is committed and what it uploaded is deleted.
+A save marked by ``finish_at_exit`` (a ``CheckpointManager``'s) is finished and committed
+instead when the script ended normally (no uncaught exception, no Ctrl-C).
 
 Process state: creating a process group is itself a collective, so the save group made
 for a training group is kept for the next save (``_SESSIONS``, keyed by that group), with
@@ -44,6 +46,7 @@ import concurrent.futures as cf
 import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import logging
 import os
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -51,10 +54,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from ..comm import GroupComm, SoloComm, make_comm
+from ..comm import GroupComm, SoloComm, group_timeout, make_comm, warn_if_peers_late
 from ..core.targets import TargetSpec
 from ..cuda.runtime import CudaApi, TorchCuda
-from ..errors import CheckpointError
+from ..errors import CheckpointError, PeerError
 from ..results import SaveResult
 from ..storage import Storage
 from . import writeplan
@@ -67,6 +70,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXIT_WAIT_SECONDS = 60.0  # how long an exiting process waits for a cancelled save to stop
+EXIT_FINISH_SECONDS = 600.0  # how long it waits for a kept save (finish_at_exit) to commit, then cancels it
 
 
 class SaveHandle:
@@ -86,6 +90,9 @@ class SaveHandle:
         self._cancel = cancel
         self._release = release
         self.uri = uri
+        self._finish_at_exit = False  # finish_at_exit: a normal interpreter exit finishes it
+        self._wait_hint = "result() on its handle"
+        self._then: Callable[[], None] | None = None
 
     def release_staging(self) -> None:
         """Wait for this save to end, then free the host memory it staged through (page-locked
@@ -237,8 +244,8 @@ def _session_for(process_group: Any) -> _Session:
     else:
         dist = train.dist
         ranks = dist.get_process_group_ranks(train.group)
-        side = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-        comm = GroupComm(side)
+        with warn_if_peers_late(train, "sc.async_save"):  # its first wait for the others: a rank-0-only call waits here
+            comm = GroupComm(_new_save_group(dist, train.group, ranks))
     with _SESSIONS_LOCK:
         session = _SESSIONS.setdefault(key, _Session(comm))
     if not isinstance(train, SoloComm) and session.comm is comm:
@@ -247,6 +254,23 @@ def _session_for(process_group: Any) -> _Session:
         except TypeError:
             session.keep = train.group
     return session
+
+
+def _new_save_group(dist: Any, train_group: Any, ranks: list[int]) -> Any:
+    """A gloo group over the training group's ranks, waiting for them no longer than the training
+    group's timeout. ``new_group`` waits for every rank in the store: a peer that died after the
+    last collective would hold this rank there for torch's default (30 min), where ``sc.save`` on
+    the training group fails at once; a timeout alone surfaces a raw ``DistStoreError``."""
+    timeout = group_timeout(dist, train_group)
+    try:
+        return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True, timeout=timeout)
+    except RuntimeError as e:  # DistStoreError, DistNetworkError: a peer is gone or never came
+        within = f"within {timeout.total_seconds():g} s (the training group's timeout)" if timeout else \
+            "within torch's default timeout"
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        raise PeerError(f"sc.async_save could not make its process group: rank {dist.get_rank()} waited for the "
+                        f"other ranks {ranks} {within} and they did not all come ({type(e).__name__}: {first}); "
+                        f"a peer rank died, was killed or is stuck before this save; this rank stops too") from None
 
 
 def start_save(
@@ -395,19 +419,60 @@ def _fail_from(shards: list[StagedShard], k: int, error: BaseException) -> None:
         rest.fail(error)
 
 
-def _cancel_at_exit() -> None:
+def finish_at_exit(handle: SaveHandle, hint: str, wait: Callable[[], None] | None = None) -> None:
+    """Mark ``handle`` as a save its owner wants kept: at a normal interpreter exit with it in
+    flight it is finished and committed, not cancelled (an exception or Ctrl-C still cancels
+    it). ``hint`` names the owner's call that waits for it (``"mgr.wait() or mgr.close()"``);
+    ``wait``, that call: run at exit once the save has ended, so that what the owner does after
+    the commit (a manager's retention, on a thread pool) runs before the pools shut down."""
+    handle._finish_at_exit = True
+    handle._wait_hint = hint
+    handle._then = wait
+
+
+def _end_at_exit() -> None:
     """A process ending with a save in flight cancels it (its checkpoint stays uncommitted,
-    what it uploaded is deleted) and waits for the uploader to stop. Runs at the start of
+    what it uploaded is deleted) and waits for the uploader to stop; a save marked by
+    ``finish_at_exit`` is finished instead when the script ended normally. Runs at the start of
     interpreter shutdown, before ``concurrent.futures`` refuses new work and before non-daemon
     threads are joined (``threading._register_atexit``)."""
     with _SESSIONS_LOCK:
         pending = [s.last for s in _SESSIONS.values() if s.last is not None and not s.last.done()]
+    failing = _exiting_on_an_exception()
     for handle in pending:
-        log.warning("the process is exiting with the save to %s in flight: cancelling it, nothing is "
-                    "committed (call result() on its handle before exiting to keep it)", handle.uri)
+        if handle._finish_at_exit and not failing and _finish(handle):
+            continue
+        log.warning("the process is exiting%s with the save to %s in flight: cancelling it, nothing is "
+                    "committed (call %s before exiting to keep it)", " on an exception" if failing else "",
+                    handle.uri, handle._wait_hint)
         if not handle.cancel(timeout=EXIT_WAIT_SECONDS):
             log.warning("the save to %s did not stop within %.0f s; waiting for it to end", handle.uri,
                         EXIT_WAIT_SECONDS)
+
+
+def _finish(handle: SaveHandle) -> bool:
+    """Wait for a kept save at exit; False when it is still running after ``EXIT_FINISH_SECONDS``
+    (the caller cancels it). Each rank's uploader agrees on the commit as it would have without
+    the exit; a peer that died fails that agreement at once (its connection closes), a peer
+    that hangs fails it after the save group's timeout (the training group's)."""
+    log.warning("the process is exiting with the save to %s in flight: finishing it before the exit, as the "
+                "script ended normally (call %s before the end to say so)", handle.uri, handle._wait_hint)
+    done, _ = cf.wait([handle._future], EXIT_FINISH_SECONDS)
+    if not done:
+        log.warning("the save to %s has not committed within %.0f s of the exit", handle.uri, EXIT_FINISH_SECONDS)
+        return False
+    try:
+        (handle._then or handle.result)()
+    except Exception as e:  # noqa: BLE001 - the process is ending: said, not raised
+        log.warning("the save to %s failed at exit, nothing was committed: %s: %s", handle.uri, type(e).__name__, e)
+    return True
+
+
+def _exiting_on_an_exception() -> bool:
+    """Whether the script ended on an uncaught exception (KeyboardInterrupt included): the
+    interpreter prints it, and records it as ``sys.last_value`` (``last_exc`` from 3.12),
+    before it shuts down."""
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
 
 
 def _at_shutdown(hook: Callable[[], None]) -> None:
@@ -420,4 +485,4 @@ def _at_shutdown(hook: Callable[[], None]) -> None:
         register(hook)
 
 
-_at_shutdown(_cancel_at_exit)
+_at_shutdown(_end_at_exit)
