@@ -12,6 +12,7 @@ import torch
 from .comm import SoloComm, make_comm
 from .cuda.device import checked_device
 from .core import dtypes, tree as trees
+from .core.stateful import Expanded, expand
 from .core.manifest import MANIFEST_NAME
 from .errors import CheckpointError, MissingKeysError, close_to
 from .formats import read_manifest
@@ -21,6 +22,7 @@ from .loading.loader import fail_together as load_fails_together
 from .manage import Calls, Manager, Restored
 from .manage.copying import copy_checkpoint
 from .manage.references import check_unreferenced
+from .optimizers import state_of
 from .plan.planner import PlanOptions
 from .progress import reporter, reporting
 from .results import CheckpointInfo, DtypeName, LoadResult, SaveResult, TensorInfo
@@ -139,6 +141,7 @@ def save(
             storage = Storage(uri, storage_options)
             stack.callback(storage.close)
             report = stack.enter_context(reporting(progress, "save", rank=comm.rank, world_size=comm.world_size))
+            state_dict = _expanded(state_dict, for_load=False).tree
         except CheckpointError as e:
             save_fails_together(comm, e)
         return run_save(comm, storage, state_dict, compression=compression, metadata=metadata,
@@ -218,6 +221,10 @@ def async_save(
         report, bar = reporter(progress, "async_save", rank=comm.rank, world_size=comm.world_size)
     except CheckpointError as e:  # raised by start_save on every rank, once they can agree on it
         failed = e
+    try:
+        state_dict = _expanded(state_dict, for_load=False).tree
+    except CheckpointError as e:
+        failed = failed or e
     try:
         handle = start_save(state_dict, uri, storage_options=storage_options, process_group=process_group,
                             compression=compression, metadata=metadata, overwrite=overwrite,
@@ -336,16 +343,24 @@ def load(
             staging_budget = storage.reserve_inflight(memory_budget)
             report = stack.enter_context(reporting(progress, "load", rank=comm.rank, world_size=comm.world_size))
             tf = _transforms(transforms, storage_options)
+            expanded = _expanded(state_dict, for_load=True)
         except CheckpointError as e:
             load_fails_together(comm, e)
         req = LoadRequest(
-            state_dict=state_dict,
+            state_dict=expanded.tree,
             strict=strict,
             options=PlanOptions(memory_budget=staging_budget, read_once=read_once),
             transforms=tf,
             progress=report,
         )
-        return run_load(comm, storage, req)
+        result = run_load(comm, storage, req)
+        expanded.finish()
+        return result
+
+
+def _expanded(state_dict: Any, *, for_load: bool) -> Expanded:
+    """The state with its stateful objects (modules, optimizers, ...) as their state dicts."""
+    return expand(state_dict, state_of, for_load=for_load)
 
 
 def load_full(
