@@ -670,6 +670,9 @@ def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
         if not isinstance(k, str):
             raise CheckpointError(f"metric names must be str, got {k!r}")
         if hasattr(v, "item") and callable(v.item):
+            n = v.numel() if callable(getattr(v, "numel", None)) else getattr(v, "size", 1)
+            if n != 1:  # torch's own words ("a Tensor with 2 elements cannot be converted") name no metric
+                raise CheckpointError(f"metric {k!r} has {n} elements; pass one number (e.g. loss.mean().item())")
             v = v.item()
         if isinstance(v, float) and not math.isfinite(v):  # a diverged loss: the manifest's JSON has no nan,
             v = repr(v)  # so 'nan' / 'inf' / '-inf', which keep_best never ranks (the save must not fail for it)
