@@ -86,7 +86,11 @@ def save(
             that hold the same key hold replicas), ``DTensor`` (``Shard``/``Replicate``
             placements), ``sc.ShardedTensor`` (this rank's box or flat range of a global
             tensor), nested dicts (str or int keys), lists and tuples of these, and plain
-            values (None, bool, int, float, str) stored in the manifest.
+            values (None, bool, int, float, str) stored in the manifest. An object with
+            ``state_dict()`` and ``load_state_dict()`` (DCP's ``Stateful``: a module, an
+            optimizer, a scheduler, your own) stands for its ``state_dict()`` (an optimizer whose
+            model is in the same state: torch's ``get_optimizer_state_dict``, keyed by parameter
+            name); a numpy array for a tensor.
         uri: Where to write: any fsspec URL (``s3://bucket/prefix``, ``gs://``, ``az://``,
             ``file://``) or a local path; a directory, not a file name.
         storage_options: Passed to fsspec unchanged (for s3fs: ``endpoint_url``, ``key``,
@@ -275,7 +279,11 @@ def load(
         state_dict: The targets, filled in place: ``torch.Tensor`` (the whole tensor),
             ``DTensor``, ``sc.ShardedTensor`` (a box or flat range of a global tensor),
             nested dicts, lists and tuples of these, and plain values (replaced in dicts
-            and lists). CPU or CUDA tensors.
+            and lists). CPU or CUDA tensors. An object with ``state_dict()`` and
+            ``load_state_dict()`` (a module, an optimizer, a scheduler, ...) is restored in place:
+            its state dict is filled, then given back through ``load_state_dict()`` (an optimizer
+            whose model is in the same state through torch's ``set_optimizer_state_dict``; one
+            that has not stepped yet gets its state first). A numpy array is filled in place.
         uri: The checkpoint: any fsspec URL or local path.
         storage_options: Passed to fsspec unchanged (e.g. s3fs ``endpoint_url``, ``key``,
             ``secret``). Default None: the environment's credentials.

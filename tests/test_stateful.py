@@ -79,6 +79,22 @@ def test_stateful_objects_round_trip_into_fresh_ones(s3_uri: str, s3_opts: dict[
     assert np.array_equal(into, arr)
 
 
+def test_async_save_stages_the_objects_state(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    saved = trained()
+    model, optim, sched = saved
+    handle = sc.async_save({"model": model, "optim": optim, "sched": sched}, s3_uri, storage_options=s3_opts)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # free to train on once staged
+    handle.result(timeout=60)
+    fresh = build(seed=1)
+    sc.load({"model": fresh[0], "optim": fresh[1], "sched": fresh[2]}, s3_uri, storage_options=s3_opts)
+    with torch.no_grad():
+        model[0].weight.copy_(want["0.weight"])
+    assert torch.equal(fresh[0][0].weight, want["0.weight"])
+    assert_same_objects(saved, fresh)
+
+
 def test_optimizer_without_its_model_and_a_module_at_the_root(s3_uri: str, s3_opts: dict[str, Any]) -> None:
     """An optimizer alone keeps index keys (a fresh one still gets state to fill); a module
     passed as the whole state saves and loads as its state dict."""

@@ -194,7 +194,7 @@ class Manager:
             step: The training step (an int >= 0).
             state: The state_dict, as ``sc.save`` takes it.
             metrics: JSON-serializable numbers and strings to record (``{"loss": 0.31}``; tensors
-                with one element are turned into numbers; nan and inf are recorded as the strings
+                with one element are turned into numbers, others refused; nan and inf are recorded as the strings
                 ``'nan'``, ``'inf'``, ``'-inf'``); ``keep_best`` ranks by the numbers.
                 Default None: none.
             force: Replace a committed checkpoint of ``step``. Default False: refuse it.
