@@ -106,6 +106,11 @@ def test_optimizer_without_its_model_and_a_module_at_the_root(s3_uri: str, s3_op
     sc.load({"optim": fresh[1], "sched": fresh[2]}, f"{s3_uri}/o", storage_options=s3_opts)
     sc.load(fresh[0], f"{s3_uri}/m", storage_options=s3_opts)
     assert_same_objects(saved, fresh)
+    # in a tuple too (the tuple's plain values stay the caller's, as for any tuple)
+    sc.save({"pair": (saved[0], 3)}, f"{s3_uri}/t", storage_options=s3_opts)
+    other = build(seed=2)[0]
+    sc.load({"pair": (other, 0)}, f"{s3_uri}/t", storage_options=s3_opts)
+    assert all(torch.equal(a, b) for a, b in zip(saved[0].state_dict().values(), other.state_dict().values()))
 
 
 def test_through_the_manager(s3_uri: str, s3_opts: dict[str, Any]) -> None:

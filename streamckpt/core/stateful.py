@@ -95,7 +95,7 @@ def _find(node: Any, objects: list[Any], depth: int) -> bool:
         return True
     if depth > 100:
         return False  # the layers below name a tree this deep
-    children = node.values() if isinstance(node, Mapping) else node if isinstance(node, list) else ()
+    children = node.values() if isinstance(node, Mapping) else node if isinstance(node, (list, tuple)) else ()
     found = [_find(v, objects, depth + 1) for v in children]
     return any(found) or is_array(node)
 
@@ -116,11 +116,13 @@ def _expand(node: Any, key: str, out: Expanded, state_of: StateOf, objects: Sequ
         return _tensor_of(node, key)
     if isinstance(node, Mapping) and not isinstance(node, dict):
         return node  # a read-only mapping: nothing of ours goes in, the layers below take it as is
-    if isinstance(node, (dict, list)):
+    if isinstance(node, (dict, list, tuple)):
         pairs = node.items() if isinstance(node, dict) else enumerate(node)
         kids = {k: _expand(v, f"{key}.{k}" if key else str(k), out, state_of, objects, for_load) for k, v in pairs}
         if all(kids[k] is v for k, v in (node.items() if isinstance(node, dict) else enumerate(node))):
             return node
+        if isinstance(node, tuple):
+            return tuple(kids.values())  # immutable: a load leaves its plain values as they were, as for any tuple
         copy: Any = kids if isinstance(node, dict) else list(kids.values())
         out.copies.append((node, copy))
         return copy

@@ -194,7 +194,9 @@ def check_value(key: str, value: Any) -> None:
 def _todo(value: Any) -> str:
     """What to pass instead of a value that cannot be saved."""
     if callable(getattr(value, "state_dict", None)):
-        return f"pass its .state_dict() (a {type(value).__name__} has no load_state_dict() to restore it through)"
+        missing = "" if callable(getattr(value, "load_state_dict", None)) else \
+            f" (a {type(value).__name__} has no load_state_dict() to restore it through)"
+        return f"pass its .state_dict(){missing}"
     return "convert it first (e.g. str(value), list(value))"
 
 
