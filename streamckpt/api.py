@@ -12,7 +12,7 @@ import torch
 from .comm import SoloComm, make_comm
 from .cuda.device import checked_device
 from .core import dtypes, tree as trees
-from .core.stateful import Expanded, expand
+from .core.stateful import Expanded, Stateful, expand
 from .core.manifest import MANIFEST_NAME
 from .errors import CheckpointError, MissingKeysError, close_to
 from .formats import read_manifest
@@ -61,7 +61,7 @@ def _key_list(keys: Iterable[str] | None) -> list[str] | None:
 
 
 def save(
-    state_dict: Mapping[str, Any],
+    state_dict: Mapping[str, Any] | Stateful,
     uri: str,
     *,
     storage_options: dict[str, Any] | None = None,
@@ -154,7 +154,7 @@ def save(
 
 
 def async_save(
-    state_dict: Mapping[str, Any],
+    state_dict: Mapping[str, Any] | Stateful,
     uri: str,
     *,
     storage_options: dict[str, Any] | None = None,
@@ -253,7 +253,7 @@ def _committed(handle: SaveHandle) -> bool:
 
 
 def load(
-    state_dict: Mapping[str, Any],
+    state_dict: Mapping[str, Any] | Stateful,
     uri: str,
     *,
     storage_options: dict[str, Any] | None = None,

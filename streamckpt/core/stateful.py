@@ -27,6 +27,15 @@ from ..errors import IncompatibleStateDictError
 Restore = Callable[[Any], None]  # gives a filled state dict back to its object
 
 
+class Stateful(Protocol):
+    """What a state may hold besides tensors and data: DCP's ``Stateful`` (a module, an
+    optimizer, a scheduler, a data loader, your own class) as a type checker sees it."""
+
+    def state_dict(self) -> Mapping[str, Any]: ...
+
+    def load_state_dict(self, state_dict: Any, /) -> Any: ...
+
+
 class StateOf(Protocol):
     """An object's state dict and how to give a filled one back. ``objects`` are all the
     stateful objects of the tree (an optimizer finds its model among them); ``for_load``

@@ -10,9 +10,10 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, Mapping, TypeVar, overload
 
 from ..comm import make_comm, raise_agreed
+from ..core.stateful import Stateful
 from ..errors import (CheckpointError, CheckpointExistsError, CheckpointInUseError, CheckpointNotFoundError,
                       CorruptCheckpointError, StorageError, near_names)
 from ..results import human_bytes
@@ -25,13 +26,18 @@ from .index import METRICS_KEY, STEP_KEY, Entry, Index, Listing
 from .passthrough import check_names
 from .retention import Policy
 
+if TYPE_CHECKING:
+    from ..results import SaveResult
+    from ..saving.asyncsave import SaveHandle
+
 log = logging.getLogger(__name__)
+S = TypeVar("S")  # the state a restore was given: Restored.state is that very object
 
 FALLBACK_ERRORS = ("CorruptCheckpointError", "UnsupportedVersionError", "CheckpointNotFoundError")
 
 
 @dataclass(slots=True)
-class Restored:
+class Restored(Generic[S]):
     """What ``CheckpointManager.restore`` restored.
 
     Attributes:
@@ -45,7 +51,7 @@ class Restored:
 
     step: int
     uri: str
-    state: Any
+    state: S
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -181,8 +187,8 @@ class Manager:
         """
         return f"{self.root}/{self.name.format(step=step)}"
 
-    def save(self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None,
-             force: bool = False, **save_kwargs: Any) -> Any:
+    def save(self, step: int, state: Mapping[str, Any] | Stateful, *, metrics: Mapping[str, Any] | None = None,
+             force: bool = False, **save_kwargs: Any) -> SaveResult | SaveHandle:
         """Save ``state`` as the checkpoint of ``step``, then apply retention once it commits.
 
         Collective like ``sc.save``. The manifest records ``step`` and ``metrics`` (in its
@@ -375,8 +381,16 @@ class Manager:
 
     # ------------------------------------------------------------------ restoring
 
+    @overload
+    def restore(self, state_dict: None = None, *, step: int | None = None, max_fallbacks: int = 3,
+                **load_kwargs: Any) -> Restored[Any] | None: ...
+
+    @overload
+    def restore(self, state_dict: S, *, step: int | None = None, max_fallbacks: int = 3,
+                **load_kwargs: Any) -> Restored[S] | None: ...
+
     def restore(self, state_dict: Any = None, *, step: int | None = None, max_fallbacks: int = 3,
-                **load_kwargs: Any) -> Restored | None:
+                **load_kwargs: Any) -> Restored[Any] | None:
         """Restore the newest committed step (or ``step``), falling back past a broken newest.
 
         With ``state_dict``, ``sc.load`` fills it in place (resharded to this job's layout, any
@@ -448,7 +462,7 @@ class Manager:
             + (f", more than max_fallbacks={max_fallbacks}" if len(skipped) > max_fallbacks else ""))
 
     def _restore_one(self, entry: Entry, state_dict: Any, load_kwargs: dict[str, Any],
-                     skipped: list[tuple[str, str]], *, fallback: bool) -> Restored | None:
+                     skipped: list[tuple[str, str]], *, fallback: bool) -> Restored[Any] | None:
         uri = f"{self.root}/{entry.name}"
         calls = self._bound()
         own: BaseException | None = None
@@ -464,7 +478,7 @@ class Manager:
             own = e
         failures = gather_outcome(self._comm, own)
         if not failures:
-            return Restored(entry.step, uri, state, skipped)  # type: ignore[arg-type]
+            return Restored(entry.step, uri, state, skipped)
         if not fallback or any(f["cls"] not in FALLBACK_ERRORS for f in failures) or \
                 (own is not None and not isinstance(own, CheckpointError)):
             raise_agreed(failures, own)
