@@ -146,6 +146,37 @@ def test_what_cannot_be_saved_says_state_dict(s3_uri: str, s3_opts: dict[str, An
         sc.save({"loader": Broken()}, s3_uri, storage_options=s3_opts)
 
 
+class Broken:
+    """A Stateful whose state_dict() fails (a data loader whose worker died)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("worker died")
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def broken_on_rank_1(rank: int, world: int, uri: str, opts: dict[str, Any]) -> dict[str, str]:
+    out = {}
+    for call in ("save", "async_save", "load"):
+        state = {"w": torch.ones(4), "loader": Broken() if rank == 1 else torch.nn.Linear(2, 2)}
+        try:
+            if call == "async_save":
+                sc.async_save(state, f"{uri}/{call}", storage_options=opts).result(timeout=60)
+            else:
+                getattr(sc, call)(state, f"{uri}/{call}", storage_options=opts)
+            out[call] = "ok"
+        except sc.CheckpointError as e:
+            out[call] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_a_failing_state_dict_on_one_rank_fails_every_rank(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    got = [r.unwrap() for r in run_ranks(2, broken_on_rank_1, kwargs={"uri": s3_uri, "opts": s3_opts}, timeout=120)]
+    for call in ("save", "async_save", "load"):
+        assert all("loader: RuntimeError from state_dict() of a Broken: worker died" in g[call] for g in got), got
+
+
 # ------------------------------------------------------------------- FSDP2, 2 -> 3 ranks
 
 
