@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 def state_of(obj: Any, objects: Sequence[Any], *, for_load: bool) -> tuple[Any, Restore]:
     """``core.stateful.StateOf`` for a tree that may hold optimizers."""
-    if not isinstance(obj, torch.optim.Optimizer):
+    if not isinstance(obj, torch.optim.Optimizer) or _custom(obj):
         return plain_state(obj, objects, for_load=for_load)
     model = owner(obj, objects)
     if model is None:
@@ -38,6 +38,13 @@ def state_of(obj: Any, objects: Sequence[Any], *, for_load: bool) -> tuple[Any, 
         set_optimizer_state_dict(model, obj, state)
 
     return get_optimizer_state_dict(model, obj), restore
+
+
+def _custom(optim: torch.optim.Optimizer) -> bool:
+    """An optimizer with a state_dict of its own (torchtitan's ``OptimizersContainer`` calls
+    the helpers itself): its methods are the contract, not the helpers'."""
+    base = torch.optim.Optimizer
+    return type(optim).state_dict is not base.state_dict or type(optim).load_state_dict is not base.load_state_dict
 
 
 def owner(optim: torch.optim.Optimizer, objects: Sequence[Any]) -> torch.nn.Module | None:

@@ -113,6 +113,35 @@ def test_optimizer_without_its_model_and_a_module_at_the_root(s3_uri: str, s3_op
     assert all(torch.equal(a, b) for a, b in zip(saved[0].state_dict().values(), other.state_dict().values()))
 
 
+class Wrapped(torch.optim.Adam):
+    """An optimizer with a state_dict of its own (as torchtitan's OptimizersContainer has)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"wrapped": super().state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict["wrapped"])
+
+
+def test_an_optimizer_with_its_own_state_dict_keeps_it(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optim = Wrapped(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    optim.step()
+    sc.save({"model": model, "optim": optim}, s3_uri, storage_options=s3_opts)
+    assert sorted(sc.load_state(s3_uri, storage_options=s3_opts)["optim"]["wrapped"]["state"]) == [0, 1]
+    model2 = torch.nn.Linear(3, 2)
+    optim2 = Wrapped(model2.parameters())
+    model2(torch.randn(2, 3)).sum().backward()
+    optim2.step()  # its own methods fill only a stepped optimizer
+    sc.load({"model": model2, "optim": optim2}, s3_uri, storage_options=s3_opts)
+    for p in (0, 1):
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optim2.state[model2.weight if p == 0 else model2.bias][name],
+                               optim.state[model.weight if p == 0 else model.bias][name])
+
+
 def test_through_the_manager(s3_uri: str, s3_opts: dict[str, Any]) -> None:
     saved = trained()
     with sc.CheckpointManager(s3_uri, storage_options=s3_opts) as mgr:
