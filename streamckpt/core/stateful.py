@@ -98,15 +98,21 @@ def expand(state: Any, state_of: StateOf = plain_state, *, for_load: bool = Fals
 
 
 def _find(node: Any, objects: list[Any], depth: int) -> bool:
-    """Collect the stateful objects; whether there is anything to expand at all."""
+    """Collect the stateful objects; whether there is anything to expand at all. Runs on
+    every save and load: tensors and containers, by far the most nodes, are told apart first."""
+    if isinstance(node, torch.Tensor):
+        return False
+    if isinstance(node, (dict, list, tuple, Mapping)):
+        if depth > 100:
+            return False  # the layers below name a tree this deep
+        found = False
+        for v in node.values() if isinstance(node, Mapping) else node:
+            found = _find(v, objects, depth + 1) or found  # on to the end: an optimizer looks for its model
+        return found
     if is_stateful(node):
         objects.append(node)
         return True
-    if depth > 100:
-        return False  # the layers below name a tree this deep
-    children = node.values() if isinstance(node, Mapping) else node if isinstance(node, (list, tuple)) else ()
-    found = [_find(v, objects, depth + 1) for v in children]
-    return any(found) or is_array(node)
+    return is_array(node)
 
 
 def _expand(node: Any, key: str, out: Expanded, state_of: StateOf, objects: Sequence[Any], for_load: bool) -> Any:
