@@ -109,7 +109,10 @@ def test_optimizer_without_its_model_and_a_module_at_the_root(s3_uri: str, s3_op
     # in a tuple too (the tuple's plain values stay the caller's, as for any tuple)
     sc.save({"pair": (saved[0], 3)}, f"{s3_uri}/t", storage_options=s3_opts)
     other = build(seed=2)[0]
-    sc.load({"pair": (other, 0)}, f"{s3_uri}/t", storage_options=s3_opts)
+    pair = (other, 0)
+    state = {"pair": pair}
+    sc.load(state, f"{s3_uri}/t", storage_options=s3_opts)
+    assert state["pair"] is pair  # the caller's tuple, its module restored in place
     assert all(torch.equal(a, b) for a, b in zip(saved[0].state_dict().values(), other.state_dict().values()))
 
 

@@ -66,16 +66,16 @@ class Expanded:
     """The tree handed to save or load, and what a load must do afterwards."""
 
     tree: Any
-    copies: list[tuple[Any, Any]] = field(default_factory=list)  # (caller's container, our copy)
+    copies: list[tuple[Any, Any]] = field(default_factory=list)  # (caller's dict or list, our copy)
+    ours: set[int] = field(default_factory=set)  # ids of every container we made (tuples too), alive in tree
     restores: list[tuple[Restore, Any, str]] = field(default_factory=list)  # (restore, filled state dict, key)
 
     def finish(self) -> None:
         """After a load: plain values the load replaced go back into the caller's containers,
         then each object gets its filled state dict (in tree order)."""
-        copied = {id(c) for _, c in self.copies}
         for original, copy in self.copies:
             for k in (original.keys() if isinstance(original, Mapping) else range(len(original))):
-                if not (is_stateful(original[k]) or is_array(original[k]) or id(copy[k]) in copied):
+                if not (is_stateful(original[k]) or is_array(original[k]) or id(copy[k]) in self.ours):
                     original[k] = copy[k]
         for restore, state, key in self.restores:
             try:
@@ -136,10 +136,12 @@ def _expand(node: Any, key: str, out: Expanded, state_of: StateOf, objects: Sequ
         kids = {k: _expand(v, f"{key}.{k}" if key else str(k), out, state_of, objects, for_load) for k, v in pairs}
         if all(kids[k] is v for k, v in (node.items() if isinstance(node, dict) else enumerate(node))):
             return node
-        if isinstance(node, tuple):
-            return tuple(kids.values())  # immutable: a load leaves its plain values as they were, as for any tuple
         copy: Any = kids if isinstance(node, dict) else list(kids.values())
-        out.copies.append((node, copy))
+        if isinstance(node, tuple):
+            copy = tuple(copy)  # immutable: a load leaves its plain values as they were, as for any tuple
+        else:
+            out.copies.append((node, copy))
+        out.ours.add(id(copy))
         return copy
     return node
 
