@@ -12,6 +12,7 @@ import torch
 from .comm import SoloComm, make_comm
 from .cuda.device import checked_device
 from .core import dtypes, tree as trees
+from .core.stateful import Expanded, Stateful, expand
 from .core.manifest import MANIFEST_NAME
 from .errors import CheckpointError, MissingKeysError, close_to
 from .formats import read_manifest
@@ -21,6 +22,7 @@ from .loading.loader import fail_together as load_fails_together
 from .manage import Calls, Manager, Restored
 from .manage.copying import copy_checkpoint
 from .manage.references import check_unreferenced
+from .optimizers import state_of
 from .plan.planner import PlanOptions
 from .progress import reporter, reporting
 from .results import CheckpointInfo, CopyResult, DtypeName, LoadResult, SaveResult, TensorInfo
@@ -59,7 +61,7 @@ def _key_list(keys: Iterable[str] | None) -> list[str] | None:
 
 
 def save(
-    state_dict: Mapping[str, Any],
+    state_dict: Mapping[str, Any] | Stateful,
     uri: str,
     *,
     storage_options: dict[str, Any] | None = None,
@@ -84,7 +86,11 @@ def save(
             that hold the same key hold replicas), ``DTensor`` (``Shard``/``Replicate``
             placements), ``sc.ShardedTensor`` (this rank's box or flat range of a global
             tensor), nested dicts (str or int keys), lists and tuples of these, and plain
-            values (None, bool, int, float, str) stored in the manifest.
+            values (None, bool, int, float, str) stored in the manifest. An object with
+            ``state_dict()`` and ``load_state_dict()`` (DCP's ``Stateful``: a module, an
+            optimizer, a scheduler, your own) stands for its ``state_dict()`` (an optimizer whose
+            model is in the same state: torch's ``get_optimizer_state_dict``, keyed by parameter
+            name); a numpy array for a tensor.
         uri: Where to write: any fsspec URL (``s3://bucket/prefix``, ``gs://``, ``az://``,
             ``file://``) or a local path; a directory, not a file name.
         storage_options: Passed to fsspec unchanged (for s3fs: ``endpoint_url``, ``key``,
@@ -139,6 +145,7 @@ def save(
             storage = Storage(uri, storage_options)
             stack.callback(storage.close)
             report = stack.enter_context(reporting(progress, "save", rank=comm.rank, world_size=comm.world_size))
+            state_dict = _expanded(state_dict, for_load=False).tree
         except CheckpointError as e:
             save_fails_together(comm, e)
         return run_save(comm, storage, state_dict, compression=compression, metadata=metadata,
@@ -147,7 +154,7 @@ def save(
 
 
 def async_save(
-    state_dict: Mapping[str, Any],
+    state_dict: Mapping[str, Any] | Stateful,
     uri: str,
     *,
     storage_options: dict[str, Any] | None = None,
@@ -220,6 +227,10 @@ def async_save(
     except CheckpointError as e:  # raised by start_save on every rank, once they can agree on it
         failed = e
     try:
+        state_dict = _expanded(state_dict, for_load=False).tree
+    except CheckpointError as e:
+        failed = failed or e
+    try:
         handle = start_save(state_dict, uri, storage_options=storage_options, process_group=process_group,
                             compression=compression, metadata=metadata, overwrite=overwrite,
                             staging_budget=staging_budget, progress=report, base=base, guard=check_unreferenced,
@@ -243,7 +254,7 @@ def _committed(handle: SaveHandle) -> bool:
 
 
 def load(
-    state_dict: Mapping[str, Any],
+    state_dict: Mapping[str, Any] | Stateful,
     uri: str,
     *,
     storage_options: dict[str, Any] | None = None,
@@ -269,7 +280,11 @@ def load(
         state_dict: The targets, filled in place: ``torch.Tensor`` (the whole tensor),
             ``DTensor``, ``sc.ShardedTensor`` (a box or flat range of a global tensor),
             nested dicts, lists and tuples of these, and plain values (replaced in dicts
-            and lists). CPU or CUDA tensors.
+            and lists). CPU or CUDA tensors. An object with ``state_dict()`` and
+            ``load_state_dict()`` (a module, an optimizer, a scheduler, ...) is restored in place:
+            its state dict is filled, then given back through ``load_state_dict()`` (an optimizer
+            whose model is in the same state through torch's ``set_optimizer_state_dict``; one
+            that has not stepped yet gets its state first). A numpy array is filled in place.
         uri: The checkpoint: any fsspec URL or local path.
         storage_options: Passed to fsspec unchanged (e.g. s3fs ``endpoint_url``, ``key``,
             ``secret``). Default None: the environment's credentials.
@@ -337,16 +352,24 @@ def load(
             staging_budget = storage.reserve_inflight(memory_budget)
             report = stack.enter_context(reporting(progress, "load", rank=comm.rank, world_size=comm.world_size))
             tf = _transforms(transforms, storage_options)
+            expanded = _expanded(state_dict, for_load=True)
         except CheckpointError as e:
             load_fails_together(comm, e)
         req = LoadRequest(
-            state_dict=state_dict,
+            state_dict=expanded.tree,
             strict=strict,
             options=PlanOptions(memory_budget=staging_budget, read_once=read_once),
             transforms=tf,
             progress=report,
         )
-        return run_load(comm, storage, req)
+        result = run_load(comm, storage, req)
+        expanded.finish()
+        return result
+
+
+def _expanded(state_dict: Any, *, for_load: bool) -> Expanded:
+    """The state with its stateful objects (modules, optimizers, ...) as their state dicts."""
+    return expand(state_dict, state_of, for_load=for_load)
 
 
 def load_full(

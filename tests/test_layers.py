@@ -135,7 +135,7 @@ def test_every_top_level_module_is_a_layer_or_wiring() -> None:
     """What stays at the top level is what a reader looks for first (and ``errors``/``results``)."""
     top = {m.split(".")[1] for m in package_sources() if m.count(".") >= 1}
     assert top == {"__main__", "api", "cli", "comm", "core", "cuda", "dcp", "demo", "errors", "formats", "lightning", "loadbench",
-                   "loading", "manage", "merging", "plan", "progress", "results", "saving", "spawn", "storage", "testing",
+                   "loading", "manage", "merging", "optimizers", "plan", "progress", "results", "saving", "spawn", "storage", "testing",
                    "transforms"}
 
 

@@ -20,8 +20,16 @@ def saved(s3_uri: str, s3_opts: dict[str, Any]) -> str:
 
 
 def test_a_module_instead_of_its_state_dict(saved: str, s3_opts: dict[str, Any]) -> None:
-    with pytest.raises(sc.IncompatibleStateDictError, match=r"got Linear \(pass its \.state_dict\(\)\)"):
-        sc.load(torch.nn.Linear(4, 3), saved, storage_options=s3_opts)
+    model = torch.nn.Linear(4, 3)  # a Stateful: loaded through its state_dict() and load_state_dict()
+    sc.load(model, saved, storage_options=s3_opts)
+    assert torch.equal(model.weight, torch.arange(12.0).reshape(3, 4)) and torch.equal(model.bias, torch.ones(3))
+
+    class Exporter:  # state_dict() alone: nothing to restore it through
+        def state_dict(self) -> dict[str, Any]:
+            return {"weight": torch.zeros(3, 4)}
+
+    with pytest.raises(sc.IncompatibleStateDictError, match=r"got Exporter \(pass its \.state_dict\(\)\)"):
+        sc.load(Exporter(), saved, storage_options=s3_opts)  # type: ignore[arg-type]
 
 
 def test_storage_options_that_are_not_a_dict(saved: str) -> None:
@@ -169,7 +177,13 @@ def test_a_launched_rank_that_never_joined_its_group_is_told_to(s3_uri: str, s3_
         sc.inspect(s3_uri, storage_options=s3_opts)
 
 
-@pytest.mark.parametrize("leaf", [np.zeros((3, 4), dtype=np.float32), [0.0] * 12])
+def test_a_numpy_target_is_filled_in_place(saved: str, s3_opts: dict[str, Any]) -> None:
+    leaf = np.zeros((3, 4), dtype=np.float32)
+    sc.load({"weight": leaf, "bias": torch.zeros(3)}, saved, storage_options=s3_opts)
+    assert np.array_equal(leaf, np.arange(12.0, dtype=np.float32).reshape(3, 4))
+
+
+@pytest.mark.parametrize("leaf", [[0.0] * 12, (0.0,) * 12])
 def test_a_target_that_is_no_tensor_is_not_called_missing(saved: str, s3_opts: dict[str, Any], leaf: Any) -> None:
     with pytest.raises(sc.IncompatibleStateDictError) as e:
         sc.load({"weight": leaf, "bias": torch.zeros(3)}, saved, storage_options=s3_opts)

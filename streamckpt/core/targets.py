@@ -186,9 +186,18 @@ def check_value(key: str, value: Any) -> None:
     why = unsavable(value)
     if why is not None:
         raise IncompatibleStateDictError(
-            f"{key}: {why} cannot be saved; a state_dict leaf is a tensor or plain data "
-            f"({SAVABLE}); convert it first (e.g. tensor.tolist(), str(value))"
+            f"{key}: {why} cannot be saved; a state_dict leaf is a tensor, a numpy array, an object with "
+            f"state_dict() and load_state_dict(), or plain data ({SAVABLE}); {_todo(value)}"
         )
+
+
+def _todo(value: Any) -> str:
+    """What to pass instead of a value that cannot be saved."""
+    if callable(getattr(value, "state_dict", None)):
+        missing = "" if callable(getattr(value, "load_state_dict", None)) else \
+            f" (a {type(value).__name__} has no load_state_dict() to restore it through)"
+        return f"pass its .state_dict(){missing}"
+    return "convert it first (e.g. str(value), list(value))"
 
 
 def collect(state_dict: Mapping[Any, Any], *, for_save: bool = False) -> tuple[list[LocalTarget], list[ValueSlot]]:

@@ -11,9 +11,10 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, Mapping, TypeVar, overload
 
 from ..comm import make_comm, raise_agreed
+from ..core.stateful import Stateful
 from ..errors import (CheckpointError, CheckpointExistsError, CheckpointInUseError, CheckpointNotFoundError,
                       CorruptCheckpointError, StorageError, near_names)
 from ..results import human_bytes
@@ -30,13 +31,18 @@ from .preemption import Preemption
 from .retention import Policy
 from .schedule import Schedule
 
+if TYPE_CHECKING:
+    from ..results import SaveResult
+    from ..saving.asyncsave import SaveHandle
+
 log = logging.getLogger(__name__)
+S = TypeVar("S")  # the state a restore was given: Restored.state is that very object
 
 FALLBACK_ERRORS = ("CorruptCheckpointError", "UnsupportedVersionError", "CheckpointNotFoundError")
 
 
 @dataclass(slots=True)
-class Restored:
+class Restored(Generic[S]):
     """What ``CheckpointManager.restore`` restored.
 
     Attributes:
@@ -50,7 +56,7 @@ class Restored:
 
     step: int
     uri: str
-    state: Any
+    state: S
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -225,8 +231,8 @@ class Manager:
         """
         return f"{self.root}/{self.name.format(step=step)}"
 
-    def save(self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None,
-             force: bool = False, **save_kwargs: Any) -> Any:
+    def save(self, step: int, state: Mapping[str, Any] | Stateful, *, metrics: Mapping[str, Any] | None = None,
+             force: bool = False, **save_kwargs: Any) -> SaveResult | SaveHandle:
         """Save ``state`` as the checkpoint of ``step``, then apply retention once it commits.
 
         Collective like ``sc.save``. The manifest records ``step`` and ``metrics`` (in its
@@ -238,7 +244,7 @@ class Manager:
             step: The training step (an int >= 0).
             state: The state_dict, as ``sc.save`` takes it.
             metrics: JSON-serializable numbers and strings to record (``{"loss": 0.31}``; tensors
-                with one element are turned into numbers; nan and inf are recorded as the strings
+                with one element are turned into numbers, others refused; nan and inf are recorded as the strings
                 ``'nan'``, ``'inf'``, ``'-inf'``); ``keep_best`` ranks by the numbers.
                 Default None: none.
             force: Replace a committed checkpoint of ``step``. Default False: refuse it.
@@ -424,8 +430,16 @@ class Manager:
 
     # ------------------------------------------------------------------ restoring
 
+    @overload
+    def restore(self, state_dict: None = None, *, step: int | None = None, max_fallbacks: int = 3,
+                **load_kwargs: Any) -> Restored[Any] | None: ...
+
+    @overload
+    def restore(self, state_dict: S, *, step: int | None = None, max_fallbacks: int = 3,
+                **load_kwargs: Any) -> Restored[S] | None: ...
+
     def restore(self, state_dict: Any = None, *, step: int | None = None, max_fallbacks: int = 3,
-                **load_kwargs: Any) -> Restored | None:
+                **load_kwargs: Any) -> Restored[Any] | None:
         """Restore the newest committed step (or ``step``), falling back past a broken newest.
 
         With ``state_dict``, ``sc.load`` fills it in place (resharded to this job's layout, any
@@ -497,7 +511,7 @@ class Manager:
             + (f", more than max_fallbacks={max_fallbacks}" if len(skipped) > max_fallbacks else ""))
 
     def _restore_one(self, entry: Entry, state_dict: Any, load_kwargs: dict[str, Any],
-                     skipped: list[tuple[str, str]], *, fallback: bool) -> Restored | None:
+                     skipped: list[tuple[str, str]], *, fallback: bool) -> Restored[Any] | None:
         uri = f"{self.root}/{entry.name}"
         calls = self._bound()
         own: BaseException | None = None
@@ -513,7 +527,7 @@ class Manager:
             own = e
         failures = gather_outcome(self._comm, own)
         if not failures:
-            return Restored(entry.step, uri, state, skipped)  # type: ignore[arg-type]
+            return Restored(entry.step, uri, state, skipped)
         if not fallback or any(f["cls"] not in FALLBACK_ERRORS for f in failures) or \
                 (own is not None and not isinstance(own, CheckpointError)):
             raise_agreed(failures, own)
@@ -727,6 +741,9 @@ def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
         if not isinstance(k, str):
             raise CheckpointError(f"metric names must be str, got {k!r}")
         if hasattr(v, "item") and callable(v.item):
+            n = v.numel() if callable(getattr(v, "numel", None)) else getattr(v, "size", 1)
+            if n != 1:  # torch's own words ("a Tensor with 2 elements cannot be converted") name no metric
+                raise CheckpointError(f"metric {k!r} has {n} elements; pass one number (e.g. loss.mean().item())")
             v = v.item()
         if isinstance(v, float) and not math.isfinite(v):  # a diverged loss: the manifest's JSON has no nan,
             v = repr(v)  # so 'nan' / 'inf' / '-inf', which keep_best never ranks (the save must not fail for it)
