@@ -24,6 +24,7 @@ from .garbage import mark
 from .index import METRICS_KEY, STEP_KEY, Entry, Index, Listing
 from .passthrough import check_names
 from .retention import Policy
+from .tier import Tier
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +37,28 @@ class Restored:
 
     Attributes:
         step: The step restored.
-        uri: The checkpoint's URI.
+        uri: The checkpoint's URI (restored from the local tier: this rank's folder of the step).
         state: The filled ``state_dict`` (the one passed, filled in place), or the saved
             tree rebuilt by ``sc.load_state`` when none was passed.
         skipped: ``(uri, why)`` of each newer checkpoint passed over because it could not
             be read, newest first.
+        source: ``"bucket"`` (the checkpoint under the root) or ``"local"`` (the memory/peer
+            tier's copy of the step: ``local_dir``).
+        bytes_local: Bytes of this rank's state read by this rank from its own ``local_dir``.
+        bytes_peers: ... read by other ranks from their ``local_dir`` and sent to this one.
+        bytes_bucket: ... read from the bucket (by this rank, or by another and sent).
+        bucket_bytes_read: Bytes this rank fetched from the bucket (for others too).
     """
 
     step: int
     uri: str
     state: Any
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    source: str = "bucket"
+    bytes_local: int = 0
+    bytes_peers: int = 0
+    bytes_bucket: int = 0
+    bucket_bytes_read: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +106,17 @@ class Manager:
             committed checkpoint references it. Default False: every save is self-contained.
         name: The child name of a step, a format string with ``{step}`` and no ``/``.
             Default ``"step-{step}"``.
+        local_dir: A node-local folder for the memory/peer tier (README "Resuming from
+            peers"): ``save`` also writes local steps there, copies them to ``replicas``
+            partner ranks on other nodes (``LOCAL_WORLD_SIZE``), and ``restore`` reads the
+            newest step the surviving ranks hold from their folders, the bucket only for
+            bytes none holds. Default None: no tier.
+        local_every: With ``local_dir``: the steps divisible by it are saved locally (the
+            bucket keeps ``save_every``). Default None: every step ``save`` is called for.
+        local_keep: Local steps each rank keeps (default 2; older ones are removed after a
+            local commit).
+        replicas: Partner copies of each rank's local files, on as many other nodes
+            (default 1; fewer when there are fewer other nodes, none on one node).
 
     Raises:
         CheckpointError: a bad argument (a rule, ``save_every``, ``name``).
@@ -104,7 +127,9 @@ class Manager:
     def __init__(self, root: str, *, storage_options: dict[str, Any] | None = None, process_group: Any = None,
                  keep_last: int | None = None, keep_every: int | None = None,
                  keep_best: tuple[str, str, int] | None = None, save_every: int | None = None,
-                 async_save: bool = False, incremental: bool = False, name: str = "step-{step}") -> None:
+                 async_save: bool = False, incremental: bool = False, name: str = "step-{step}",
+                 local_dir: Any = None, local_every: int | None = None, local_keep: int = 2,
+                 replicas: int = 1) -> None:
         if save_every is not None and (not isinstance(save_every, int) or isinstance(save_every, bool)
                                        or save_every < 1):
             raise CheckpointError(f"save_every must be a positive int or None, got {save_every!r}")
@@ -117,6 +142,7 @@ class Manager:
         self.async_save = bool(async_save)
         self.incremental = bool(incremental)
         self.name = name
+        self._tier = None if local_dir is None else Tier.make(local_dir, self.root, local_every, local_keep, replicas)
         self._comm = make_comm(process_group)
         self._index = Index()
         self._known: Listing | None = None
@@ -159,7 +185,8 @@ class Manager:
     # ------------------------------------------------------------------ saving
 
     def should_save(self, step: int) -> bool:
-        """Whether ``step`` is one to save: divisible by ``save_every`` (every step when it is None).
+        """Whether ``step`` is one to save: divisible by ``save_every`` (every step when it is None),
+        or with ``local_dir``, by ``local_every``.
 
         Args:
             step: The training step.
@@ -168,7 +195,8 @@ class Manager:
             bool: True when the step should be saved.
         """
         _check_step(step)
-        return self.save_every is None or step % self.save_every == 0
+        local = self._tier is not None and self._tier.due(step)
+        return self.save_every is None or step % self.save_every == 0 or local
 
     def uri(self, step: int) -> str:
         """The URI a save of ``step`` writes: ``root/<name with the step>``.
@@ -233,6 +261,10 @@ class Manager:
             own = e
         self._comm.agree(own)
         self.wait()  # one save in flight: the previous one (and its retention) ends first
+        if self._tier is not None and self._tier.due(step):  # the local tier first: fast, and on the training thread
+            local = self._tier.save(self._comm, step, state, metadata, save_kwargs.get("compression"))
+            if not (force or self.save_every is None or step % self.save_every == 0):
+                return local
         existing = None if force else on_one_rank(self._comm, lambda: self._committed_name(step))
         users = on_one_rank(self._comm, lambda: self._users_of(step))
         if users:
@@ -426,6 +458,13 @@ class Manager:
         self._comm.agree(own)
         self.wait()
         listing = self._listing()
+        if self._tier is not None and state_dict is not None:  # the memory/peer tier first; None: the bucket's turn
+            tier = self._tier.restore(self._comm, state_dict, bucket_steps=[e.step for e in listing.managed()],
+                                      bucket_uri=self.uri, storage_options=self.storage_options,
+                                      load_kwargs=load_kwargs, step=step)  # type: ignore[misc]
+            if tier is not None:
+                return Restored(tier.step, tier.uri, state_dict, [], "local", tier.bytes_local,
+                                tier.bytes_peers, tier.bytes_bucket, tier.bucket_bytes_read)
         if step is not None:
             entry = self._entry(listing, step)
             return self._restore_one(entry, state_dict, load_kwargs, [], fallback=False)
@@ -453,10 +492,11 @@ class Manager:
         calls = self._bound()
         own: BaseException | None = None
         state: Any = None
+        loaded: Any = None
         try:
             if state_dict is not None:
-                calls.load(state_dict, uri, storage_options=self.storage_options, process_group=self.process_group,
-                           **load_kwargs)
+                loaded = calls.load(state_dict, uri, storage_options=self.storage_options,
+                                    process_group=self.process_group, **load_kwargs)
                 state = state_dict
             else:
                 state = calls.load_state(uri, storage_options=self.storage_options, **load_kwargs)
@@ -464,7 +504,10 @@ class Manager:
             own = e
         failures = gather_outcome(self._comm, own)
         if not failures:
-            return Restored(entry.step, uri, state, skipped)  # type: ignore[arg-type]
+            got = Restored(entry.step, uri, state, skipped)  # type: ignore[arg-type]
+            if loaded is not None:
+                got.bytes_bucket, got.bucket_bytes_read = loaded.bytes_needed, loaded.bytes_read
+            return got
         if not fallback or any(f["cls"] not in FALLBACK_ERRORS for f in failures) or \
                 (own is not None and not isinstance(own, CheckpointError)):
             raise_agreed(failures, own)
