@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,31 @@ def save_worker(rank: int, world: int, root: str, opts: dict[str, Any], dirs: li
             if step == 6 and rank == 2:  # node 1's folder as it was at step 6: a stale one later
                 shutil.copytree(dirs[rank], stale)
         return {"steps": mgr.steps()}
+
+
+def killed_save_worker(rank: int, world: int, root: str, opts: dict[str, Any], dirs: list[str]) -> dict[str, Any]:
+    """Step 11's local save, with rank 3 killed while it writes its first data file (a thread
+    watching its folder ends the process): no rank may commit the step."""
+    _node_env(rank, 2)
+    rows = ROWS // world
+    with _manager(root, opts, dirs[rank]) as mgr:
+        if rank == 3:
+            threading.Thread(target=_die_when_writing, args=(LocalDir(dirs[rank], root).step_dir(11) / "data",),
+                             daemon=True).start()
+        w = sc.ShardedTensor(full(11)[rows * rank: rows * (rank + 1)].clone(), (ROWS, COLS), (rows * rank, 0))
+        big = sc.ShardedTensor(torch.ones(1 << 21), (4 << 21,), (rank << 21,))  # 8 MiB a rank: writing takes a while
+        try:
+            mgr.save(11, {"w": w, "b": bias(11), "n": 11, "big": big})
+        except sc.CheckpointError as e:
+            return {"error": type(e).__name__}
+        return {"error": None}
+
+
+def _die_when_writing(folder: Path) -> None:
+    while True:
+        if folder.exists() and any(folder.iterdir()):
+            os._exit(17)
+        time.sleep(0.0005)
 
 
 def _targets(layout: str, rank: int, world: int) -> tuple[dict[str, Any], Any]:
@@ -143,3 +170,17 @@ def test_four_ranks_two_nodes_resume_from_peers(local_s3: Any, tmp_path: Path) -
     assert [(r["step"], r["source"], r["w"], r["b"]) for r in c] == [(10, "local", True, True)] * 2
     assert [r["bucket"] + r["bucket_read"] for r in c] == [0, 0]
     assert c[0]["peers"] > 0  # rank 0's first rows: from node 1's copy, not its corrupt own
+
+    # D: a local save of step 11 killed on one rank mid-write; 6 ranks (a third, new node) restore
+    # step 10 in rows of 6
+    killed = run_ranks(4, killed_save_worker, kwargs={"root": root, "opts": opts, "dirs": [node0, node0, node1, node1]},
+                       timeout=180)
+    assert killed[3].error is not None and killed[3].error.cls == "NoResult"
+    assert [k.unwrap()["error"] for k in killed[:3]] == ["PeerError"] * 3
+    assert all(not (t.step_dir(11) / LOCAL_MANIFEST).exists() for t in (tier0, tier1))
+    assert any((tier0.step_dir(11) / "data").iterdir())  # node 0 wrote its files: they are not restored
+    new2 = str(tmp_path / "new2")
+    d = _run(6, restore_worker, root=root, opts=opts, dirs=[node0, node0, node1, node1, new2, new2], layout="rows",
+             per_node=2)
+    assert [(r["step"], r["source"], r["n"], r["w"], r["b"]) for r in d] == [(10, "local", 10, True, True)] * 6
+    assert [r["bucket"] + r["bucket_read"] for r in d] == [0] * 6 and d[4]["peers"] == d[4]["needed"]
