@@ -7,6 +7,7 @@ bucket's copy of the step's bytes that its folder lost."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import itertools
 import logging
 import random
@@ -232,3 +233,26 @@ def test_tier_arguments_are_checked(tmp_path: Path) -> None:
                {"local_keep": True}):
         with pytest.raises(sc.CheckpointError):
             sc.CheckpointManager(str(tmp_path / "b"), **{"local_dir": str(tmp_path / "n"), **kw})
+
+
+def test_cli_ls_local_shows_the_run_s_local_steps(tmp_path: Path, capsys: Any) -> None:
+    from streamckpt.cli import main
+    root = str(tmp_path / "bucket")
+    with _manager(tmp_path) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step), metrics={"loss": 1.0 / step})
+    folder = LocalDir(str(tmp_path / "node"), root)
+    (folder.step_dir(4) / "data").mkdir(parents=True)  # a local save that did not commit
+    (folder.step_dir(4) / "data" / "00000-0000.safetensors").write_bytes(b"x" * 100)
+    assert main(["ls", root, "--local", str(tmp_path / "node")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:5] == ["step", "state", "committed", "(UTC)", "files"]
+    assert [ln.split()[:2] for ln in lines[1:]] == [["2", "committed"], ["3", "committed"], ["4", "uncommitted"]]
+    assert "1 of 1" in lines[2] and lines[2].endswith("loss=0.333333") and "100 B" in lines[3]
+    assert main(["ls", root, "--local", str(tmp_path / "node"), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["state"], r["files"], r["of"]) for r in found] == [
+        (2, "committed", 1, 1), (3, "committed", 1, 1), (4, "uncommitted", 1, None)]
+    assert found[1]["keepers"] == {"data/00000-0000.safetensors": [0]} and found[1]["bytes"] > 256
+    assert main(["ls", "s3://another/run", "--local", str(tmp_path / "node")]) == 1
+    assert "no local steps of s3://another/run" in capsys.readouterr().err
