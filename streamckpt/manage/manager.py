@@ -42,11 +42,9 @@ class Restored:
             tree rebuilt by ``sc.load_state`` when none was passed.
         skipped: ``(uri, why)`` of each newer checkpoint passed over because it could not
             be read, newest first.
-        source: ``"bucket"`` (the checkpoint under the root) or ``"local"`` (the memory/peer
-            tier's copy of the step: ``local_dir``).
-        bytes_local: Bytes of this rank's state read by this rank from its own ``local_dir``.
-        bytes_peers: ... read by other ranks from their ``local_dir`` and sent to this one.
-        bytes_bucket: ... read from the bucket (by this rank, or by another and sent).
+        source: ``"bucket"`` (the checkpoint under the root) or ``"local"`` (``local_dir``'s tier).
+        bytes_local, bytes_peers, bytes_bucket: Bytes of this rank's state read by this rank from
+            its ``local_dir``, by other ranks from theirs, from the bucket (by any rank).
         bucket_bytes_read: Bytes this rank fetched from the bucket (for others too).
     """
 
@@ -106,17 +104,12 @@ class Manager:
             committed checkpoint references it. Default False: every save is self-contained.
         name: The child name of a step, a format string with ``{step}`` and no ``/``.
             Default ``"step-{step}"``.
-        local_dir: A node-local folder for the memory/peer tier (README "Resuming from
-            peers"): ``save`` also writes local steps there, copies them to ``replicas``
-            partner ranks on other nodes (``LOCAL_WORLD_SIZE``), and ``restore`` reads the
-            newest step the surviving ranks hold from their folders, the bucket only for
-            bytes none holds. Default None: no tier.
-        local_every: With ``local_dir``: the steps divisible by it are saved locally (the
-            bucket keeps ``save_every``). Default None: every step ``save`` is called for.
-        local_keep: Local steps each rank keeps (default 2; older ones are removed after a
-            local commit).
-        replicas: Partner copies of each rank's local files, on as many other nodes
-            (default 1; fewer when there are fewer other nodes, none on one node).
+        local_dir: A node-local folder for the memory/peer tier (README "Resuming from peers"):
+            local steps, copied to ``replicas`` partners on other nodes; ``restore`` takes the
+            newest step the survivors hold, the bucket only for bytes none holds. Default None.
+        local_every: The steps divisible by it are saved locally (the bucket keeps ``save_every``;
+            a step due for neither goes to the bucket). Default None: every step saved.
+        local_keep: Local steps each rank keeps (default 2). replicas: partner copies (default 1).
 
     Raises:
         CheckpointError: a bad argument (a rule, ``save_every``, ``name``).
