@@ -256,3 +256,18 @@ def test_cli_ls_local_shows_the_run_s_local_steps(tmp_path: Path, capsys: Any) -
     assert found[1]["keepers"] == {"data/00000-0000.safetensors": [0]} and found[1]["bytes"] > 256
     assert main(["ls", "s3://another/run", "--local", str(tmp_path / "node")]) == 1
     assert "no local steps of s3://another/run" in capsys.readouterr().err
+
+
+def test_zstd_local_steps_are_checked_and_restored(tmp_path: Path) -> None:
+    with _manager(tmp_path) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step), compression="zstd")
+    folder = LocalDir(str(tmp_path / "node"), str(tmp_path / "bucket"))
+    two = folder.committed()[2]
+    (name, shards), = two.shards_by_file().items()
+    assert name.endswith(".zst") and shards[0][2].codec == "zstd" and shards[0][2].frame_lengths
+    assert check_file(folder.step_dir(2) / name, two.manifest.files[name], shards) is None
+    target = {"w": torch.zeros(8, 8), "n": -1}
+    with _manager(tmp_path) as mgr:
+        got = mgr.restore(target)
+    assert (got.step, got.source, target["n"]) == (2, "local", 2) and torch.equal(target["w"], _state(2)["w"])

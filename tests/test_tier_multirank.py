@@ -7,6 +7,7 @@ committed ignored) fill the state element by element with the newest local step.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -184,3 +185,33 @@ def test_four_ranks_two_nodes_resume_from_peers(local_s3: Any, tmp_path: Path) -
              per_node=2)
     assert [(r["step"], r["source"], r["n"], r["w"], r["b"]) for r in d] == [(10, "local", 10, True, True)] * 6
     assert [r["bucket"] + r["bucket_read"] for r in d] == [0] * 6 and d[4]["peers"] == d[4]["needed"]
+
+
+def one_node_worker(rank: int, world: int, root: str, opts: dict[str, Any], node: str) -> dict[str, Any]:
+    """Two ranks on one node sharing its folder: no partner on another node (a warning says
+    what that means), each rank's files once in the shared folder; a restore reads them there."""
+    _node_env(rank, 2)
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("streamckpt").addHandler(handler)
+    rows = ROWS // world
+    with _manager(root, opts, node) as mgr:
+        for step in (1, 2, 3):
+            w = sc.ShardedTensor(full(step)[rows * rank: rows * (rank + 1)].clone(), (ROWS, COLS), (rows * rank, 0))
+            mgr.save(step, {"w": w, "b": bias(step), "n": step})
+    state, expect = _targets("cols", rank, world)
+    state.update(b=torch.zeros(6, dtype=torch.float64), n=-1)
+    with _manager(root, opts, node) as mgr:
+        got = mgr.restore(state)
+    return {"warned": any("no partner on another node" in m and "0 kept" in m for m in seen),
+            "step": got.step, "source": got.source, "w": torch.equal(state["w"].local_tensor, expect(full(3))),
+            "bucket": got.bucket_bytes_read, "keepers": LocalDir(node, root).committed()[3].keepers}
+
+
+def test_one_node_keeps_no_copies_and_says_so(local_s3: Any, tmp_path: Path) -> None:
+    root = f"s3://{BUCKET}/tier-one-{uuid.uuid4().hex[:10]}"
+    got = _run(2, one_node_worker, root=root, opts=local_s3.storage_options, node=str(tmp_path / "node"))
+    files = {"data/00000-0000.safetensors": [0], "data/00001-0000.safetensors": [1]}
+    assert [(r["warned"], r["step"], r["source"], r["w"], r["bucket"], r["keepers"]) for r in got] == [
+        (True, 3, "local", True, 0, files), (False, 3, "local", True, 0, files)]
