@@ -226,6 +226,13 @@ def test_restore_takes_the_newest_local_step_and_the_bucket_for_lost_bytes(tmp_p
     with _manager(tmp_path) as mgr:
         got = mgr.restore(target)
     assert (got.step, got.source) == (8, "local") and torch.equal(target["w"], _state(8)["w"])
+    # no local step left: the bucket's newest, and its counters
+    shutil.rmtree(tmp_path / "node")
+    target = {"w": torch.zeros(8, 8), "n": -1}
+    with _manager(tmp_path) as mgr:
+        got = mgr.restore(target)
+    assert (got.step, got.source, got.bytes_local, got.bytes_peers, got.bytes_bucket, got.bucket_bytes_read) == \
+        (5, "bucket", 0, 0, 256, 256) and torch.equal(target["w"], _state(5)["w"])
 
 
 def test_tier_arguments_are_checked(tmp_path: Path) -> None:

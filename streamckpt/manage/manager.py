@@ -112,7 +112,7 @@ class Manager:
         local_keep: Local steps each rank keeps (default 2). replicas: partner copies (default 1).
 
     Raises:
-        CheckpointError: a bad argument (a rule, ``save_every``, ``name``).
+        CheckpointError: a bad argument (a rule, ``save_every``, ``name``, a tier argument).
     """
 
     _calls: Calls | None = None
