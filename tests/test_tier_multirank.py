@@ -196,7 +196,16 @@ def one_node_worker(rank: int, world: int, root: str, opts: dict[str, Any], node
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("streamckpt").addHandler(handler)
     rows = ROWS // world
+    mistake = None
+    lone = _manager(root, opts, node) if rank == 0 else sc.CheckpointManager(root, storage_options=opts)
+    try:  # rank 1 without local_dir: both ranks raise, neither waits in a collective the other never makes
+        lone.save(0, {"n": 0})
+    except sc.CheckpointError as e:
+        mistake = str(e)
+    lone.close()
     with _manager(root, opts, node) as mgr:
+        # a load option the tier does not take, on rank 0 alone: every rank turns to the bucket (empty)
+        skipped = mgr.restore({"n": -1}, **({"progress": False} if rank == 0 else {}))
         for step in (1, 2, 3):
             w = sc.ShardedTensor(full(step)[rows * rank: rows * (rank + 1)].clone(), (ROWS, COLS), (rows * rank, 0))
             mgr.save(step, {"w": w, "b": bias(step), "n": step})
@@ -204,7 +213,8 @@ def one_node_worker(rank: int, world: int, root: str, opts: dict[str, Any], node
     state.update(b=torch.zeros(6, dtype=torch.float64), n=-1)
     with _manager(root, opts, node) as mgr:
         got = mgr.restore(state)
-    return {"warned": any("no partner on another node" in m and "0 kept" in m for m in seen),
+    return {"mistake": mistake is not None and "local tier differs between ranks" in mistake,
+            "skipped": skipped, "warned": any("no partner on another node" in m and "0 kept" in m for m in seen),
             "step": got.step, "source": got.source, "w": torch.equal(state["w"].local_tensor, expect(full(3))),
             "bucket": got.bucket_bytes_read, "keepers": LocalDir(node, root).committed()[3].keepers}
 
@@ -213,5 +223,6 @@ def test_one_node_keeps_no_copies_and_says_so(local_s3: Any, tmp_path: Path) -> 
     root = f"s3://{BUCKET}/tier-one-{uuid.uuid4().hex[:10]}"
     got = _run(2, one_node_worker, root=root, opts=local_s3.storage_options, node=str(tmp_path / "node"))
     files = {"data/00000-0000.safetensors": [0], "data/00001-0000.safetensors": [1]}
+    assert [(r["mistake"], r["skipped"]) for r in got] == [(True, None)] * 2
     assert [(r["warned"], r["step"], r["source"], r["w"], r["bucket"], r["keepers"]) for r in got] == [
         (True, 3, "local", True, 0, files), (False, 3, "local", True, 0, files)]

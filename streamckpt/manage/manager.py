@@ -24,7 +24,7 @@ from .garbage import mark
 from .index import METRICS_KEY, STEP_KEY, Entry, Index, Listing
 from .passthrough import check_names
 from .retention import Policy
-from .tier import Tier
+from .tier import Tier, same_tier
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +253,7 @@ class Manager:
         except CheckpointError as e:
             own = e
         self._comm.agree(own)
+        same_tier(self._comm, self._tier)
         self.wait()  # one save in flight: the previous one (and its retention) ends first
         if self._tier is not None and self._tier.due(step):  # the local tier first: fast, and on the training thread
             local = self._tier.save(self._comm, step, state, metadata, save_kwargs.get("compression"))
@@ -449,6 +450,7 @@ class Manager:
         except CheckpointError as e:
             own = e
         self._comm.agree(own)
+        same_tier(self._comm, self._tier)
         self.wait()
         listing = self._listing()
         if self._tier is not None and state_dict is not None:  # the memory/peer tier first; None: the bucket's turn

@@ -95,8 +95,9 @@ class Tier:
         """Restore from the tier, or None: the bucket's turn (its newest step is newer, or the
         load takes options a tier load does not: ``transforms``, ``progress``)."""
         other = sorted(set(load_kwargs) - set(LOAD_OPTIONS))
-        if other:
-            log.info("local tier: not used for a restore with %s (restoring from the bucket)", ", ".join(other))
+        if comm.max_ints([1 if other else 0])[0]:  # agreed: progress=True on rank 0 alone must not split the ranks
+            log.info("local tier: not used for a restore with %s (restoring from the bucket)",
+                     ", ".join(other) or "options another rank passed")
             return None
         try:
             return restore_from_tier(comm, self.folder, state_dict, bucket_steps=bucket_steps, bucket_uri=bucket_uri,
@@ -108,4 +109,24 @@ class Tier:
             return None
 
 
-__all__ = ["FromTier", "Tier"]
+def same_tier(comm: SoloComm | GroupComm, tier: Tier | None) -> None:
+    """Every rank has the same tier settings (one rank without ``local_dir`` would make other
+    collective calls than the rest): one small all-reduce, before a save's or restore's first
+    collective of the tier.
+
+    Raises:
+        CheckpointError: on every rank, when the ranks differ.
+    """
+    if isinstance(comm, SoloComm):
+        return
+    mine = [0, 0, 0, 0] if tier is None else [1, tier.every or 0, tier.keep, tier.replicas]
+    top = comm.max_ints(mine + [-v for v in mine])
+    if top[:4] != [-v for v in top[4:]]:
+        here = "no local_dir" if tier is None else \
+            f"local_every={tier.every}, local_keep={tier.keep}, replicas={tier.replicas}"
+        raise CheckpointError(
+            f"CheckpointManager's local tier differs between ranks (rank {comm.rank}: {here}): every rank must "
+            f"pass local_dir (each its node's folder), local_every, local_keep and replicas alike")
+
+
+__all__ = ["FromTier", "Tier", "same_tier"]
