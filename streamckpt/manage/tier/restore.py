@@ -58,8 +58,14 @@ def restore_from_tier(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: 
                       load_kwargs: Mapping[str, Any], step: int | None = None) -> FromTier | None:
     """Restore the newest step the tier can serve (collective); None when the newest step to
     restore is the bucket's alone (the caller restores from the bucket)."""
-    rep, mine = report(folder, step)
-    reports = gather_json(comm, rep, None)
+    own: CheckpointError | None = None
+    rep: dict[str, Any] = {"saves": []}
+    mine: dict[str, LocalStep] = {}
+    try:
+        rep, mine = report(folder, step)
+    except OSError as e:  # agreed below: every rank turns to the bucket, none waits for this one
+        own = CheckpointError(f"local tier: cannot read {folder.run}: {e}")
+    reports = gather_json(comm, rep, own)
     for s, save in candidates(saves_of(reports), bucket_steps, step):
         if save is None:
             return None
