@@ -25,6 +25,7 @@ from streamckpt.manage.tier.localdir import LocalDir, run_key
 from streamckpt.manage.tier.localmanifest import LOCAL_MANIFEST
 from streamckpt.manage.tier.partners import topology
 from streamckpt.manage.tier.verify import check_file
+from streamckpt.testing.s3server import free_port
 from streamckpt.plan.data import messages_of
 from streamckpt.plan.holders import bytes_by_reader, constrain_readers
 from streamckpt.plan.planner import PlanOptions, build_plan
@@ -278,3 +279,24 @@ def test_zstd_local_steps_are_checked_and_restored(tmp_path: Path) -> None:
     with _manager(tmp_path) as mgr:
         got = mgr.restore(target)
     assert (got.step, got.source, target["n"]) == (2, "local", 2) and torch.equal(target["w"], _state(2)["w"])
+
+
+def test_a_bucket_that_cannot_be_listed_leaves_the_local_tier_to_choose(tmp_path: Path, s3_uri: str,
+                                                                         s3_opts: dict[str, Any], monkeypatch: Any,
+                                                                         caplog: Any) -> None:
+    def manager(opts: dict[str, Any]) -> Any:
+        return sc.CheckpointManager(s3_uri, storage_options=opts, save_every=5, local_dir=str(tmp_path / "node"))
+
+    with manager(s3_opts) as mgr:
+        for step in (4, 5, 6):
+            mgr.save(step, _state(step))
+    monkeypatch.setenv("STREAMCKPT_MAX_ATTEMPTS", "1")
+    down = {**s3_opts, "endpoint_url": f"http://127.0.0.1:{free_port()}"}  # nothing listens there
+    target = {"w": torch.zeros(8, 8), "n": -1}
+    with caplog.at_level(logging.WARNING), manager(down) as mgr:
+        got = mgr.restore(target)
+        assert (got.step, got.source, target["n"]) == (6, "local", 6) and "cannot be listed" in caplog.text
+        LocalDir(str(tmp_path / "node"), s3_uri).remove_step(6)
+        LocalDir(str(tmp_path / "node"), s3_uri).remove_step(5)
+        with pytest.raises(sc.StorageError):  # nothing local left: the bucket's error, as without the tier
+            mgr.restore(target)

@@ -452,14 +452,13 @@ class Manager:
         self._comm.agree(own)
         same_tier(self._comm, self._tier)
         self.wait()
-        listing = self._listing()
         if self._tier is not None and state_dict is not None:  # the memory/peer tier first; None: the bucket's turn
-            tier = self._tier.restore(self._comm, state_dict, bucket_steps=[e.step for e in listing.managed()],
-                                      bucket_uri=self.uri, storage_options=self.storage_options,
-                                      load_kwargs=load_kwargs, step=step)  # type: ignore[misc]
+            tier = self._tier.restore(self._comm, state_dict, bucket_steps=self.steps, bucket_uri=self.uri,
+                                      storage_options=self.storage_options, load_kwargs=load_kwargs, step=step)
             if tier is not None:
                 return Restored(tier.step, tier.uri, state_dict, [], "local", tier.bytes_local,
                                 tier.bytes_peers, tier.bytes_bucket, tier.bucket_bytes_read)
+        listing = self._listing()
         if step is not None:
             entry = self._entry(listing, step)
             return self._restore_one(entry, state_dict, load_kwargs, [], fallback=False)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ...comm import GroupComm, SoloComm
-from ...errors import CheckpointError, IncompatibleStateDictError, MissingKeysError
+from ...errors import CheckpointError, IncompatibleStateDictError, MissingKeysError, StorageError
 from ...loading.loader import local_world_size
 from ...results import SaveResult
 from .localdir import LocalDir
@@ -89,18 +89,25 @@ class Tier:
         return save_local(comm, self.folder, state, step=step, metadata=metadata, compression=compression,
                           topology=self.topology(comm), replicas=self.replicas, keep=self.keep)
 
-    def restore(self, comm: SoloComm | GroupComm, state_dict: Any, *, bucket_steps: list[int],
+    def restore(self, comm: SoloComm | GroupComm, state_dict: Any, *, bucket_steps: Callable[[], list[int]],
                 bucket_uri: Callable[[int], str], storage_options: dict[str, Any] | None,
                 load_kwargs: Mapping[str, Any], step: int | None) -> FromTier | None:
         """Restore from the tier, or None: the bucket's turn (its newest step is newer, or the
-        load takes options a tier load does not: ``transforms``, ``progress``)."""
+        load takes options a tier load does not: ``transforms``, ``progress``). ``bucket_steps()``
+        lists the bucket (collective, agreed): a bucket that cannot be listed leaves the tier alone
+        to choose."""
         other = sorted(set(load_kwargs) - set(LOAD_OPTIONS))
         if comm.max_ints([1 if other else 0])[0]:  # agreed: progress=True on rank 0 alone must not split the ranks
             log.info("local tier: not used for a restore with %s (restoring from the bucket)",
                      ", ".join(other) or "options another rank passed")
             return None
         try:
-            return restore_from_tier(comm, self.folder, state_dict, bucket_steps=bucket_steps, bucket_uri=bucket_uri,
+            steps = bucket_steps()
+        except StorageError as e:  # agreed on every rank (one rank lists)
+            log.warning("local tier: the bucket cannot be listed (%s); choosing among the local steps alone", e)
+            steps = []
+        try:
+            return restore_from_tier(comm, self.folder, state_dict, bucket_steps=steps, bucket_uri=bucket_uri,
                                      storage_options=storage_options, load_kwargs=load_kwargs, step=step)
         except (IncompatibleStateDictError, MissingKeysError):
             raise  # the caller's own mistake: the bucket would say the same
