@@ -30,7 +30,7 @@ from streamckpt.plan.data import messages_of
 from streamckpt.plan.holders import bytes_by_reader, constrain_readers
 from streamckpt.plan.planner import PlanOptions, build_plan
 
-from test_plan import _expected, _make_checkpoint, _make_targets, simulate
+from test_plan import _expected, _make_checkpoint, _make_targets, check_staging_fits, simulate
 
 
 # ------------------------------------------------------------------ partners
@@ -74,6 +74,7 @@ def test_constrained_reads_come_from_holders_and_every_target_fills(seed: int, n
     constrain_readers(plan, holders)
     for r in plan.reads:
         assert r.file not in holders or r.reader in holders[r.file]
+    check_staging_fits([plan] * world, opts)  # packed again: every rank's rounds within the budget
     dests, fetched = simulate(plan, files, world, targets, torch.float32)
     for rank in range(world):
         for uid, spec in zip(plan.rank_targets[rank], targets[rank]):

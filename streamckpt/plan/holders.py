@@ -10,15 +10,17 @@ goes straight from its new reader to every rank that needs it (no relay tree: it
 not one of the holders the tree was built over). Files not named are unconstrained (the
 bucket: anyone reads them). Pure; deterministic, so every rank moves the same reads alike.
 
-The rounds are left as packed: a reader given extra reads stages more in those rounds than
-``memory_budget`` planned for (the executor sizes its arenas from the schedule and warns).
+When a read moved, the rounds are packed again (``RoundPacker``, as the planner packs them),
+so that every rank's rounds stay within the memory budget with its new reads; a moved read that
+the planner kept for the edge rounds (a seam between private slices) is packed with the others.
 """
 
 from __future__ import annotations
 
 from typing import Collection, Mapping, Sequence
 
-from .data import Copy, LoadPlan, Read, Target, wire_length
+from .data import Copy, LoadPlan, Read, Target, ranks_of, wire_length
+from .rounds import RoundPacker
 
 
 def constrain_readers(plan: LoadPlan, holders: Mapping[str, Collection[int]]) -> int:
@@ -33,7 +35,7 @@ def constrain_readers(plan: LoadPlan, holders: Mapping[str, Collection[int]]) ->
     load = [0] * plan.world_size
     for r in plan.reads:
         load[r.reader] += r.length
-    moved = 0
+    moved: set[int] = set()
     for r in plan.reads:
         allowed = holders.get(r.file)
         if allowed is None or r.reader in allowed:
@@ -48,8 +50,27 @@ def constrain_readers(plan: LoadPlan, holders: Mapping[str, Collection[int]]) ->
         r.reader = best
         r.relay, r.grid, r.grid_nodes = 0, (), False
         r.private = needers == {best}
-        moved += 1
-    return moved
+        moved.add(id(r))
+    if moved:
+        _repack(plan, moved)
+    return len(moved)
+
+
+def _repack(plan: LoadPlan, moved: set[int]) -> None:
+    """Pack every read into rounds again, alike on every rank: the planner's order, base reads
+    first, then the edge reads that did not move in their edge rounds."""
+    plan.edge_reads = [r for r in plan.edge_reads if id(r) not in moved]
+    edges = {id(r) for r in plan.edge_reads}
+    packer = RoundPacker(plan.world_size, plan.options.round_cap, max(2, plan.options.max_peers))
+    for r in plan.reads:
+        if id(r) not in edges:
+            packer.place(r, plan.targets)
+    groups: dict[int, set[tuple[int, ...]]] = {}
+    for g in {ranks_of(r, plan.targets) for r in plan.edge_reads}:
+        for rank in g:
+            groups.setdefault(rank, set()).add(g)
+    base = packer.count(range(plan.world_size))
+    plan.finish(plan.place_edges(base, max((len(v) for v in groups.values()), default=0)))
 
 
 def _needers(copies: Sequence[Copy], targets: Sequence[Target]) -> set[int]:
