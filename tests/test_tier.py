@@ -221,13 +221,16 @@ def test_restore_takes_the_newest_local_step_and_the_bucket_for_lost_bytes(tmp_p
     with _manager(tmp_path) as mgr:
         got = mgr.restore(target)
     assert (got.step, got.source, target["n"]) == (9, "local", 9) and torch.equal(target["w"], _state(9)["w"])
-    # a local step whose file is lost and that the bucket lacks is passed over for an older one
+    # a local step whose only copy of a file is corrupt, which the bucket lacks, is passed over
     nine = folder.step_dir(9) / name
-    nine.unlink()
+    raw = bytearray(nine.read_bytes())
+    raw[-1] ^= 1
+    nine.write_bytes(bytes(raw))
     target = {"w": torch.zeros(8, 8), "n": -1}
     with _manager(tmp_path) as mgr:
         got = mgr.restore(target)
     assert (got.step, got.source) == (8, "local") and torch.equal(target["w"], _state(8)["w"])
+    assert got.skipped == [(str(folder.step_dir(9)), f"no surviving rank holds {name}")]
     # no local step left: the bucket's newest, and its counters
     shutil.rmtree(tmp_path / "node")
     target = {"w": torch.zeros(8, 8), "n": -1}

@@ -41,7 +41,7 @@ class Restored:
         state: The filled ``state_dict`` (the one passed, filled in place), or the saved
             tree rebuilt by ``sc.load_state`` when none was passed.
         skipped: ``(uri, why)`` of each newer checkpoint passed over because it could not
-            be read, newest first.
+            be read, newest first (from the local tier: this rank's folder of a step no rank held whole).
         source: ``"bucket"`` (the checkpoint under the root) or ``"local"`` (``local_dir``'s tier).
         bytes_local, bytes_peers, bytes_bucket: Bytes of this rank's state read by this rank from
             its ``local_dir``, by other ranks from theirs, from the bucket (by any rank).
@@ -456,7 +456,7 @@ class Manager:
             tier = self._tier.restore(self._comm, state_dict, bucket_steps=self.steps, bucket_uri=self.uri,
                                       storage_options=self.storage_options, load_kwargs=load_kwargs, step=step)
             if tier is not None:
-                return Restored(tier.step, tier.uri, state_dict, [], "local", tier.bytes_local,
+                return Restored(tier.step, tier.uri, state_dict, tier.skipped, "local", tier.bytes_local,
                                 tier.bytes_peers, tier.bytes_bucket, tier.bucket_bytes_read)
         listing = self._listing()
         if step is not None:

@@ -51,6 +51,7 @@ class FromTier:
     bytes_bucket: int  # ... read from the bucket (by this rank or another)
     bucket_bytes_read: int  # what this rank fetched from the bucket
     from_bucket: list[str]  # the step's files that no surviving rank held
+    skipped: list[tuple[str, str]]  # (this rank's folder of a newer local step, why it was passed over)
 
 
 def restore_from_tier(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: Any, *, bucket_steps: list[int],
@@ -66,6 +67,7 @@ def restore_from_tier(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: 
     except OSError as e:  # agreed below: every rank turns to the bucket, none waits for this one
         own = CheckpointError(f"local tier: cannot read {folder.run}: {e}")
     reports = gather_json(comm, rep, own)
+    skipped: list[tuple[str, str]] = []
     for s, save in candidates(saves_of(reports), bucket_steps, step):
         if save is None:
             return None
@@ -78,8 +80,11 @@ def restore_from_tier(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: 
                         "; the bucket's checkpoint of that step is restored instead" if s in bucket_steps else "")
             if s in bucket_steps:
                 return None
+            skipped.append((str(folder.step_dir(s)), f"no surviving rank holds {', '.join(lost[:5])}"))
             continue
-        return _load(comm, folder, state_dict, local, holders, lost, bucket_uri(s), storage_options, load_kwargs)
+        got = _load(comm, folder, state_dict, local, holders, lost, bucket_uri(s), storage_options, load_kwargs)
+        got.skipped = skipped
+        return got
     return None
 
 
@@ -162,7 +167,8 @@ def _load(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: Any, local: 
     if comm.rank == 0:
         log.info("local tier: restored step %d: %d file(s) from the tier, %d from the bucket", local.step,
                  len(local_files), len(lost))
-    return FromTier(local.step, str(folder.step_dir(local.step)), result, own, peers, rest, sources.bytes_bucket, lost)
+    return FromTier(local.step, str(folder.step_dir(local.step)), result, own, peers, rest, sources.bytes_bucket,
+                    lost, [])
 
 
 def _with_bucket_files(m: mf.Manifest, lost: set[str]) -> mf.Manifest:
