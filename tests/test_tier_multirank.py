@@ -118,7 +118,12 @@ def _run(world: int, worker: Any, **kwargs: Any) -> list[dict[str, Any]]:
 
 
 
-def test_four_ranks_two_nodes_resume_from_peers(local_s3: Any, tmp_path: Path) -> None:
+def _data_gets(proxy: Any) -> set[str]:
+    """The data objects the bucket served through ``proxy`` (as the server saw the requests)."""
+    return {path.split("?")[0] for method, path, _ in proxy.history if method == "GET" and "/data/" in path}
+
+
+def test_four_ranks_two_nodes_resume_from_peers(local_s3: Any, proxy_factory: Any, tmp_path: Path) -> None:
     root = f"s3://{BUCKET}/tier-{uuid.uuid4().hex[:10]}"
     opts = local_s3.storage_options
     node0, node1, stale = str(tmp_path / "node0"), str(tmp_path / "node1"), str(tmp_path / "stale")
@@ -139,11 +144,14 @@ def test_four_ranks_two_nodes_resume_from_peers(local_s3: Any, tmp_path: Path) -
 
     # A: 4 ranks, node 1 replaced by an empty folder: all from node 0, ranks 2-3 over the exchange
     empty = str(tmp_path / "new1")
-    a = _run(4, restore_worker, root=root, opts=opts, dirs=[node0, node0, empty, empty], layout="rows", per_node=2)
+    proxy = proxy_factory(rate=0.0)  # no faults: it records what the bucket is asked for
+    a = _run(4, restore_worker, root=root, opts=proxy.storage_options, dirs=[node0, node0, empty, empty],
+             layout="rows", per_node=2)
     assert [(r["step"], r["source"], r["n"], r["w"], r["b"]) for r in a] == [(10, "local", 10, True, True)] * 4
     assert [r["bucket"] + r["bucket_read"] for r in a] == [0] * 4
     assert [r["local"] + r["peers"] for r in a] == [r["needed"] for r in a]
     assert a[2]["local"] == a[3]["local"] == 0 and a[2]["peers"] > 0 and a[0]["local"] > 0
+    assert _data_gets(proxy) == set() and any(p.endswith("step-10/manifest.json") for _, p, _ in proxy.history)
 
     # B: corrupt node 0's copy of rank 0's file; 3 ranks: node 0, and a node with the stale
     # folder of step 6: the corrupt file's only other copy was on node 1 (gone): the bucket
@@ -155,9 +163,12 @@ def test_four_ranks_two_nodes_resume_from_peers(local_s3: Any, tmp_path: Path) -
     path.write_bytes(bytes(raw))
     lost_bytes = sum(s.byte_length for t in ten.manifest.tensors.values() for s in t.shards if s.file == lost)
     assert lost_bytes > 0
-    b = _run(3, restore_worker, root=root, opts=opts, dirs=[node0, node0, stale], layout="cols", per_node=2)
+    proxy = proxy_factory(rate=0.0)
+    b = _run(3, restore_worker, root=root, opts=proxy.storage_options, dirs=[node0, node0, stale], layout="cols",
+             per_node=2)
     assert [(r["step"], r["source"], r["w"], r["b"]) for r in b] == [(10, "local", True, True)] * 3
     assert sum(r["bucket_read"] for r in b) == lost_bytes
+    assert _data_gets(proxy) == {f"/{root[len('s3://'):]}/step-10/{lost}"}  # as the server saw it
     assert [r["local"] + r["peers"] + r["bucket"] for r in b] == [r["needed"] for r in b]
     assert all(r["bucket"] > 0 for r in b)  # rows 0-3 of every column block came from the bucket
 
