@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import streamckpt as sc
 from streamckpt.manage.tier.localdir import LocalDir
@@ -54,8 +55,11 @@ def save_worker(rank: int, world: int, root: str, opts: dict[str, Any], dirs: li
         for step in range(1, 11):
             w = sc.ShardedTensor(full(step)[rows * rank: rows * (rank + 1)].clone(), (ROWS, COLS), (rows * rank, 0))
             mgr.save(step, {"w": w, "b": bias(step), "n": step})
-            if step == 6 and rank == 2:  # node 1's folder as it was at step 6: a stale one later
-                shutil.copytree(dirs[rank], stale)
+            if step == 6:  # node 1's folder as it was at step 6: a stale one later (copied while no
+                dist.barrier()  # rank of the node changes it: after every rank's retention, before step 7)
+                if rank == 2:
+                    shutil.copytree(dirs[rank], stale)
+                dist.barrier()
         return {"steps": mgr.steps()}
 
 
