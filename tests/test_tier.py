@@ -304,3 +304,13 @@ def test_a_bucket_that_cannot_be_listed_leaves_the_local_tier_to_choose(tmp_path
         LocalDir(str(tmp_path / "node"), s3_uri).remove_step(5)
         with pytest.raises(sc.StorageError):  # nothing local left: the bucket's error, as without the tier
             mgr.restore(target)
+
+
+def test_a_failing_local_save_does_not_keep_a_step_from_the_bucket(tmp_path: Path, caplog: Any) -> None:
+    blocker = tmp_path / "node"
+    blocker.write_bytes(b"a file where the local folder should be")
+    with caplog.at_level(logging.WARNING), _manager(tmp_path) as mgr:
+        with pytest.raises(sc.CheckpointError, match="local tier: cannot prepare"):
+            mgr.save(4, _state(4))  # a local step only: its failure is the save's
+        mgr.save(5, _state(5))  # also the bucket's: saved there, the local failure logged
+        assert mgr.steps() == [5] and "the local save of step 5 failed" in caplog.text

@@ -256,8 +256,9 @@ class Manager:
         same_tier(self._comm, self._tier)
         self.wait()  # one save in flight: the previous one (and its retention) ends first
         if self._tier is not None and self._tier.due(step):  # the local tier first: fast, and on the training thread
-            local = self._tier.save(self._comm, step, state, metadata, save_kwargs.get("compression"))
-            if not (force or self.save_every is None or step % self.save_every == 0):
+            bucket = force or self.save_every is None or step % self.save_every == 0
+            local = self._tier.save(self._comm, step, state, metadata, save_kwargs.get("compression"), fallible=bucket)
+            if not bucket:
                 return local
         existing = None if force else on_one_rank(self._comm, lambda: self._committed_name(step))
         users = on_one_rank(self._comm, lambda: self._users_of(step))

@@ -85,9 +85,20 @@ class Tier:
         return self._topology
 
     def save(self, comm: SoloComm | GroupComm, step: int, state: Mapping[str, Any], metadata: dict[str, Any],
-             compression: str | None) -> SaveResult:
-        return save_local(comm, self.folder, state, step=step, metadata=metadata, compression=compression,
-                          topology=self.topology(comm), replicas=self.replicas, keep=self.keep)
+             compression: str | None, fallible: bool = False) -> SaveResult | None:
+        """The local save of ``step`` (collective). ``fallible``: the step also goes to the bucket,
+        which must not be kept from it by a local failure (agreed on every rank): logged, None."""
+        try:
+            return save_local(comm, self.folder, state, step=step, metadata=metadata, compression=compression,
+                              topology=self.topology(comm), replicas=self.replicas, keep=self.keep)
+        except (IncompatibleStateDictError, MissingKeysError):
+            raise  # the caller's state: the bucket save would refuse it too
+        except CheckpointError as e:
+            if not fallible:
+                raise
+            log.warning("local tier: the local save of step %d failed (%s: %s); saving it to the bucket", step,
+                        type(e).__name__, e)
+            return None
 
     def restore(self, comm: SoloComm | GroupComm, state_dict: Any, *, bucket_steps: Callable[[], list[int]],
                 bucket_uri: Callable[[int], str], storage_options: dict[str, Any] | None,
