@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streamckpt as sc
-from streamckpt.manage.tier.holdings import Save, candidates, missing_files, same_file, saves_of
+from streamckpt.manage.tier.holdings import Save, candidates, missing_files, same_file, saves_of, stale
 from streamckpt.manage.tier.localdir import LocalDir, run_key
 from streamckpt.manage.tier.localmanifest import LOCAL_MANIFEST
 from streamckpt.manage.tier.partners import topology
@@ -116,6 +116,12 @@ def test_candidates_newest_step_first_and_a_step_s_latest_save() -> None:
     got = candidates(saves, [5, 10])
     assert [(s, x.id if x else None) for s, x in got] == [(10, None), (7, "new"), (6, "s6"), (5, None)]
     assert [s for s, _ in candidates(saves, [5], step=6)] == [6]
+    # steps 11 and 12 saved, the run went back to 10 and saved 11 again: the old 12 is stale
+    again = saves_of([{"saves": [{"step": 12, "id": "old12", "ns": 120, "files": ["a"]},
+                                 {"step": 11, "id": "old11", "ns": 110, "files": ["a"]},
+                                 {"step": 11, "id": "new11", "ns": 200, "files": ["a"]}]}])
+    assert [s.id for s in stale(again)] == ["old12"]
+    assert [(s, x.id if x else None) for s, x in candidates(again, [10])] == [(11, "new11"), (10, None)]
 
 
 def test_missing_and_same_files(tmp_path: Path) -> None:

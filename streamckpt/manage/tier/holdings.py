@@ -65,13 +65,33 @@ def saves_of(reports: Sequence[Mapping[str, Any]]) -> list[Save]:
     return sorted(found.values(), key=lambda s: (s.step, s.committed_ns, s.id), reverse=True)
 
 
+def stale(saves: Iterable[Save]) -> list[Save]:
+    """Saves from a timeline the run left: one committed before a save of a *lower* step was
+    (a run that went back to an older checkpoint and saved again; steps grow with time on one
+    timeline). Commit times are rank 0's clocks: a skew larger than the time between two local
+    saves can only make a good save look stale, so a restore then takes an older whole step."""
+    out = []
+    later = -1  # the latest commit among lower steps
+    by_step: dict[int, list[Save]] = {}
+    for s in saves:
+        by_step.setdefault(s.step, []).append(s)
+    for step in sorted(by_step):
+        out += [s for s in by_step[step] if s.committed_ns < later]
+        later = max(later, *(s.committed_ns for s in by_step[step]))
+    return out
+
+
 def candidates(saves: Iterable[Save], bucket_steps: Iterable[int], step: int | None = None
                ) -> list[tuple[int, Save | None]]:
     """(step, the save to try or None for the bucket alone), newest first: each step once,
-    with its latest local save (an older save of the same step is a run that went back)."""
+    with its latest local save (an older save of the same step is a run that went back), and
+    no ``stale`` save."""
+    saves = list(saves)
+    left = {id(s) for s in stale(saves)}
     local: dict[int, Save] = {}
     for s in saves:
-        local.setdefault(s.step, s)  # saves come newest first
+        if id(s) not in left:
+            local.setdefault(s.step, s)  # saves come newest first
     steps = sorted(set(local) | set(bucket_steps), reverse=True)
     if step is not None:
         steps = [s for s in steps if s == step]
@@ -96,4 +116,4 @@ def _shards_in(m: Manifest, name: str) -> list[tuple[str, Shard]]:
                   key=lambda x: x[1].byte_offset)
 
 
-__all__ = ["Save", "candidates", "missing_files", "report", "same_file", "saves_of"]
+__all__ = ["Save", "candidates", "missing_files", "report", "same_file", "saves_of", "stale"]

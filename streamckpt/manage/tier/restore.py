@@ -27,7 +27,7 @@ from ...plan.data import LoadPlan, PlanOptions
 from ...plan.holders import bytes_by_reader
 from ...results import LoadResult
 from ...storage import Storage
-from .holdings import Save, candidates, missing_files, report, same_file, saves_of
+from .holdings import Save, candidates, missing_files, report, same_file, saves_of, stale
 from .localdir import LocalDir
 from .localmanifest import LocalStep, parse
 from .localsave import gather_json
@@ -68,7 +68,12 @@ def restore_from_tier(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: 
         own = CheckpointError(f"local tier: cannot read {folder.run}: {e}")
     reports = gather_json(comm, rep, own)
     skipped: list[tuple[str, str]] = []
-    for s, save in candidates(saves_of(reports), bucket_steps, step):
+    saves = saves_of(reports)
+    for old in stale(saves):
+        if comm.rank == 0:
+            log.warning("local tier: local step %d (save %s) was committed before a lower step's save: it belongs "
+                        "to a timeline the run went back from, and is not restored", old.step, old.id[:12])
+    for s, save in candidates(saves, bucket_steps, step):
         if save is None:
             return None
         local = _shared_manifest(comm, save, mine)
