@@ -23,7 +23,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .core.sharded import ShardedTensor
-from .results import CheckpointInfo, LoadResult, SaveResult, TensorInfo
+from .results import CheckpointInfo, CopyResult, LoadResult, SaveResult, TensorInfo
 
 if TYPE_CHECKING:  # imported on first use (``__getattr__``); type checkers see the class
     from .transforms import Transforms
@@ -33,7 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "save", "async_save", "SaveHandle", "load", "load_full", "load_state", "merge", "copy", "inspect", "latest",
     "CheckpointManager", "Restored",
-    "ShardedTensor", "LoadResult", "SaveResult", "CheckpointInfo", "TensorInfo",
+    "ShardedTensor", "LoadResult", "SaveResult", "CopyResult", "CheckpointInfo", "TensorInfo",
     "CheckpointError", "CheckpointExistsError", "CheckpointInUseError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompatibleStateDictError", "MissingKeysError", "PeerError", "StagingMemoryError", "StorageError", "StorageOptionError",
     "TransformError",

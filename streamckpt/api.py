@@ -23,7 +23,7 @@ from .manage.copying import copy_checkpoint
 from .manage.references import check_unreferenced
 from .plan.planner import PlanOptions
 from .progress import reporter, reporting
-from .results import CheckpointInfo, DtypeName, LoadResult, SaveResult, TensorInfo
+from .results import CheckpointInfo, CopyResult, DtypeName, LoadResult, SaveResult, TensorInfo
 from .saving.asyncsave import SaveHandle, start_save
 from .saving.saver import fail_together as save_fails_together
 from .saving.saver import run_save
@@ -609,8 +609,9 @@ def copy(
     *,
     storage_options: dict[str, Any] | None = None,
     out_storage_options: dict[str, Any] | None = None,
-) -> None:
-    """Copy the streamckpt checkpoint at ``uri`` to ``out_uri`` as a self-contained checkpoint.
+) -> CopyResult:
+    """Copy the streamckpt checkpoint at ``uri`` to ``out_uri`` as a self-contained checkpoint,
+    or the run whose root ``uri`` is, whole.
 
     The files an incremental checkpoint references in sibling checkpoints are copied too
     (under ``shared/<sibling>/`` in the copy) and the copy's manifest has no references, so
@@ -619,8 +620,14 @@ def copy(
     as it passes; the manifest is written last, so a copy cut short is not committed.
     One process (not collective).
 
+    Given a run's root (no checkpoint of its own; committed checkpoints under it, as
+    ``CheckpointManager`` writes them), every committed checkpoint is copied under its own
+    name, references kept shared between them as in the source (a pruned base's files
+    included), the manifests written last, oldest step first; a checkpoint whose manifest
+    cannot be read is left out with a warning (``CopyResult.skipped``).
+
     Args:
-        uri: The checkpoint to copy (a streamckpt checkpoint, full or incremental).
+        uri: The checkpoint to copy (a streamckpt checkpoint, full or incremental), or a run's root.
         out_uri: Where to write the copy: an fsspec URL or local path, not holding a
             committed checkpoint.
         storage_options: fsspec options for reading ``uri``. Default None: the environment's
@@ -629,24 +636,26 @@ def copy(
             as ``storage_options``.
 
     Returns:
-        None.
+        CopyResult: the checkpoints and files written, bytes and seconds.
 
     Raises:
-        CheckpointNotFoundError: no committed streamckpt checkpoint at ``uri``.
-        CheckpointExistsError: a committed checkpoint is at ``out_uri`` (delete it first).
+        CheckpointNotFoundError: no committed streamckpt checkpoint at ``uri`` nor under it.
+        CheckpointExistsError: a committed checkpoint is at ``out_uri`` (delete it first); of a
+            run, one of the same name under ``out_uri``.
         CorruptCheckpointError: a bad manifest, or a source chunk failing its checksum twice.
         StorageError: storage kept failing after retries.
-        CheckpointError: ``out_uri`` is ``uri``.
+        CheckpointError: ``out_uri`` is ``uri`` or inside it.
 
     Example:
         >>> import torch, streamckpt as sc
         >>> _ = sc.save({"w": torch.ones(4)}, "/tmp/ckpt-doc-src", overwrite=True)
         >>> import shutil; shutil.rmtree("/tmp/ckpt-doc-copy", ignore_errors=True)
-        >>> sc.copy("/tmp/ckpt-doc-src", "/tmp/ckpt-doc-copy")
+        >>> sc.copy("/tmp/ckpt-doc-src", "/tmp/ckpt-doc-copy").bytes_written > 16
+        True
         >>> sc.load_full("/tmp/ckpt-doc-copy")["w"].tolist()
         [1.0, 1.0, 1.0, 1.0]
     """
-    copy_checkpoint(uri, out_uri, storage_options=storage_options, out_storage_options=out_storage_options)
+    return copy_checkpoint(uri, out_uri, storage_options=storage_options, out_storage_options=out_storage_options)
 
 
 class CheckpointManager(Manager):

@@ -165,7 +165,28 @@ def _manager(args: argparse.Namespace, **policy: Any) -> Any:
 
 
 def _policy_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {"keep_last": args.keep_last, "keep_every": args.keep_every}
+    return {"keep_last": args.keep_last, "keep_every": args.keep_every, "keep_best": args.keep_best}
+
+
+def parse_keep_best(text: str) -> tuple[str, str, int]:
+    """argparse ``type`` for ``--keep-best``: ``METRIC:min|max:K``, as ``keep_best=(metric, mode, k)``."""
+    metric, _, rest = text.rpartition(":")
+    metric, _, mode = metric.rpartition(":")
+    try:
+        k = int(rest)
+    except ValueError:
+        k = 0
+    if not metric or mode not in ("min", "max") or k < 1:
+        raise argparse.ArgumentTypeError(f"not METRIC:min|max:K: {text!r} (e.g. loss:min:3, accuracy:max:1)")
+    return metric, mode, k
+
+
+def _add_policy(s: argparse.ArgumentParser, what: str) -> None:
+    """The retention rules, as CheckpointManager takes them (``what``: how the help words them)."""
+    s.add_argument("--keep-last", type=positive_int, metavar="N", help=f"{what} the N newest steps")
+    s.add_argument("--keep-every", type=positive_int, metavar="K", help=f"{what} the steps divisible by K")
+    s.add_argument("--keep-best", type=parse_keep_best, metavar="METRIC:MODE:K",
+                   help=f"{what} the K best steps by a metric saved with them (MODE: min or max), e.g. loss:min:3")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -200,7 +221,12 @@ def _ls_local(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     """Delete (or with --dry-run, list) the checkpoints the policy does not keep (status 1: none)."""
-    with _manager(args, **_policy_args(args)) as mgr:
+    policy = _policy_args(args)
+    if all(v is None for v in policy.values()):
+        print("prune needs a rule to keep by: --keep-last N, --keep-every K and/or --keep-best METRIC:MODE:K "
+              "(with none, every checkpoint is kept and nothing is deleted)", file=sys.stderr)
+        return EXIT_CHECKPOINT_ERROR
+    with _manager(args, **policy) as mgr:
         gone = mgr.prune(dry_run=args.dry_run)
     for uri in gone:
         print(f"would delete {uri}" if args.dry_run else f"deleted {uri}")
@@ -272,15 +298,15 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_copy(args: argparse.Namespace) -> int:
-    import time
-
     from .manage.copying import copy_checkpoint
 
-    t0 = time.perf_counter()
-    out = copy_checkpoint(args.uri, args.out, storage_options=args.storage_options,
+    res = copy_checkpoint(args.uri, args.out, storage_options=args.storage_options,
                           out_storage_options=args.out_storage_options)
-    print(f"copied {args.uri} to {args.out}: {plural(len(out.files) + 1, 'file')}, {human(sum(out.files.values()))} "
-          f"of data (self-contained), {time.perf_counter() - t0:.2f} s")
+    what = "" if res.checkpoints == [""] else f" ({plural(len(res.checkpoints), 'checkpoint')} of the run)"
+    print(f"copied {args.uri} to {args.out}{what}: {plural(len(res.files), 'file')}, {human(res.bytes_written)} "
+          f"({'references kept shared' if what else 'self-contained'}), {res.seconds:.2f} s")
+    for name, why in res.skipped:
+        print(f"  left out {name}: its manifest cannot be read ({why})")
     return 0
 
 
@@ -527,17 +553,16 @@ def build_parser() -> argparse.ArgumentParser:
                  "none.", both)
     s.add_argument("root", metavar="ROOT", help="the run's prefix (e.g. s3://bucket/run)")
     s.add_argument("--json", action="store_true", help="machine-readable output (sizes in bytes)")
-    s.add_argument("--keep-last", type=positive_int, metavar="N", help="show what keeping the N newest steps keeps")
     s.add_argument("--local", metavar="DIR", help="the run's local steps in this node's local_dir instead (the "
                    "memory/peer tier: committed or not, files held here)")
-    s.add_argument("--keep-every", type=positive_int, metavar="K", help="... and the steps divisible by K")
+    _add_policy(s, "show what a policy keeps:")
 
     s = _command(sub, "prune", cmd_prune, "delete the checkpoints a retention policy does not keep",
-                 "Delete the committed checkpoints under ROOT that no rule keeps (the newest step always is), "
+                 "Delete the committed checkpoints under ROOT that no rule keeps (the union of the --keep-* "
+                 "rules, as CheckpointManager applies them; the newest step always is kept; at least one rule), "
                  "each manifest first, then its data. Status 1 when there is nothing to delete.", both)
     s.add_argument("root", metavar="ROOT", help="the run's prefix (e.g. s3://bucket/run)")
-    s.add_argument("--keep-last", type=positive_int, required=True, metavar="N", help="keep the N newest steps")
-    s.add_argument("--keep-every", type=positive_int, metavar="K", help="also keep the steps divisible by K")
+    _add_policy(s, "keep")
     s.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
 
     s = _command(sub, "gc", cmd_gc, "remove what no committed checkpoint references (dead saves, open uploads)",
@@ -568,11 +593,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out-storage-option", action="append", default=None, metavar="KEY=VALUE", type=key_value,
                    help="storage option for OUT (repeatable; default: the same options as for URI)")
 
-    s = _command(sub, "copy", cmd_copy, "copy a checkpoint, self-contained (references materialized)",
+    s = _command(sub, "copy", cmd_copy, "copy a checkpoint (self-contained) or a run (every committed checkpoint)",
                  "Copy the streamckpt checkpoint at URI to OUT (another prefix, bucket or store) as a "
                  "self-contained checkpoint: the files an incremental checkpoint shares with its siblings "
-                 "are copied too, every checksum is verified on the way, the manifest is written last.", both)
-    s.add_argument("uri", metavar="URI", help=URI_HELP)
+                 "are copied too, every checksum is verified on the way, the manifest is written last. "
+                 "Given a run's root (a CheckpointManager's), copy every committed checkpoint under it, "
+                 "references kept shared, manifests last.", both)
+    s.add_argument("uri", metavar="URI", help=URI_HELP + "; or a run's root")
     s.add_argument("out", metavar="OUT", help="the copy's prefix (any URI, like URI); no committed checkpoint there")
     s.add_argument("--out-storage-option", action="append", default=None, metavar="KEY=VALUE", type=key_value,
                    help="storage option for OUT (repeatable; default: the same options as for URI)")

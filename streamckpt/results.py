@@ -133,6 +133,31 @@ class SaveResult:
     request_prefix: str = ""
 
 
+@dataclass
+class CopyResult:
+    """What one ``sc.copy`` did.
+
+    Attributes:
+        uri: What was copied: a checkpoint, or a run's root.
+        out_uri: Where the copy is.
+        checkpoints: The checkpoints copied, relative to ``uri``: ``[""]`` for one checkpoint;
+            of a run, each committed child (``"step-100"``), oldest step first.
+        files: The objects written, relative to ``out_uri`` (manifests last).
+        bytes_written: Bytes written (data files and manifests); each was read once and checked.
+        seconds: Wall time of the copy.
+        skipped: Of a run: ``(child, why)`` for each checkpoint whose manifest could not be read
+            (left out, with a warning).
+    """
+
+    uri: str = ""
+    out_uri: str = ""
+    checkpoints: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    bytes_written: int = 0
+    seconds: float = 0.0
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
 class DtypeName(str):
     """A stored dtype code (``"BF16"``) that also compares equal to its torch dtype
     (``torch.bfloat16``) and torch's names (``"bfloat16"``, ``"torch.bfloat16"``)."""

@@ -68,13 +68,29 @@ def test_ls_prune_gc(run: str, s3_opts: dict[str, Any], capsys: pytest.CaptureFi
     assert sorted({n.split("/")[0] for n in Storage(run, s3_opts).list("", recursive=True)}) == ["step-20", "step-40"]
 
 
+def test_prune_and_ls_take_keep_best_like_the_manager(run: str, s3_opts: dict[str, Any],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    flags = s3_flags(s3_opts)  # losses: 10 -> 0.4, 20 -> 0.2, 30 -> 0.133, 40 -> 0.1
+    status, out, _ = _main(capsys, "ls", run, *flags, "--keep-best", "loss:max:2")
+    assert status == 0 and [ln.split("  ")[-1].strip() for ln in out.splitlines()[1:]] == [
+        "keep (best)", "keep (best)", "prune", "keep (newest)"]
+    status, out, _ = _main(capsys, "prune", run, *flags, "--keep-best", "loss:max:1", "--keep-every", "30")
+    assert status == 0 and out.splitlines() == [f"deleted {run}/step-20"]
+    assert sc.CheckpointManager(run, storage_options=s3_opts).steps() == [10, 30, 40]
+    status, out, _ = _main(capsys, "prune", run, *flags, "--keep-best", "my:metric:min:1")  # a metric with a colon
+    assert status == 0 and out.splitlines() == [f"deleted {run}/step-10", f"deleted {run}/step-30"]
+
+
 def test_ls_of_an_empty_root_and_bad_arguments(s3_uri: str, s3_opts: dict[str, Any],
                                                capsys: pytest.CaptureFixture[str]) -> None:
     status, out, err = _main(capsys, "ls", s3_uri, *s3_flags(s3_opts))
     assert (status, out) == (1, "") and err.strip() == f"no committed checkpoint under {s3_uri}"
-    with pytest.raises(SystemExit) as ei:
-        main(["prune", s3_uri])  # --keep-last is required: a prune never guesses a policy
-    assert ei.value.code == 2 and "--keep-last" in capsys.readouterr().err
+    status, out, err = _main(capsys, "prune", s3_uri, *s3_flags(s3_opts))  # no rule: a prune never guesses one
+    assert (status, out) == (2, "") and err.startswith("prune needs a rule to keep by: --keep-last N, --keep-every K")
+    for bad in ("loss", "loss:min", "loss:lowest:2", "loss:min:0", ":min:2", "loss:min:two"):
+        with pytest.raises(SystemExit) as ei:
+            main(["prune", s3_uri, "--keep-best", bad])
+        assert ei.value.code == 2 and f"not METRIC:min|max:K: {bad!r}" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["gc", s3_uri, "--older-than", "soon"])
     assert "not a duration: 'soon'" in capsys.readouterr().err

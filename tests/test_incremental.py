@@ -115,6 +115,19 @@ def test_a_changed_dtype_or_compression_is_uploaded_again(s3_uri: str, s3_opts: 
     assert all(torch.equal(back[f"model.{k}"], t) for k, t in half["model"].items())
 
 
+def test_same_bytes_of_another_dtype_are_not_reused(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """A zero float32 tensor and a zero int32 tensor of one shape have the same bytes and digest:
+    only the dtype in the match tells them apart (the dtype test above uses bf16, whose bytes differ)."""
+    sc.save({"w": torch.zeros(64, 32, dtype=torch.float32)}, f"{s3_uri}/a", storage_options=s3_opts)
+    r = sc.save({"w": torch.zeros(64, 32, dtype=torch.int32)}, f"{s3_uri}/b", storage_options=s3_opts,
+                base=f"{s3_uri}/a")
+    assert r.bytes_reused == 0 and r.bytes_written >= 64 * 32 * 4
+    m = _manifest(f"{s3_uri}/b", s3_opts)
+    assert not m.get("bases") and all(not s["file"].startswith("../") for s in m["tensors"]["w"]["shards"])
+    back = sc.load_full(f"{s3_uri}/b", storage_options=s3_opts)
+    assert back["w"].dtype == torch.int32 and torch.equal(back["w"], torch.zeros(64, 32, dtype=torch.int32))
+
+
 def test_bad_bases_are_refused_with_a_clear_error(s3_uri: str, s3_opts: dict[str, Any], tmp_path: Any) -> None:
     sc.save(_state(1), f"{s3_uri}/step-1", storage_options=s3_opts)
     cases = {
@@ -382,6 +395,64 @@ def test_copy_is_self_contained_and_loads_after_the_root_is_gone(local_s3: Any, 
         assert sorted(_objects(uri, s3_opts)) == sorted(["manifest.json", *doc["files"]])
         flat = sc.load_full(uri, storage_options=s3_opts)
         _assert_state({k.removeprefix("model."): t for k, t in flat.items()}, 2)
+
+
+def test_copy_of_a_run_keeps_its_references_shared(local_s3: Any, s3_uri: str, s3_opts: dict[str, Any],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A run's root is copied whole: every committed checkpoint under its own name, the pruned base's
+    file its successors reference included (once), manifests unchanged; then it loads from the copy alone."""
+    from streamckpt.cli import main
+    from test_cli import s3_flags
+
+    with sc.CheckpointManager(s3_uri, storage_options=s3_opts, incremental=True, keep_last=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+        assert mgr.steps() == [2, 3]
+    source = _objects(s3_uri, s3_opts)
+    bucket = f"run-copy-{uuid.uuid4().hex[:8]}"
+    local_s3.make_bucket(bucket)
+    res = sc.copy(s3_uri, f"s3://{bucket}/api", storage_options=s3_opts)
+    assert isinstance(res, sc.CopyResult) and res.checkpoints == ["step-2", "step-3"] and res.skipped == []
+    copied = _objects(f"s3://{bucket}/api", s3_opts)
+    assert copied == source  # the same names and sizes: step-1's shared data file, no step-1 manifest
+    assert "step-1/manifest.json" not in copied and "step-1/data/00000-0000.safetensors" in copied
+    assert res.bytes_written == sum(source.values()) and sorted(res.files) == sorted(source)
+    assert res.files[-2:] == ["step-2/manifest.json", "step-3/manifest.json"]  # the commits, last, oldest first
+    for step in (2, 3):
+        assert _manifest(f"s3://{bucket}/api/step-{step}", s3_opts) == _manifest(f"{s3_uri}/step-{step}", s3_opts)
+    assert main(["copy", s3_uri, f"s3://{bucket}/cli", *s3_flags(s3_opts)]) == 0
+    assert "(2 checkpoints of the run)" in capsys.readouterr().out
+    with pytest.raises(sc.CheckpointExistsError, match="step-2, step-3"):
+        sc.copy(s3_uri, f"s3://{bucket}/api", storage_options=s3_opts)
+    with pytest.raises(sc.CheckpointError, match="inside it"):
+        sc.copy(s3_uri, f"{s3_uri}/backup", storage_options=s3_opts)
+    store = Storage(s3_uri, s3_opts)
+    store.delete_many(list(store.list_info("")))  # the original run, gone
+    store.close()
+    for name in ("api", "cli"):
+        with sc.CheckpointManager(f"s3://{bucket}/{name}", storage_options=s3_opts) as mgr:
+            assert mgr.steps() == [2, 3] and mgr.collect_garbage(older_than=0) == []
+            for step in (2, 3):
+                back = mgr.restore(step=step)
+                assert back is not None and back.skipped == []
+                _assert_state(back.state["model"], step)
+
+
+def test_copy_of_a_run_leaves_out_an_unreadable_checkpoint(s3_uri: str, s3_opts: dict[str, Any],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    for step in (1, 2):
+        sc.save(_state(step), f"{s3_uri}/run/step-{step}", storage_options=s3_opts,
+                metadata={"step": step})
+    store = Storage(f"{s3_uri}/run", s3_opts)
+    store.write_bytes("step-2/manifest.json", b"{not json")
+    store.close()
+    res = sc.copy(f"{s3_uri}/run", f"{s3_uri}/copy", storage_options=s3_opts)
+    assert res.checkpoints == ["step-1"] and [name for name, _ in res.skipped] == ["step-2"]
+    assert "leaves out step-2" in caplog.text
+    assert sorted(_objects(f"{s3_uri}/copy", s3_opts)) == ["step-1/data/00000-0000.safetensors",
+                                                           "step-1/manifest.json"]
+    flat = sc.load_full(f"{s3_uri}/copy/step-1", storage_options=s3_opts)
+    _assert_state({k.removeprefix("model."): t for k, t in flat.items()}, 1)
 
 
 def test_copy_refuses_bytes_that_fail_their_checksum(s3_uri: str, s3_opts: dict[str, Any]) -> None:

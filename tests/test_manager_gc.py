@@ -168,3 +168,38 @@ def test_gcs_and_azure_roots_list_prune_and_collect(other_store: tuple[str, dict
         back = {"w": torch.zeros(256, 64), "step": 0}
         assert mgr.restore(back).step == 2 and torch.equal(back["w"], _state(2)["w"])  # type: ignore[union-attr]
     assert sorted(_names(uri, opts)) == ["step-2/data/00000-0000.safetensors", "step-2/manifest.json"]
+
+
+def test_a_child_is_judged_by_its_newest_object(tmp_path: Path) -> None:
+    """A save in progress has old and fresh objects: its newest object counts, so the whole child is
+    left alone until every object in it is older than the grace (the multipart path had the only check)."""
+    root = tmp_path / "run"
+    with sc.CheckpointManager(str(root)) as mgr:
+        mgr.save(1, _state(1))
+        dead = root / "step-2" / "data"
+        dead.mkdir(parents=True)
+        (dead / "00000-0000.safetensors").write_bytes(b"x" * 100)
+        (dead / "00001-0000.safetensors").write_bytes(b"y" * 200)
+        hour_ago = time.time() - 7200
+        os.utime(dead / "00000-0000.safetensors", (hour_ago, hour_ago))  # old; its sibling is fresh
+        assert mgr.collect_garbage(older_than=3600) == []
+        assert sorted(os.listdir(dead)) == ["00000-0000.safetensors", "00001-0000.safetensors"]
+        os.utime(dead / "00001-0000.safetensors", (hour_ago, hour_ago))  # now all of it is old
+        assert mgr.collect_garbage(older_than=3600) == [f"{root}/step-2/data/00000-0000.safetensors (100 B)",
+                                                         f"{root}/step-2/data/00001-0000.safetensors (200 B)"]
+        assert not (root / "step-2").exists() and mgr.steps() == [1]
+    assert torch.equal(sc.load_full(str(root / "step-1"))["w"], _state(1)["w"])
+
+
+def test_mark_takes_the_newest_object_or_upload_of_each_child() -> None:
+    from streamckpt.manage.garbage import mark
+    from streamckpt.storage import ObjectInfo
+    from streamckpt.storage.store import OpenUpload
+
+    objects = {"a/data/0": ObjectInfo(1, modified=0.0), "a/data/1": ObjectInfo(2, modified=95.0),
+               "b/data/0": ObjectInfo(3, modified=0.0), "b/data/1": ObjectInfo(4, modified=10.0),
+               "top.txt": ObjectInfo(5, modified=0.0)}
+    assert [g.name for g in mark(objects, [], set(), set(), now=100.0, older_than=50.0)] == ["b/data/0", "b/data/1"]
+    fresh_upload = OpenUpload("b/data/2", "u1", initiated=99.0)
+    assert mark(objects, [fresh_upload], set(), set(), now=100.0, older_than=50.0) == []
+    assert [g.name for g in mark(objects, [], {"b/data/0"}, {"a"}, now=100.0, older_than=5.0)] == ["b/data/1"]

@@ -2,7 +2,8 @@
 
 ``keep_last=N`` keeps the N newest steps, ``keep_every=K`` the steps divisible by K,
 ``keep_best=(metric, "min"|"max", k)`` the k best by a metric given to ``save`` (steps
-without it are no candidates). The newest step is always kept, and with no rule at all
+without it, or with nan or a non-number, are no candidates; of steps with equal values the
+newer ranks first, so a plateau keeps its latest weights). The newest step is always kept, and with no rule at all
 everything is.
 """
 

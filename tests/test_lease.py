@@ -1,0 +1,113 @@
+"""The writer lease of a run's root (``manage.lease``), alone: on local files with a clock the
+test moves, and two processes' worth of holders on one root."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import streamckpt as sc
+from streamckpt.manage.lease import LEASE_NAME, Holder, Lease, gone
+from streamckpt.storage import Storage
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+        self.slept = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+        self.slept += s
+
+
+def _holder(**over: Any) -> Holder:
+    base = {"id": "x", "host": "elsewhere", "pid": 4242, "job": "", "started": 999_000.0, "heartbeat": 999_990.0}
+    return Holder(**{**base, **over})
+
+
+def _plant(root: Path, h: Holder) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / LEASE_NAME).write_text(json.dumps(asdict(h)))
+
+
+def test_a_lease_is_taken_renewed_and_released(tmp_path: Path) -> None:
+    clock = Clock()
+    lease = Lease(Storage(str(tmp_path)), ttl=30, clock=clock, sleep=clock.sleep)
+    lease.acquire()
+    doc = json.loads((tmp_path / LEASE_NAME).read_text())
+    assert doc["pid"] == os.getpid() and doc["host"] == socket.gethostname() and doc["heartbeat"] == clock.now
+    assert lease.held and clock.slept == 0
+    lease.release()
+    assert not (tmp_path / LEASE_NAME).exists() and not lease.held
+
+
+def test_a_live_holder_elsewhere_is_refused_after_its_heartbeat_moves(tmp_path: Path) -> None:
+    clock = Clock()
+    other = _holder(heartbeat=clock.now - 5)
+    _plant(tmp_path, other)
+    storage = Storage(str(tmp_path))
+
+    def sleep(s: float) -> None:  # the other writer beats while we wait
+        clock.sleep(s)
+        _plant(tmp_path, _holder(heartbeat=clock.now))
+
+    with pytest.raises(sc.CheckpointInUseError, match=r"another CheckpointManager \(pid 4242 on elsewhere.*stop the "
+                                                      r"other job, or give this one another root"):
+        Lease(storage, ttl=30, clock=clock, sleep=sleep).acquire()
+    assert json.loads((tmp_path / LEASE_NAME).read_text())["pid"] == 4242  # left alone
+
+
+def test_a_silent_holder_is_waited_out_then_taken_over(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    _plant(tmp_path, _holder(heartbeat=clock.now - 10))
+    lease = Lease(Storage(str(tmp_path)), ttl=30, clock=clock, sleep=clock.sleep)
+    lease.acquire()
+    assert 20 <= clock.slept <= 22  # the rest of its ttl, and a second
+    assert json.loads((tmp_path / LEASE_NAME).read_text())["id"] == lease.me.id
+    assert "waiting up to 21 s" in caplog.text and "no heartbeat for" in caplog.text
+    lease.release()
+
+
+@pytest.mark.parametrize("case, over, why", [
+    ("stale", {"heartbeat": 1_000_000.0 - 31}, "heartbeat is 31 s old"),
+    ("same job", {"job": "SLURM_JOB_ID=77"}, "belongs to this launcher job"),
+    ("same pid", {"host": socket.gethostname(), "pid": os.getpid()}, "this very pid"),
+    ("dead pid", {"host": socket.gethostname(), "pid": 2**22 + 12345}, "no longer runs on this host"),
+    ("alive here", {"host": socket.gethostname(), "pid": 1}, None),
+    ("alive elsewhere", {}, None),
+])
+def test_when_a_holder_is_gone(case: str, over: dict[str, Any], why: str | None) -> None:
+    me = _holder(id="me", host=socket.gethostname(), pid=os.getpid(), job="SLURM_JOB_ID=77")
+    got = gone(_holder(**over), me, now=1_000_000.0, ttl=30)
+    assert (got is None) if why is None else (got is not None and why in got), (case, got)
+
+
+def test_a_requeued_job_takes_its_own_lease_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    clock = Clock()
+    _plant(tmp_path, _holder(job="SLURM_JOB_ID=77", heartbeat=clock.now - 1))
+    lease = Lease(Storage(str(tmp_path)), ttl=30, clock=clock, sleep=clock.sleep)
+    lease.acquire()
+    assert clock.slept == 0 and lease.me.job == "SLURM_JOB_ID=77"
+    lease.release()
+
+
+def test_an_unreadable_lease_is_replaced_and_a_bad_ttl_refused(tmp_path: Path) -> None:
+    (tmp_path / LEASE_NAME).write_text("{not json")
+    lease = Lease(Storage(str(tmp_path)), ttl=30)
+    lease.acquire()
+    assert json.loads((tmp_path / LEASE_NAME).read_text())["id"] == lease.me.id
+    lease.release()
+    for bad in (0, -1, "60", True):
+        with pytest.raises(sc.CheckpointError, match="lease ttl must be"):
+            Lease(Storage(str(tmp_path)), ttl=bad)  # type: ignore[arg-type]
