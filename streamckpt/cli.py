@@ -196,6 +196,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """The committed checkpoints under ROOT, one line each (status 1: none)."""
     from .manage.report import rows, table
 
+    if args.local is not None:
+        return _ls_local(args)
     policy = _policy_args(args)
     with _manager(args, **policy) as mgr:
         found = rows(mgr.checkpoints(), mgr.policy if any(v is not None for v in policy.values()) else None)
@@ -203,6 +205,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _none_under(args, "ls")
         return EXIT_NONE_FOUND
     print(json.dumps(found, indent=2) if args.json else table(found))
+    return 0
+
+
+def _ls_local(args: argparse.Namespace) -> int:
+    """``ls ROOT --local DIR``: the run's local steps in one node's folder (the bucket is not asked)."""
+    from .manage.tier.localdir import LocalDir
+    from .manage.tier.report import local_rows, local_table
+    from .storage.store import checked_uri
+
+    found = local_rows(LocalDir(args.local, checked_uri(args.root).rstrip("/")))
+    if not found:
+        print(f"no local steps of {args.root} in {args.local}", file=sys.stderr)
+        return EXIT_NONE_FOUND
+    print(json.dumps(found, indent=2) if args.json else local_table(found))
     return 0
 
 
@@ -541,6 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "none.", both)
     s.add_argument("root", metavar="ROOT", help="the run's prefix (e.g. s3://bucket/run)")
     s.add_argument("--json", action="store_true", help="machine-readable output (sizes in bytes)")
+    s.add_argument("--local", metavar="DIR", help="the run's local steps in this node's local_dir instead (the "
+                   "memory/peer tier: committed or not, files held here)")
     _add_policy(s, "show what a policy keeps:")
 
     s = _command(sub, "prune", cmd_prune, "delete the checkpoints a retention policy does not keep",

@@ -25,6 +25,7 @@ from ..errors import CheckpointError, IncompatibleStateDictError, MissingKeysErr
 from ..formats import speculation as spec
 from ..formats import read_foreign_manifest, read_manifest
 from ..formats.native import read_native_bytes
+from ..plan.holders import constrain_readers
 from ..plan.planner import IdentityView, LoadPlan, PlanOptions, build_plan, settle_rounds
 from ..results import LoadResult
 from ..storage import Storage
@@ -117,6 +118,11 @@ class LoadRequest:
     progress: Callable[[int], None] | None = None
     manifest: mf.Manifest | None = None  # already read by the caller (single process)
     cuda: CudaApi | None = None  # the CUDA runtime (TorchCuda unless a test injects a stand-in)
+    # files only some ranks can read (a memory/peer tier's local copies): file -> those ranks. With it,
+    # ``manifest`` is every rank's (no rank reads one), and the plan is made whole on every rank and
+    # its reads moved to allowed ranks (``plan.holders``); ``on_plan`` sees that plan
+    holders: Mapping[str, Sequence[int]] | None = None
+    on_plan: Callable[[LoadPlan], None] | None = None
 
 
 def _metadata_and_specs(comm: SoloComm | GroupComm, storage: Storage, specs: list[TargetSpec],
@@ -171,7 +177,7 @@ def run_load(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest) -> 
     except CheckpointError as e:
         own = e
     source = storage.describe("")
-    if req.manifest is not None and isinstance(comm, SoloComm):
+    if req.manifest is not None and (isinstance(comm, SoloComm) or req.holders is not None):
         manifest = req.manifest
         all_specs = gather_targets(comm, [t.spec for t in targets], own, "sc.load")
     else:
@@ -263,7 +269,12 @@ def _attempt(comm: SoloComm | GroupComm, storage: Storage, req: LoadRequest, man
         plan_manifest = spec.augment(manifest, heads) if heads else manifest
         plan_view = view if not heads else (
             IdentityView(plan_manifest) if req.transforms is None else spec.HeadsView(view, heads))
-        plan = build_plan(plan_manifest, all_specs, req.options, plan_view, rank=comm.rank)
+        plan = build_plan(plan_manifest, all_specs, req.options, plan_view,
+                          rank=comm.rank if req.holders is None else None)
+        if req.holders is not None:
+            constrain_readers(plan, req.holders)
+            if req.on_plan is not None:
+                req.on_plan(plan)
         if req.strict:  # strict=False leaves it alone, as any key it cannot fill (warn_missing names it)
             _check_not_tensors(values, view)
         vplan = plan_values(values, manifest.values, _unloadable(manifest))

@@ -29,6 +29,7 @@ from .lease import Lease
 from .passthrough import check_names
 from .preemption import Preemption
 from .retention import Policy
+from .tier import Tier, same_tier
 from .schedule import Schedule
 
 if TYPE_CHECKING:
@@ -47,17 +48,26 @@ class Restored(Generic[S]):
 
     Attributes:
         step: The step restored.
-        uri: The checkpoint's URI.
+        uri: The checkpoint's URI (restored from the local tier: this rank's folder of the step).
         state: The filled ``state_dict`` (the one passed, filled in place), or the saved
             tree rebuilt by ``sc.load_state`` when none was passed.
         skipped: ``(uri, why)`` of each newer checkpoint passed over because it could not
-            be read, newest first.
+            be read, newest first (from the local tier: this rank's folder of a step no rank held whole).
+        source: ``"bucket"`` (the checkpoint under the root) or ``"local"`` (``local_dir``'s tier).
+        bytes_local, bytes_peers, bytes_bucket: Bytes of this rank's state read by this rank from
+            its ``local_dir``, by other ranks from theirs, from the bucket (by any rank).
+        bucket_bytes_read: Bytes this rank fetched from the bucket (for others too).
     """
 
     step: int
     uri: str
     state: S
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    source: str = "bucket"
+    bytes_local: int = 0
+    bytes_peers: int = 0
+    bytes_bucket: int = 0
+    bucket_bytes_read: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +127,15 @@ class Manager:
             manager saving into the root meanwhile gets ``CheckpointInUseError`` naming the
             holder (a holder silent that long, of the same launcher job, or a dead pid on this
             host is taken over). Default None: no lease (one writer per root is the caller's rule).
+        local_dir: A node-local folder for the memory/peer tier (README "Resuming from peers"):
+            local steps, copied to ``replicas`` partners on other nodes; ``restore`` takes the
+            newest step the survivors hold, the bucket only for bytes none holds. Default None.
+        local_every: The steps divisible by it are saved locally (the bucket keeps ``save_every``;
+            a step due for neither goes to the bucket). Default None: every step saved.
+        local_keep: Local steps each rank keeps (default 2). replicas: partner copies (default 1).
 
     Raises:
-        CheckpointError: a bad argument (a rule, ``save_every``, ``name``).
+        CheckpointError: a bad argument (a rule, ``save_every``, ``name``, a tier argument).
     """
 
     _calls: Calls | None = None
@@ -129,8 +145,9 @@ class Manager:
                  keep_best: tuple[str, str, int] | None = None, save_every: int | None = None,
                  async_save: bool = False, incremental: bool = False, name: str = "step-{step}",
                  save_interval_s: float | None = None, keep_time_interval: float | None = None,
-                 save_on_preemption: bool = False,
-                 writer_lease: float | None = None) -> None:
+                 save_on_preemption: bool = False, writer_lease: float | None = None,
+                 local_dir: Any = None, local_every: int | None = None, local_keep: int = 2,
+                 replicas: int = 1) -> None:
         if save_every is not None and (not isinstance(save_every, int) or isinstance(save_every, bool)
                                        or save_every < 1):
             raise CheckpointError(f"save_every must be a positive int or None, got {save_every!r}")
@@ -144,6 +161,7 @@ class Manager:
         self.async_save = bool(async_save)
         self.incremental = bool(incremental)
         self.name = name
+        self._tier = None if local_dir is None else Tier.make(local_dir, self.root, local_every, local_keep, replicas)
         self._comm = make_comm(process_group)
         self._index = Index()
         self._known: Listing | None = None
@@ -194,7 +212,8 @@ class Manager:
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is one to save: divisible by ``save_every``, due by ``save_interval_s``,
-        or the first step after a preemption (every step when no rule is given). Collective with
+        or the first step after a preemption (every step when no rule is given), or with ``local_dir``,
+        by ``local_every``. Collective with
         ``save_interval_s`` or ``save_on_preemption``: every rank calls it at every step.
 
         Args:
@@ -204,7 +223,8 @@ class Manager:
             bool: True when the step should be saved.
         """
         _check_step(step)
-        return self._schedule.decide(step, self._comm).save
+        bucket = self._schedule.decide(step, self._comm).save
+        return bucket or (self._tier is not None and self._tier.due(step))
 
     def reached_preemption(self, step: int) -> bool:
         """Whether SIGTERM has reached any rank by ``step`` (``save_on_preemption``; Orbax's name):
@@ -282,8 +302,14 @@ class Manager:
         except CheckpointError as e:
             own = e
         self._comm.agree(own)
+        same_tier(self._comm, self._tier)
         self.wait()  # one save in flight: the previous one (and its retention) ends first
         on_one_rank(self._comm, self._hold_lease)
+        if self._tier is not None and self._tier.due(step):  # the local tier first: fast, and on the training thread
+            bucket = force or self.save_every is None or step % self.save_every == 0
+            local = self._tier.save(self._comm, step, state, metadata, save_kwargs.get("compression"), fallible=bucket)
+            if not bucket:
+                return local
         existing = None if force else on_one_rank(self._comm, lambda: self._committed_name(step))
         users = on_one_rank(self._comm, lambda: self._users_of(step))
         if users:
@@ -487,7 +513,14 @@ class Manager:
         except CheckpointError as e:
             own = e
         self._comm.agree(own)
+        same_tier(self._comm, self._tier)
         self.wait()
+        if self._tier is not None and state_dict is not None:  # the memory/peer tier first; None: the bucket's turn
+            tier = self._tier.restore(self._comm, state_dict, bucket_steps=self.steps, bucket_uri=self.uri,
+                                      storage_options=self.storage_options, load_kwargs=load_kwargs, step=step)
+            if tier is not None:
+                return Restored(tier.step, tier.uri, state_dict, tier.skipped, "local", tier.bytes_local,
+                                tier.bytes_peers, tier.bytes_bucket, tier.bucket_bytes_read)
         listing = self._listing()
         if step is not None:
             entry = self._entry(listing, step)
@@ -516,10 +549,11 @@ class Manager:
         calls = self._bound()
         own: BaseException | None = None
         state: Any = None
+        loaded: Any = None
         try:
             if state_dict is not None:
-                calls.load(state_dict, uri, storage_options=self.storage_options, process_group=self.process_group,
-                           **load_kwargs)
+                loaded = calls.load(state_dict, uri, storage_options=self.storage_options,
+                                    process_group=self.process_group, **load_kwargs)
                 state = state_dict
             else:
                 state = calls.load_state(uri, storage_options=self.storage_options, **load_kwargs)
@@ -527,7 +561,10 @@ class Manager:
             own = e
         failures = gather_outcome(self._comm, own)
         if not failures:
-            return Restored(entry.step, uri, state, skipped)
+            got = Restored(entry.step, uri, state, skipped)  # type: ignore[arg-type]
+            if loaded is not None:
+                got.bytes_bucket, got.bucket_bytes_read = loaded.bytes_needed, loaded.bytes_read
+            return got
         if not fallback or any(f["cls"] not in FALLBACK_ERRORS for f in failures) or \
                 (own is not None and not isinstance(own, CheckpointError)):
             raise_agreed(failures, own)

@@ -150,6 +150,7 @@ def prepare(
     storage_options: dict[str, Any] | None = None,
     guard: Guard | None = None,
     call: str = "sc.save",
+    same: bool = True,
 ) -> Prepared:
     """Validate, gather every rank's specs and assign writers; raises the agreed error on every rank.
 
@@ -173,7 +174,8 @@ def prepare(
     tree: dict[str, Any] = {}
     base_doc = b""
     base_manifest: mf.Manifest | None = None
-    same_call(comm, storage.describe(""), call, overwrite=overwrite, compression=compression, base=base)
+    if same:
+        same_call(comm, storage.describe(""), call, overwrite=overwrite, compression=compression, base=base)
     try:
         if storage.entry is not None:
             raise CheckpointError(
@@ -382,6 +384,9 @@ def _assemble(
             f"be held by some rank, and distinct shards may not overlap)"
         ) from None
     return manifest
+
+
+assemble = _assemble  # the manifest of gathered shard records (the local tier's too)
 
 
 def _check_cancelled(cancelled: Callable[[], bool] | None) -> None:
