@@ -172,6 +172,8 @@ class Manager:
         self._worker: cf.ThreadPoolExecutor | None = None
         self._closed = False
         self._lease: Lease | None = None  # taken by the first save (rank 0), released by close()
+        self._unreadable: set[str] = set()  # checkpoints restore passed over: a save of their step replaces them
+        self._rolled_back: int | None = None  # the step restore(step=...) went back to
         self.writer_lease = writer_lease
         if writer_lease is not None:
             Lease.check_ttl(writer_lease)
@@ -267,7 +269,9 @@ class Manager:
                 with one element are turned into numbers, others refused; nan and inf are recorded as the strings
                 ``'nan'``, ``'inf'``, ``'-inf'``); ``keep_best`` ranks by the numbers.
                 Default None: none.
-            force: Replace a committed checkpoint of ``step``. Default False: refuse it.
+            force: Replace a committed checkpoint of ``step``, and delete the steps newer than
+                ``step`` (the abandoned branch after ``restore(step=...)``, manifests first).
+                Default False: refuse both, naming them.
             save_kwargs: More arguments of ``sc.save`` / ``sc.async_save`` (``compression``,
                 ``metadata``, ``progress``, ``staging_budget``, ``base``: with ``incremental``, the
                 newest committed checkpoint unless given); not ``overwrite`` (``force``).
@@ -305,6 +309,7 @@ class Manager:
         same_tier(self._comm, self._tier)
         self.wait()  # one save in flight: the previous one (and its retention) ends first
         on_one_rank(self._comm, self._hold_lease)
+        on_one_rank(self._comm, lambda: self._clear_the_way(step, force))
         if self._tier is not None and self._tier.due(step):  # the local tier first: fast, and on the training thread
             bucket = force or self.save_every is None or step % self.save_every == 0
             local = self._tier.save(self._comm, step, state, metadata, save_kwargs.get("compression"), fallible=bucket)
@@ -523,6 +528,7 @@ class Manager:
                                 tier.bytes_peers, tier.bytes_bucket, tier.bucket_bytes_read)
         listing = self._listing()
         if step is not None:
+            self._rolled_back = step
             entry = self._entry(listing, step)
             return self._restore_one(entry, state_dict, load_kwargs, [], fallback=False)
         candidates = _candidates(listing)
@@ -573,6 +579,7 @@ class Manager:
         return None
 
     def _skip(self, skipped: list[tuple[str, str]], entry: Entry, why: str) -> None:
+        self._unreadable.add(entry.name)  # the next save of its step replaces it
         uri = f"{self.root}/{entry.name}"
         log.warning("restore: passing over %s, which cannot be read: %s", uri, why)
         skipped.append((uri, why))
@@ -603,19 +610,57 @@ class Manager:
             uris = [f"{self.root}/{e.name}" for e in doomed]
             if dry_run or not doomed:
                 return uris
-            storage = self._store()
-            gone: set[str] = set()
-            for e in doomed:
-                alive = [other for other in listing.entries if other.name != e.name and other.name not in gone]
-                keep = {n for other in alive for n in other.objects}
-                names = [n for n in listing.objects if n.startswith(e.name + "/")]
-                names += _orphaned_references(e, {other.name for other in alive}, listing)
-                self._index.forget(e.name)
-                delete_checkpoint(storage, e.name, names=names, keep=keep)
-                gone.add(e.name)
+            self._delete_entries(listing, doomed)
             log.info("pruned %d checkpoint(s) under %s: %s", len(doomed), self.root, ", ".join(e.name for e in doomed))
-            self._known = Listing([e for e in listing.entries if e not in doomed], listing.objects)
             return uris
+
+    def _delete_entries(self, listing: Listing, doomed: list[Entry]) -> None:
+        """Delete checkpoints (each manifest first), keeping what the others still reference."""
+        storage = self._store()
+        gone: set[str] = set()
+        for e in doomed:
+            alive = [other for other in listing.entries if other.name != e.name and other.name not in gone]
+            keep = {n for other in alive for n in other.objects}
+            names = [n for n in listing.objects if n.startswith(e.name + "/")]
+            names += _orphaned_references(e, {other.name for other in alive}, listing)
+            self._index.forget(e.name)
+            delete_checkpoint(storage, e.name, names=names, keep=keep)
+            gone.add(e.name)
+        self._known = Listing([e for e in listing.entries if e.name not in gone], listing.objects)
+
+    def _clear_the_way(self, step: int, force: bool) -> list[str]:
+        """Rank 0, before a save of ``step``: replace a checkpoint of that step that ``restore``
+        passed over as unreadable; refuse a step older than the newest committed one, or with
+        ``force`` delete the newer steps (the abandoned branch after a rollback). Returns what
+        it deleted."""
+        with self._lock:
+            name = self.uri(step).rpartition("/")[2]
+            listing = self._list_here()
+            doomed = [e for e in listing.entries if e.name == name and name in self._unreadable]
+            if doomed:
+                log.warning("%s/%s could not be read when this manager restored (it was passed over): replaced by "
+                            "this save of step %d (its manifest deleted first)", self.root, name, step)
+                self._unreadable.discard(name)
+            newer = [e for e in listing.managed() if e.step is not None and e.step > step]
+            if newer and not force:
+                steps = ", ".join(str(e.step) for e in newer)
+                if self._rolled_back is not None:
+                    raise CheckpointExistsError(
+                        f"this manager restored step {self._rolled_back} of {self.root}, and steps {steps} are newer: "
+                        f"the run's abandoned branch. Pass force=True to save() to delete them (each manifest first, "
+                        f"so latest never returns them) and go on from step {self._rolled_back}")
+                raise CheckpointError(
+                    f"step {step} is older than the newest committed step {newer[-1].step} under {self.root}: "
+                    f"retention would prune it at once and restore would never return it. Save a step after "
+                    f"{newer[-1].step}; or to go back, restore(step=k) and save with force=True, which deletes "
+                    f"the newer steps ({steps})")
+            if newer:
+                log.warning("save of step %d with force=True under %s: deleting the newer steps %s (the abandoned "
+                            "branch), each manifest first", step, self.root, ", ".join(str(e.step) for e in newer))
+            doomed += newer
+            if doomed:
+                self._delete_entries(listing, doomed)
+            return [e.name for e in doomed]
 
     def collect_garbage(self, *, older_than: float = 3600, dry_run: bool = False) -> list[str]:
         """Remove what no committed checkpoint under the root references and that is older
