@@ -6,6 +6,7 @@ go, and with it deletes them (manifest first); a save older than the newest rais
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -111,3 +112,37 @@ def test_two_ranks_replace_a_step_passed_over(local_s3: Any) -> None:
     Storage(f"{root}/step-2", opts).delete("data/00000-0000.safetensors")
     got = [r.unwrap() for r in run_ranks(2, history_worker, kwargs={"root": root, "opts": opts}, timeout=120)]
     assert got == [{"first": 1, "then": 2, "equal": True}] * 2
+
+
+def _third_file_of_step_2(method: str, path: str) -> bool:
+    """The first request of step 2's third data file (its upload's start): held while the first
+    two are up, so garbage collection elsewhere can take them before the commit."""
+    return "step-2/data/00000-0002" in path
+
+
+def test_gc_beside_a_save_in_flight_cannot_make_it_commit_broken(s3_uri: str, s3_opts: dict[str, Any],
+                                                                 proxy_factory: Any) -> None:
+    """collect_garbage(older_than=0) run while an async save uploads: its own manager never marks
+    the save's objects; another one (another process, the CLI) deletes them, and then the commit
+    check fails the save instead of committing a checkpoint that cannot be loaded."""
+    proxy = proxy_factory(faults=["stall"], rate=1.0, stall_seconds=4, methods=("PUT", "POST"), max_repeats=1,
+                          match=_third_file_of_step_2)
+    big = {"w": torch.randn(5 * 1024 * 1024, generator=torch.Generator().manual_seed(2))}  # 20 MiB: 3 data files
+    with sc.CheckpointManager(s3_uri, storage_options=proxy.storage_options, async_save=True) as mgr:
+        mgr.save(1, {"w": torch.zeros(8)})
+        mgr.wait()
+        handle = mgr.save(2, big)
+        deadline = time.monotonic() + 60
+        while proxy.stalled_now == 0:  # the third file's upload is held: the first two are up
+            assert time.monotonic() < deadline and not handle.done(), "never reached the commit"
+            time.sleep(0.02)
+        assert mgr.collect_garbage(older_than=0) == []  # its own save in flight: never marked
+        other = sc.CheckpointManager(s3_uri, storage_options=s3_opts)  # as another process would
+        gone = other.collect_garbage(older_than=0)
+        assert gone and all("/step-2/data/" in g for g in gone)
+        with pytest.raises(sc.CheckpointError, match=r"not committing .*step-2.*missing.*collect_garbage"):
+            handle.result(timeout=60)
+        with pytest.raises(sc.CheckpointError):
+            mgr.wait()
+    names = Storage(s3_uri, s3_opts).list("", recursive=True)
+    assert "step-2/manifest.json" not in names and sc.latest(s3_uri, storage_options=s3_opts) == f"{s3_uri}/step-1"

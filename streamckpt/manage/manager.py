@@ -691,8 +691,11 @@ class Manager:
             storage = self._store()
             listing = self._list_here()
             uploads = storage.open_uploads("")
-            found = mark(listing.objects, uploads, listing.referenced(), {e.name for e in listing.entries if e.error},
-                         now=time.time(), older_than=older_than)
+            protected = {e.name for e in listing.entries if e.error}
+            if self._pending is not None and not self._pending.done():  # this manager's own save in flight
+                protected.add(self._pending.uri.rstrip("/").rpartition("/")[2])
+            found = mark(listing.objects, uploads, listing.referenced(), protected, now=time.time(),
+                         older_than=older_than)
             out = [f"{self.root}/{g.name} (incomplete upload)" if g.upload else
                    f"{self.root}/{g.name} ({human_bytes(g.size)})" for g in found]
             if dry_run or not found:

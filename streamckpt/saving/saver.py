@@ -34,6 +34,7 @@ from ..storage import Storage
 from ..storage.ratelimit import prefix_uri
 from ..storage.uploads import delete_written
 from . import putrate, writeplan
+from .commitcheck import check_present
 from .incremental import BaseShards, read_base, split
 from .writer import DEFAULT_CHUNK_SIZE, ShardToWrite, UploadShape, write_data_files
 
@@ -302,6 +303,7 @@ def write_and_commit(
             manifest = _assemble(prep.all_specs, per_rank, prep.values, tree, prep.metadata, storage)
             blob = mf.to_json(manifest)
             expect_total(progress, len(blob))
+            check_present(storage, manifest)
             storage.write_bytes(mf.MANIFEST_NAME, blob)
             result.files.append(mf.MANIFEST_NAME)
             result.bytes_written += len(blob)
