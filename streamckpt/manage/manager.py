@@ -309,19 +309,21 @@ class Manager:
         same_tier(self._comm, self._tier)
         self.wait()  # one save in flight: the previous one (and its retention) ends first
         on_one_rank(self._comm, self._hold_lease)
-        on_one_rank(self._comm, lambda: self._clear_the_way(step, force))
         if self._tier is not None and self._tier.due(step):  # the local tier first: fast, and on the training thread
             bucket = force or self.save_every is None or step % self.save_every == 0
             local = self._tier.save(self._comm, step, state, metadata, save_kwargs.get("compression"), fallible=bucket)
             if not bucket:
                 return local
-        existing = None if force else on_one_rank(self._comm, lambda: self._committed_name(step))
         users = on_one_rank(self._comm, lambda: self._users_of(step))
         if users:
             raise CheckpointInUseError(
                 f"step {step} ({self.uri(step)}) holds bytes that incremental checkpoints {', '.join(users[:5])} "
                 f"reference: replacing it would break them; delete those first (or sc.copy them out), or save "
                 f"under another step")
+        appeared = on_one_rank(self._comm, lambda: self._clear_the_way(step, force))
+        existing = None if force else on_one_rank(self._comm, lambda: self._committed_name(step))
+        if existing is not None and appeared:
+            raise self._another_writer_error(step)
         if existing is not None:
             raise CheckpointExistsError(f"step {step} is already committed under {self.root} ({self.root}/{existing}): "
                                         f"pass force=True to replace it")
@@ -628,14 +630,16 @@ class Manager:
             gone.add(e.name)
         self._known = Listing([e for e in listing.entries if e.name not in gone], listing.objects)
 
-    def _clear_the_way(self, step: int, force: bool) -> list[str]:
+    def _clear_the_way(self, step: int, force: bool) -> bool:
         """Rank 0, before a save of ``step``: replace a checkpoint of that step that ``restore``
         passed over as unreadable; refuse a step older than the newest committed one, or with
-        ``force`` delete the newer steps (the abandoned branch after a rollback). Returns what
-        it deleted."""
+        ``force`` delete the newer steps (the abandoned branch after a rollback). Returns whether
+        the step was committed since this manager last looked (by another writer)."""
         with self._lock:
             name = self.uri(step).rpartition("/")[2]
+            before = None if self._known is None else {e.name for e in self._known.managed()}
             listing = self._list_here()
+            appeared = before is not None and name not in before and any(e.name == name for e in listing.managed())
             doomed = [e for e in listing.entries if e.name == name and name in self._unreadable]
             if doomed:
                 log.warning("%s/%s could not be read when this manager restored (it was passed over): replaced by "
@@ -660,7 +664,7 @@ class Manager:
             doomed += newer
             if doomed:
                 self._delete_entries(listing, doomed)
-            return [e.name for e in doomed]
+            return appeared
 
     def collect_garbage(self, *, older_than: float = 3600, dry_run: bool = False) -> list[str]:
         """Remove what no committed checkpoint under the root references and that is older
@@ -733,10 +737,13 @@ class Manager:
         try:
             yield
         except CheckpointExistsError as e:
-            raise CheckpointExistsError(
-                f"step {step} is already committed under {self.root} ({self.uri(step)}), by another writer since "
-                f"this manager looked (a second CheckpointManager or process on this root?): pass force=True to "
-                f"replace it, or give each run a root of its own") from e
+            raise self._another_writer_error(step) from e
+
+    def _another_writer_error(self, step: int) -> CheckpointExistsError:
+        return CheckpointExistsError(
+            f"step {step} is already committed under {self.root} ({self.uri(step)}), by another writer since "
+            f"this manager looked (a second CheckpointManager or process on this root?): pass force=True to "
+            f"replace it, or give each run a root of its own")
 
     def _hold_lease(self) -> None:
         """Rank 0: the run's writer lease (``manage.lease``), taken by the first save."""

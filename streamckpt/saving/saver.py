@@ -82,7 +82,8 @@ def to_write(items: list[writeplan.WriteItem], local: list[LocalTarget]) -> list
     return [ShardToWrite(it.spec, writeplan.piece_of(it, tensors[it.source])) for it in items]
 
 
-def _gather_json(comm: SoloComm | GroupComm, doc: Any, own: BaseException | None) -> list[Any]:
+def gather_json(comm: SoloComm | GroupComm, doc: Any, own: BaseException | None) -> list[Any]:
+    """Every rank's ``doc``, or the agreed error on every rank."""
     if isinstance(comm, SoloComm):
         if own is not None:
             raise own
@@ -104,7 +105,7 @@ def same_call(comm: SoloComm | GroupComm, uri: str, call: str = "sc.save", **opt
         return
     mine = {"uri": uri, **{k: v if v is None or isinstance(v, (bool, int, str)) else str(v) for k, v in options.items()}}
     with warn_if_peers_late(comm, call):  # the save's first collective: where a rank-0-only save waits
-        every = _gather_json(comm, mine, None)
+        every = gather_json(comm, mine, None)
     for rank, theirs in enumerate(every):
         differ = [k for k in every[0] if theirs.get(k) != every[0][k]]
         if differ:
@@ -117,8 +118,8 @@ def fail_together(comm: SoloComm | GroupComm, own: CheckpointError, call: str = 
     """A rank whose save failed before the save's first collective (``same_call``: a bad
     argument, an unknown storage option) takes part in it with its error: every rank raises it."""
     with warn_if_peers_late(comm, call):
-        _gather_json(comm, None, own)
-    raise own  # pragma: no cover - _gather_json raised (alone: this error; in a group: the agreed one)
+        gather_json(comm, None, own)
+    raise own  # pragma: no cover - gather_json raised (alone: this error; in a group: the agreed one)
 
 
 @dataclass
@@ -289,7 +290,7 @@ def write_and_commit(
            "tree": prep.tree if comm.rank != 0 and prep.tree else None,
            "puts": len(files), "upload_us": round(upload_seconds * 1e6)}  # the job's PUT rate (putrate)
     try:
-        per_rank = _gather_json(comm, doc, own)
+        per_rank = gather_json(comm, doc, own)
     except BaseException:
         discard(storage, list(files))  # no rank commits: this rank's data files are garbage now
         raise

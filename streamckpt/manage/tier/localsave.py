@@ -20,11 +20,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ...comm import P2P, GroupComm, SoloComm, encode_error, raise_agreed
+from ...comm import P2P, GroupComm, SoloComm
 from ...core import manifest as mf, tree as trees
 from ...errors import CheckpointError
 from ...results import SaveResult
-from ...saving.saver import assemble, prepare, same_call, to_write
+from ...saving.saver import assemble, gather_json, prepare, same_call, to_write
 from ...saving.writer import write_data_files
 from ...storage import Storage
 from .localdir import LocalDir
@@ -118,20 +118,6 @@ def _save(comm: SoloComm | GroupComm, folder: LocalDir, storage: Storage, state_
                         bytes_written=sum(files.values()) + received, seconds=time.perf_counter() - t0)
     result.requests = len(files)
     return result
-
-
-def gather_json(comm: SoloComm | GroupComm, doc: Any, own: BaseException | None) -> list[Any]:
-    """Every rank's ``doc``, or the agreed error on every rank."""
-    if isinstance(comm, SoloComm):
-        if own is not None:
-            raise own
-        return [doc]
-    payload = {"error": encode_error(own, comm.rank)} if own is not None else {"ok": doc}
-    got = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(payload).encode())]
-    failures = [g["error"] for g in got if "error" in g]
-    if failures:
-        raise_agreed(failures, own)
-    return [g["ok"] for g in got]
 
 
 def replicate(comm: SoloComm | GroupComm, storage: Storage, per_rank: Sequence[Any], topo: Topology,
