@@ -684,7 +684,7 @@ def copy(
 
 class CheckpointManager(Manager):
     __doc__ = Manager.__doc__
-    _calls = Calls(save=save, async_save=async_save, load=load, load_state=load_state)
+    _calls = Calls(save=save, async_save=async_save, load=load, load_state=load_state, expand=_expanded)
 
 
 __all__ = ["save", "async_save", "load", "load_full", "load_state", "inspect", "latest", "merge", "copy",

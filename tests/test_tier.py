@@ -320,3 +320,30 @@ def test_a_failing_local_save_does_not_keep_a_step_from_the_bucket(tmp_path: Pat
             mgr.save(4, _state(4))  # a local step only: its failure is the save's
         mgr.save(5, _state(5))  # also the bucket's: saved there, the local failure logged
         assert mgr.steps() == [5] and "the local save of step 5 failed" in caplog.text
+
+
+def test_training_objects_save_locally_and_restore_in_place_from_the_tier(tmp_path: Path) -> None:
+    """A module, its optimizer and a plain value, as users pass them (issue 45's Stateful dict)
+    through the tier (a step only the tier keeps): restored from the local step, in place.
+    Was: the local save refused the Linear ("a value of type Linear cannot be saved")."""
+    torch.manual_seed(3)
+    model = torch.nn.Linear(4, 3)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    kw = dict(local_dir=tmp_path / "local", local_every=1, save_every=5)
+    with sc.CheckpointManager(str(tmp_path / "run"), **kw) as mgr:  # type: ignore[arg-type]
+        saved = mgr.save(1, {"model": model, "optim": optim, "step": 1})
+    assert isinstance(saved, sc.SaveResult) and not (tmp_path / "run").exists()  # step 1 is the tier's alone
+    model2 = torch.nn.Linear(4, 3)
+    optim2 = torch.optim.Adam(model2.parameters(), lr=0.1)
+    state = {"model": model2, "optim": optim2, "step": 0}
+    with sc.CheckpointManager(str(tmp_path / "run"), **kw) as mgr:  # type: ignore[arg-type]
+        got = mgr.restore(state)
+    assert got is not None and got.source == "local" and got.step == 1 and state["step"] == 1
+    assert torch.equal(model2.weight, model.weight) and torch.equal(model2.bias, model.bias)
+    want, have = optim.state_dict(), optim2.state_dict()
+    for i in want["state"]:
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(have["state"][i][k], want["state"][i][k]), (i, k)
+    assert have["param_groups"] == want["param_groups"]

@@ -16,6 +16,7 @@ from typing import Collection, Iterable
 from ..core.manifest import MANIFEST_NAME
 from ..errors import StorageError
 from ..storage import Storage
+from .index import Entry, Listing
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,28 @@ def delete_checkpoint(storage: Storage, prefix: str = "", *, names: Iterable[str
         storage.remove_empty_dirs(base.rstrip("/"))  # a local run root would keep an empty folder per step
     log.info("deleted %s (%d objects, manifest first)", storage.describe(base), len(deleted))
     return deleted
+
+
+def delete_entries(storage: Storage, listing: Listing, doomed: list[Entry]) -> Listing:
+    """Delete checkpoints of a run's root (each manifest first), keeping what the others still
+    reference; returns the listing without them."""
+    gone: set[str] = set()
+    for e in doomed:
+        alive = [other for other in listing.entries if other.name != e.name and other.name not in gone]
+        keep = {n for other in alive for n in other.objects}
+        names = [n for n in listing.objects if n.startswith(e.name + "/")]
+        names += orphaned_references(e, {other.name for other in alive}, listing)
+        delete_checkpoint(storage, e.name, names=names, keep=keep)
+        gone.add(e.name)
+    return Listing([e for e in listing.entries if e.name not in gone], listing.objects)
+
+
+def orphaned_references(entry: Entry, alive: set[str], listing: Listing) -> list[str]:
+    """The files ``entry`` references in siblings that are no longer committed (pruned
+    before it, their shared files kept for it): deleting ``entry`` deletes them too, unless
+    a kept checkpoint references them (``delete_checkpoint``'s ``keep``)."""
+    return [n for n in entry.objects if not n.startswith(entry.name + "/") and n in listing.objects
+            and n.partition("/")[0] not in alive]
 
 
 def _inside(name: str) -> bool:

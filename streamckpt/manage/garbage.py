@@ -15,8 +15,11 @@ import logging
 from dataclasses import dataclass
 from typing import Collection, Mapping, Sequence
 
-from ..storage import ObjectInfo
+from ..errors import StorageError
+from ..results import human_bytes
+from ..storage import ObjectInfo, Storage
 from ..storage.store import OpenUpload
+from .index import Listing
 
 log = logging.getLogger(__name__)
 
@@ -58,3 +61,27 @@ def mark(objects: Mapping[str, ObjectInfo], uploads: Sequence[OpenUpload], refer
             log.debug("garbage: %s changed %.0f s ago (grace %.0f s): left alone", child, now - newest[child],
                       older_than)
     return sorted(out, key=lambda g: (g.name, g.upload is not None))
+
+
+def collect(storage: Storage, listing: Listing, *, root: str, protected: Collection[str], now: float,
+            older_than: float, dry_run: bool) -> list[str]:
+    """Remove what ``mark`` finds under the root (``collect_garbage``); returns each item's URI
+    with its size, or marked as an incomplete upload, in name order."""
+    uploads = storage.open_uploads("")
+    found = mark(listing.objects, uploads, listing.referenced(), {e.name for e in listing.entries if e.error}
+                 | set(protected), now=now, older_than=older_than)
+    out = [f"{root}/{g.name} (incomplete upload)" if g.upload else f"{root}/{g.name} ({human_bytes(g.size)})"
+           for g in found]
+    if dry_run or not found:
+        return out
+    for g in found:
+        if g.upload is not None:
+            storage.abort_upload(g.upload)
+    failed = storage.delete_many([g.name for g in found if g.upload is None])
+    for folder in sorted({g.name.split("/", 1)[0] for g in found if "/" in g.name}):
+        storage.remove_empty_dirs(folder)  # file systems: no empty folder per collected save
+    if failed:
+        raise StorageError(f"collect_garbage under {root}: {len(failed)} object(s) could not be deleted "
+                           f"({'; '.join(f'{n}: {e}' for n, e in failed[:3])}); run it again later")
+    log.info("collected %d garbage item(s) under %s (%s)", len(found), root, human_bytes(sum(g.size for g in found)))
+    return out

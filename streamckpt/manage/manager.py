@@ -4,30 +4,31 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import json
 import logging
-import math
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, Mapping, TypeVar, overload
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar, overload
 
-from ..comm import make_comm, raise_agreed
+from ..comm import make_comm
 from ..core.stateful import Stateful
 from ..errors import (CheckpointError, CheckpointExistsError, CheckpointInUseError, CheckpointNotFoundError,
-                      CorruptCheckpointError, StorageError, near_names)
-from ..results import human_bytes
+                      CorruptCheckpointError)
 from ..saving.asyncsave import finish_at_exit
 from ..storage import Storage
 from ..storage.store import checked_uri
-from .collective import gather_outcome, on_one_rank
-from .deletion import delete_checkpoint
-from .garbage import mark
+from .arguments import check_name, check_step, plain_metrics, warn_unranked
+from .collective import on_one_rank
+from .deletion import delete_entries
+from .garbage import collect
+from .history import candidates, clear_the_way
 from .index import METRICS_KEY, STEP_KEY, Entry, Index, Listing
 from .lease import Lease
 from .passthrough import check_names
 from .preemption import Preemption
+from .restored import Restored
+from .restoring import restore_one
 from .retention import Policy
 from .tier import Tier, same_tier
 from .schedule import Schedule
@@ -39,36 +40,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 S = TypeVar("S")  # the state a restore was given: Restored.state is that very object
 
-FALLBACK_ERRORS = ("CorruptCheckpointError", "UnsupportedVersionError", "CheckpointNotFoundError")
-
-
-@dataclass(slots=True)
-class Restored(Generic[S]):
-    """What ``CheckpointManager.restore`` restored.
-
-    Attributes:
-        step: The step restored.
-        uri: The checkpoint's URI (restored from the local tier: this rank's folder of the step).
-        state: The filled ``state_dict`` (the one passed, filled in place), or the saved
-            tree rebuilt by ``sc.load_state`` when none was passed.
-        skipped: ``(uri, why)`` of each newer checkpoint passed over because it could not
-            be read, newest first (from the local tier: this rank's folder of a step no rank held whole).
-        source: ``"bucket"`` (the checkpoint under the root) or ``"local"`` (``local_dir``'s tier).
-        bytes_local, bytes_peers, bytes_bucket: Bytes of this rank's state read by this rank from
-            its ``local_dir``, by other ranks from theirs, from the bucket (by any rank).
-        bucket_bytes_read: Bytes this rank fetched from the bucket (for others too).
-    """
-
-    step: int
-    uri: str
-    state: S
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    source: str = "bucket"
-    bytes_local: int = 0
-    bytes_peers: int = 0
-    bytes_bucket: int = 0
-    bucket_bytes_read: int = 0
-
 
 @dataclass(frozen=True, slots=True)
 class Calls:
@@ -78,6 +49,7 @@ class Calls:
     async_save: Callable[..., Any]
     load: Callable[..., Any]
     load_state: Callable[..., Any]
+    expand: Callable[..., Any]  # (state, for_load=) -> core.stateful.Expanded: the local tier's view of objects
 
 
 class Manager:
@@ -151,7 +123,7 @@ class Manager:
         if save_every is not None and (not isinstance(save_every, int) or isinstance(save_every, bool)
                                        or save_every < 1):
             raise CheckpointError(f"save_every must be a positive int or None, got {save_every!r}")
-        _check_name(name)
+        check_name(name)
         self.root = checked_uri(root).rstrip("/")
         self.storage_options = storage_options
         self.process_group = process_group
@@ -224,7 +196,7 @@ class Manager:
         Returns:
             bool: True when the step should be saved.
         """
-        _check_step(step)
+        check_step(step)
         bucket = self._schedule.decide(step, self._comm).save
         return bucket or (self._tier is not None and self._tier.due(step))
 
@@ -239,7 +211,7 @@ class Manager:
         Returns:
             bool: True from the step at which the ranks agreed on the preemption on.
         """
-        _check_step(step)
+        check_step(step)
         return self._schedule.decide(step, self._comm).preempted
 
     def uri(self, step: int) -> str:
@@ -291,7 +263,7 @@ class Manager:
         own: CheckpointError | None = None
         metadata: dict[str, Any] = {}
         try:  # the caller's mistakes, agreed before any collective: one rank's must not leave the others waiting
-            _check_step(step)
+            check_step(step)
             if "overwrite" in save_kwargs:
                 raise CheckpointError("CheckpointManager.save takes force=True, not overwrite=, to replace a step")
             check_names("CheckpointManager.save", calls.async_save if self.async_save else calls.save, save_kwargs,
@@ -301,8 +273,9 @@ class Manager:
             if clash:
                 raise CheckpointError(f"metadata keys {clash} are the manager's own (pass metrics= for metrics)")
             metadata[STEP_KEY] = step
-            metadata[METRICS_KEY] = _plain_metrics(metrics)
-            self._warn_unranked(step, metadata[METRICS_KEY])
+            metadata[METRICS_KEY] = plain_metrics(metrics)
+            if self._comm.rank == 0:
+                warn_unranked(self.root, step, metadata[METRICS_KEY], self.policy.keep_best)
         except CheckpointError as e:
             own = e
         self._comm.agree(own)
@@ -311,9 +284,10 @@ class Manager:
         on_one_rank(self._comm, self._hold_lease)
         if self._tier is not None and self._tier.due(step):  # the local tier first: fast, and on the training thread
             bucket = force or self.save_every is None or step % self.save_every == 0
-            local = self._tier.save(self._comm, step, state, metadata, save_kwargs.get("compression"), fallible=bucket)
+            tree = calls.expand(state, for_load=False).tree  # modules, optimizers: their state dicts
+            local = self._tier.save(self._comm, step, tree, metadata, save_kwargs.get("compression"), fallible=bucket)
             if not bucket:
-                return local
+                return local  # type: ignore[return-value]  # not fallible: a SaveResult or an error
         users = on_one_rank(self._comm, lambda: self._users_of(step))
         if users:
             raise CheckpointInUseError(
@@ -511,7 +485,7 @@ class Manager:
             if not isinstance(max_fallbacks, int) or isinstance(max_fallbacks, bool) or max_fallbacks < 0:
                 raise CheckpointError(f"max_fallbacks must be an int >= 0, got {max_fallbacks!r}")
             if step is not None:
-                _check_step(step)
+                check_step(step)
             if state_dict is not None:
                 check_names("CheckpointManager.restore", calls.load, load_kwargs,
                             own=("storage_options", "process_group"))
@@ -523,9 +497,11 @@ class Manager:
         same_tier(self._comm, self._tier)
         self.wait()
         if self._tier is not None and state_dict is not None:  # the memory/peer tier first; None: the bucket's turn
-            tier = self._tier.restore(self._comm, state_dict, bucket_steps=self.steps, bucket_uri=self.uri,
+            expanded = calls.expand(state_dict, for_load=True)  # objects in place: their state dicts, then theirs
+            tier = self._tier.restore(self._comm, expanded.tree, bucket_steps=self.steps, bucket_uri=self.uri,
                                       storage_options=self.storage_options, load_kwargs=load_kwargs, step=step)
             if tier is not None:
+                expanded.finish()
                 return Restored(tier.step, tier.uri, state_dict, tier.skipped, "local", tier.bytes_local,
                                 tier.bytes_peers, tier.bytes_bucket, tier.bucket_bytes_read)
         listing = self._listing()
@@ -533,11 +509,11 @@ class Manager:
             self._rolled_back = step
             entry = self._entry(listing, step)
             return self._restore_one(entry, state_dict, load_kwargs, [], fallback=False)
-        candidates = _candidates(listing)
-        if not candidates:
+        tried = candidates(listing)
+        if not tried:
             return None
         skipped: list[tuple[str, str]] = []
-        for entry in candidates:
+        for entry in tried:
             if len(skipped) > max_fallbacks:
                 break
             if entry.error is not None:
@@ -553,32 +529,13 @@ class Manager:
 
     def _restore_one(self, entry: Entry, state_dict: Any, load_kwargs: dict[str, Any],
                      skipped: list[tuple[str, str]], *, fallback: bool) -> Restored[Any] | None:
-        uri = f"{self.root}/{entry.name}"
-        calls = self._bound()
-        own: BaseException | None = None
-        state: Any = None
-        loaded: Any = None
-        try:
-            if state_dict is not None:
-                loaded = calls.load(state_dict, uri, storage_options=self.storage_options,
-                                    process_group=self.process_group, **load_kwargs)
-                state = state_dict
-            else:
-                state = calls.load_state(uri, storage_options=self.storage_options, **load_kwargs)
-        except Exception as e:  # noqa: BLE001 - agreed with the other ranks below
-            own = e
-        failures = gather_outcome(self._comm, own)
-        if not failures:
-            got = Restored(entry.step, uri, state, skipped)  # type: ignore[arg-type]
-            if loaded is not None:
-                got.bytes_bucket, got.bucket_bytes_read = loaded.bytes_needed, loaded.bytes_read
-            return got
-        if not fallback or any(f["cls"] not in FALLBACK_ERRORS for f in failures) or \
-                (own is not None and not isinstance(own, CheckpointError)):
-            raise_agreed(failures, own)
-        first = failures[0]
-        self._skip(skipped, entry, f"{first['type']}: {first['msg']}")
-        return None
+        got = restore_one(self._comm, self._bound(), f"{self.root}/{entry.name}", entry.step,  # type: ignore[arg-type]
+                          state_dict, load_kwargs, storage_options=self.storage_options,
+                          process_group=self.process_group, skipped=skipped, fallback=fallback)
+        if isinstance(got, str):
+            self._skip(skipped, entry, got)
+            return None
+        return got
 
     def _skip(self, skipped: list[tuple[str, str]], entry: Entry, why: str) -> None:
         self._unreadable.add(entry.name)  # the next save of its step replaces it
@@ -618,53 +575,23 @@ class Manager:
 
     def _delete_entries(self, listing: Listing, doomed: list[Entry]) -> None:
         """Delete checkpoints (each manifest first), keeping what the others still reference."""
-        storage = self._store()
-        gone: set[str] = set()
         for e in doomed:
-            alive = [other for other in listing.entries if other.name != e.name and other.name not in gone]
-            keep = {n for other in alive for n in other.objects}
-            names = [n for n in listing.objects if n.startswith(e.name + "/")]
-            names += _orphaned_references(e, {other.name for other in alive}, listing)
             self._index.forget(e.name)
-            delete_checkpoint(storage, e.name, names=names, keep=keep)
-            gone.add(e.name)
-        self._known = Listing([e for e in listing.entries if e.name not in gone], listing.objects)
+        self._known = delete_entries(self._store(), listing, doomed)
 
     def _clear_the_way(self, step: int, force: bool) -> bool:
-        """Rank 0, before a save of ``step``: replace a checkpoint of that step that ``restore``
-        passed over as unreadable; refuse a step older than the newest committed one, or with
-        ``force`` delete the newer steps (the abandoned branch after a rollback). Returns whether
-        the step was committed since this manager last looked (by another writer)."""
+        """Rank 0, before a save of ``step``: ``history.clear_the_way``'s deletions. Returns
+        whether the step was committed since this manager last looked (by another writer)."""
         with self._lock:
             name = self.uri(step).rpartition("/")[2]
             before = None if self._known is None else {e.name for e in self._known.managed()}
             listing = self._list_here()
-            appeared = before is not None and name not in before and any(e.name == name for e in listing.managed())
-            doomed = [e for e in listing.entries if e.name == name and name in self._unreadable]
-            if doomed:
-                log.warning("%s/%s could not be read when this manager restored (it was passed over): replaced by "
-                            "this save of step %d (its manifest deleted first)", self.root, name, step)
-                self._unreadable.discard(name)
-            newer = [e for e in listing.managed() if e.step is not None and e.step > step]
-            if newer and not force:
-                steps = ", ".join(str(e.step) for e in newer)
-                if self._rolled_back is not None:
-                    raise CheckpointExistsError(
-                        f"this manager restored step {self._rolled_back} of {self.root}, and steps {steps} are newer: "
-                        f"the run's abandoned branch. Pass force=True to save() to delete them (each manifest first, "
-                        f"so latest never returns them) and go on from step {self._rolled_back}")
-                raise CheckpointError(
-                    f"step {step} is older than the newest committed step {newer[-1].step} under {self.root}: "
-                    f"retention would prune it at once and restore would never return it. Save a step after "
-                    f"{newer[-1].step}; or to go back, restore(step=k) and save with force=True, which deletes "
-                    f"the newer steps ({steps})")
-            if newer:
-                log.warning("save of step %d with force=True under %s: deleting the newer steps %s (the abandoned "
-                            "branch), each manifest first", step, self.root, ", ".join(str(e.step) for e in newer))
-            doomed += newer
-            if doomed:
-                self._delete_entries(listing, doomed)
-            return appeared
+            way = clear_the_way(listing, root=self.root, name=name, step=step, force=force, before=before,
+                                unreadable=self._unreadable, rolled_back=self._rolled_back)
+            self._unreadable.discard(name)
+            if way.doomed:
+                self._delete_entries(listing, way.doomed)
+            return way.appeared
 
     def collect_garbage(self, *, older_than: float = 3600, dry_run: bool = False) -> list[str]:
         """Remove what no committed checkpoint under the root references and that is older
@@ -692,43 +619,13 @@ class Manager:
 
     def _collect_here(self, older_than: float, dry_run: bool) -> list[str]:
         with self._lock:
-            storage = self._store()
-            listing = self._list_here()
-            uploads = storage.open_uploads("")
-            protected = {e.name for e in listing.entries if e.error}
+            protected = set()
             if self._pending is not None and not self._pending.done():  # this manager's own save in flight
                 protected.add(self._pending.uri.rstrip("/").rpartition("/")[2])
-            found = mark(listing.objects, uploads, listing.referenced(), protected, now=time.time(),
-                         older_than=older_than)
-            out = [f"{self.root}/{g.name} (incomplete upload)" if g.upload else
-                   f"{self.root}/{g.name} ({human_bytes(g.size)})" for g in found]
-            if dry_run or not found:
-                return out
-            for g in found:
-                if g.upload is not None:
-                    storage.abort_upload(g.upload)
-            failed = storage.delete_many([g.name for g in found if g.upload is None])
-            for folder in sorted({g.name.split("/", 1)[0] for g in found if "/" in g.name}):
-                storage.remove_empty_dirs(folder)  # file systems: no empty folder per collected save
-            if failed:
-                raise StorageError(f"collect_garbage under {self.root}: {len(failed)} object(s) could not be deleted "
-                                   f"({'; '.join(f'{n}: {e}' for n, e in failed[:3])}); run it again later")
-            log.info("collected %d garbage item(s) under %s (%s)", len(found), self.root,
-                     human_bytes(sum(g.size for g in found)))
-            return out
+            return collect(self._store(), self._list_here(), root=self.root, protected=protected, now=time.time(),
+                           older_than=older_than, dry_run=dry_run)
 
     # ------------------------------------------------------------------ plumbing
-
-    def _warn_unranked(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Metrics without ``keep_best``'s metric (a misspelt name, most often): that rule never
-        keeps the step, and a policy of keep_best alone would prune every step but the newest."""
-        best = self.policy.keep_best
-        if best is None or not metrics or best[0] in metrics or self._comm.rank != 0:
-            return
-        near = near_names(best[0], metrics, n=1) or sorted(m for m in metrics if best[0] in m)[:1]  # val_loss
-        log.warning("CheckpointManager %s: step %d's metrics (%s) lack %r, by which keep_best ranks the steps%s: "
-                    "keep_best will not keep it; pass metrics={%r: ...} to rank it", self.root, step,
-                    ", ".join(sorted(metrics)), best[0], f" (did you mean {near[0]!r}?)" if near else "", best[0])
 
     @contextlib.contextmanager
     def _another_writer(self, step: int) -> Iterator[None]:
@@ -790,61 +687,6 @@ class Manager:
         raise CheckpointNotFoundError(
             f"no committed checkpoint of step {step} under {self.root} "
             f"(committed steps: {', '.join(map(str, steps[-10:])) or 'none'})")
-
-
-def _orphaned_references(entry: Entry, alive: set[str], listing: Listing) -> list[str]:
-    """The files ``entry`` references in siblings that are no longer committed (pruned
-    before it, their shared files kept for it): deleting ``entry`` deletes them too, unless
-    a kept checkpoint references them (``delete_checkpoint``'s ``keep``)."""
-    return [n for n in entry.objects if not n.startswith(entry.name + "/") and n in listing.objects
-            and n.partition("/")[0] not in alive]
-
-
-def _candidates(listing: Listing) -> list[Entry]:
-    """What restore tries, newest first: the managed steps, with the unreadable checkpoints
-    whose manifests are not older than the newest readable one's ahead of them (compared by
-    the store's times, the only ones an unreadable manifest has)."""
-    managed = listing.managed()[::-1]
-    newest = managed[0].modified_ns if managed else -1
-    broken = sorted((e for e in listing.entries if e.error is not None and e.modified_ns >= newest),
-                    key=lambda e: e.modified_ns, reverse=True)
-    return broken + managed
-
-
-def _check_name(name: str) -> None:
-    try:
-        a, b = name.format(step=1), name.format(step=2)
-    except (KeyError, IndexError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"name must be a format string with {{step}} only, such as 'step-{{step}}'; "
-                              f"{name!r} fails: {e}") from None
-    if a == b or "/" in a or a in ("", ".", ".."):
-        raise CheckpointError(f"name must hold {{step}} and no '/', such as 'step-{{step}}'; got {name!r}")
-
-
-def _check_step(step: Any) -> None:
-    """A step is an int >= 0 (a str "10" named a step that never matched: 'no step 10 (steps: 10)')."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"step must be an int >= 0, got {step!r}")
-
-
-def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in dict(metrics or {}).items():
-        if not isinstance(k, str):
-            raise CheckpointError(f"metric names must be str, got {k!r}")
-        if hasattr(v, "item") and callable(v.item):
-            n = v.numel() if callable(getattr(v, "numel", None)) else getattr(v, "size", 1)
-            if n != 1:  # torch's own words ("a Tensor with 2 elements cannot be converted") name no metric
-                raise CheckpointError(f"metric {k!r} has {n} elements; pass one number (e.g. loss.mean().item())")
-            v = v.item()
-        if isinstance(v, float) and not math.isfinite(v):  # a diverged loss: the manifest's JSON has no nan,
-            v = repr(v)  # so 'nan' / 'inf' / '-inf', which keep_best never ranks (the save must not fail for it)
-        out[k] = v
-    try:
-        json.dumps(out, allow_nan=True)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"metrics must be JSON-serializable numbers and strings: {e}") from None
-    return out
 
 
 __all__ = ["Calls", "Manager", "Restored"]

@@ -18,14 +18,15 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 from typing import Any, Sequence
 
-from .errors import CLI, CheckpointError
-from .loading.verify import verify_checkpoint
-from .results import human_bytes as human
-from .results import plural
+from ..errors import CLI, CheckpointError
+from ..loading.verify import verify_checkpoint
+from ..results import human_bytes as human
+from ..results import plural
+from .args import (key_value, parse_duration, parse_keep_best, parse_size, parse_storage_options, positive_float,
+                   positive_int)
 
 log = logging.getLogger("streamckpt.cli")
 
@@ -37,84 +38,11 @@ EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE: what `set -o pipefail` sees from `cat bi
 # ------------------------------------------------------------------ options
 
 
-def key_value(pair: str) -> str:
-    """argparse ``type`` of ``--storage-option``: refuses a pair without ``key=`` while
-    the command's own parser reads it (so the error shows that command's usage)."""
-    key, sep, _ = pair.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expects key=value, got {pair!r}")
-    return pair
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type`` for counts (ranks, repetitions): an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse ``type`` for sizes given as a number (``--size-mb``): a float > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number: {text!r}")
-    return value
-
-
-def parse_storage_options(pairs: Sequence[str], endpoint_url: str | None = None,
-                          flag: str = "--storage-option") -> dict[str, Any]:
-    """``["a=1", "client_kwargs.region_name=x"]`` -> ``{"a": 1, "client_kwargs": {"region_name": "x"}}``."""
-    opts: dict[str, Any] = {}
-    if endpoint_url:
-        opts["endpoint_url"] = endpoint_url
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise argparse.ArgumentTypeError(f"{flag} expects key=value, got {pair!r}")
-        try:
-            value: Any = json.loads(raw)
-        except ValueError:
-            value = raw
-        node = opts
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise argparse.ArgumentTypeError(f"{flag} {key!r}: {part!r} is already a value")
-        node[parts[-1]] = value
-    return opts
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``123``, ``500MB`` (10^6), ``5GiB`` (2^30), ``2G`` (2^30)."""
-    m = _SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 512MiB, 1000000)")
-    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
-    power = "KMGT".index(unit) + 1 if unit else 0
-    bare = unit and not binary and not text.strip().upper().endswith("B")
-    base = 1024 if (binary or bare) else 1000
-    value = int(number * base ** power)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return value
-
-
 # ----------------------------------------------------------------- commands
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .api import inspect
+    from ..api import inspect
 
     info = inspect(args.uri, storage_options=args.storage_options)
     if args.json:
@@ -127,7 +55,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_latest(args: argparse.Namespace) -> int:
     """The newest committed checkpoint under ROOT on stdout (``ckpt=$(streamckpt latest ...)``);
     none: a line on stderr and status 1, so that a script can tell."""
-    from .api import latest
+    from ..api import latest
 
     found = latest(args.root, storage_options=args.storage_options)
     if found is None:  # sc.latest has warned when ROOT is itself a checkpoint
@@ -140,8 +68,8 @@ def cmd_latest(args: argparse.Namespace) -> int:
 def _none_under(args: argparse.Namespace, command: str) -> None:
     """'no committed checkpoint under ROOT' on stderr, and when ROOT is itself a checkpoint
     (a step's URI given for its run's), the run's prefix to give instead."""
-    from .core.manifest import MANIFEST_NAME
-    from .storage import Storage
+    from ..core.manifest import MANIFEST_NAME
+    from ..storage import Storage
 
     line = f"no committed checkpoint under {args.root}"
     try:
@@ -159,7 +87,7 @@ def _none_under(args: argparse.Namespace, command: str) -> None:
 
 
 def _manager(args: argparse.Namespace, **policy: Any) -> Any:
-    from .api import CheckpointManager
+    from ..api import CheckpointManager
 
     return CheckpointManager(args.root, storage_options=args.storage_options, **policy)
 
@@ -167,19 +95,6 @@ def _manager(args: argparse.Namespace, **policy: Any) -> Any:
 def _policy_args(args: argparse.Namespace) -> dict[str, Any]:
     return {"keep_last": args.keep_last, "keep_every": args.keep_every, "keep_best": args.keep_best,
             "keep_time_interval": args.keep_time_interval}
-
-
-def parse_keep_best(text: str) -> tuple[str, str, int]:
-    """argparse ``type`` for ``--keep-best``: ``METRIC:min|max:K``, as ``keep_best=(metric, mode, k)``."""
-    metric, _, rest = text.rpartition(":")
-    metric, _, mode = metric.rpartition(":")
-    try:
-        k = int(rest)
-    except ValueError:
-        k = 0
-    if not metric or mode not in ("min", "max") or k < 1:
-        raise argparse.ArgumentTypeError(f"not METRIC:min|max:K: {text!r} (e.g. loss:min:3, accuracy:max:1)")
-    return metric, mode, k
 
 
 def _add_policy(s: argparse.ArgumentParser, what: str) -> None:
@@ -194,7 +109,7 @@ def _add_policy(s: argparse.ArgumentParser, what: str) -> None:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     """The committed checkpoints under ROOT, one line each (status 1: none)."""
-    from .manage.report import rows, table
+    from ..manage.report import rows, table
 
     if args.local is not None:
         return _ls_local(args)
@@ -210,9 +125,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _ls_local(args: argparse.Namespace) -> int:
     """``ls ROOT --local DIR``: the run's local steps in one node's folder (the bucket is not asked)."""
-    from .manage.tier.localdir import LocalDir
-    from .manage.tier.report import local_rows, local_table
-    from .storage.store import checked_uri
+    from ..manage.tier.localdir import LocalDir
+    from ..manage.tier.report import local_rows, local_table
+    from ..storage.store import checked_uri
 
     found = local_rows(LocalDir(args.local, checked_uri(args.root).rstrip("/")))
     if not found:
@@ -250,19 +165,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0 if found else EXIT_NONE_FOUND
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$", re.IGNORECASE)
-
-
-def parse_duration(text: str) -> float:
-    """Seconds from ``90``, ``90s``, ``15m``, ``1h``, ``2d``."""
-    m = _DURATION.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 3600, 30m, 1h, 2d)")
-    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[(m.group(2) or "s").lower()]
-
-
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .progress import ByteProgress
+    from ..progress import ByteProgress
 
     with ByteProgress("verify", enabled=not args.quiet) as bar:
         rep = verify_checkpoint(args.uri, storage_options=args.storage_options, progress=bar,
@@ -278,9 +182,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from .api import inspect
-    from .merging import merge
-    from .progress import ByteProgress
+    from ..api import inspect
+    from ..merging import merge
+    from ..progress import ByteProgress
 
     skip = tuple(args.skip or ())
     total = None
@@ -302,7 +206,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_copy(args: argparse.Namespace) -> int:
-    from .manage.copying import copy_checkpoint
+    from ..manage.copying import copy_checkpoint
 
     res = copy_checkpoint(args.uri, args.out, storage_options=args.storage_options,
                           out_storage_options=args.out_storage_options)
@@ -317,7 +221,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
 def cmd_load_bench(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from . import loadbench
+    from .. import loadbench
 
     reps = loadbench.run(args.uri, args.storage_options, args.processes, args.layout, args.memory_budget,
                          read_once=not args.no_read_once, repeat=args.repeat)
@@ -331,159 +235,9 @@ def cmd_load_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from ..demo import run_demo
+
     return run_demo(size_mb=args.size_mb, quiet=args.quiet, serve=args.serve, multirank=not args.single_process)
-
-
-# --------------------------------------------------------------------- demo
-
-DEMO_BUCKET = "streamckpt-demo"
-
-
-def demo_state(size_mb: float) -> dict[str, Any]:
-    """A small transformer-like state_dict of about ``size_mb`` MiB (seeded)."""
-    import torch
-
-    h = 1024 if size_mb >= 48 else 512 if size_mb >= 16 else 128
-    g = torch.Generator().manual_seed(1234)
-    layer_bytes = (3 * h * h + h * h + 2 * h * h + 2 * h * h) * 4
-    embed_bytes = 4096 * h * 2
-    layers = max(1, round((size_mb * 2**20 - embed_bytes) / layer_bytes))
-    sd: dict[str, Any] = {"embed.weight": torch.randn(4096, h, generator=g).to(torch.bfloat16)}
-    for i in range(layers):
-        p = f"layers.{i}."
-        sd[p + "attn.wqkv.weight"] = torch.randn(3 * h, h, generator=g)
-        sd[p + "attn.wo.weight"] = torch.randn(h, h, generator=g)
-        sd[p + "mlp.w1.weight"] = torch.randn(2 * h, h, generator=g)
-        sd[p + "mlp.w2.weight"] = torch.randn(h, 2 * h, generator=g)
-        sd[p + "norm.weight"] = torch.rand(h, generator=g) + 0.5
-    sd["step"] = 1000
-    return sd
-
-
-def demo_layouts(sd: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    """(name, state_dict to load into, expected tensors) for layouts unlike the saved one."""
-    import torch
-
-    from .core.sharded import ShardedTensor
-
-    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
-    out = []
-
-    def tp(rank: int, world: int, dim: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        targets, expected = {}, {}
-        for k, v in tensors.items():
-            if v.dim() < 2:
-                targets[k], expected[k] = torch.empty_like(v), v
-                continue
-            n = v.shape[dim] // world
-            exp = v.narrow(dim, rank * n, n)
-            offset = [0] * v.dim()
-            offset[dim] = rank * n
-            targets[k] = ShardedTensor(torch.empty_like(exp), v.shape, offset)
-            expected[k] = exp
-        return targets, expected
-
-    def zero(rank: int, world: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        targets, expected = {}, {}
-        for k, v in tensors.items():
-            n = v.numel()
-            a, b = n * rank // world, n * (rank + 1) // world
-            exp = v.reshape(-1)[a:b]
-            targets[k] = ShardedTensor(torch.empty_like(exp), v.shape, [0] * v.dim(), local_shape=v.shape,
-                                       flat_range=(a, b))
-            expected[k] = exp
-        return targets, expected
-
-    out.append(("TP rank 1/4, rows (Shard(0))", *tp(1, 4, 0)))
-    out.append(("TP rank 2/4, columns (Shard(1))", *tp(2, 4, 1)))
-    out.append(("ZeRO rank 5/8, flat range", *zero(5, 8)))
-    full = {k: torch.empty_like(v) for k, v in tensors.items()}
-    full["step"] = 0
-    out.append(("full replica", full, {**tensors, "step": sd["step"]}))
-    return out
-
-
-def _local(v: Any) -> Any:
-    return getattr(v, "local_tensor", v)
-
-
-def run_demo(size_mb: float = 64.0, quiet: bool = False, serve: bool = False, multirank: bool = True) -> int:
-    """Save to an embedded S3 server, load other layouts by range reads, check every element."""
-    import torch
-
-    from . import api
-    from .progress import ByteProgress
-    from .testing import LocalS3
-
-    with LocalS3() as s3:
-        s3.make_bucket(DEMO_BUCKET)
-        opts = s3.storage_options
-        uri = f"s3://{DEMO_BUCKET}/run-1/step-1000"
-        sd = demo_state(size_mb)
-        nbytes = sum(v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor))
-        print(f"embedded S3 server (moto) at {s3.endpoint_url}")
-        print(f"saving {plural(len(sd) - 1, 'tensor')} ({human(nbytes)}) to {uri} ...")
-        saved = api.save(sd, uri, storage_options=opts, metadata={"demo": True})
-        print(f"saved {human(saved.bytes_written)} in {plural(len(saved.files), 'file')}, {saved.seconds:.2f} s")
-        rows = []
-        for name, targets, expected in demo_layouts(sd):
-            with ByteProgress(f"{name} (read)", enabled=not quiet) as bar:
-                res = api.load(targets, uri, storage_options=opts, progress=bar, strict=True)
-            bad = [k for k, exp in expected.items()
-                   if not (torch.equal(_local(targets[k]), exp) if isinstance(exp, torch.Tensor) else targets[k] == exp)]
-            if bad:
-                print(f"MISMATCH in layout {name!r}: {', '.join(bad[:5])}", file=sys.stderr)
-                return 1
-            rows.append((name, res))
-        print()
-        print(_demo_table(rows))
-        print("\nevery element of every layout matched the saved tensors.")
-        if multirank:
-            from .demo import format_reports, multirank_demo
-
-            mr_uri = f"s3://{DEMO_BUCKET}/run-2/step-1000"
-            print(f"\nmulti-rank: 4 gloo processes save {mr_uri} row-wise; 2 processes load it column-wise,"
-                  f"\n3 processes as uneven row blocks (weights, a replicated norm, ZeRO-flat moments) ...")
-            reports = multirank_demo(mr_uri, opts)
-            print(format_reports(reports))
-            if not all(r.ok for r in reports):
-                print("a rank failed or loaded wrong values", file=sys.stderr)
-                return 1
-            print("every rank's every element matched.")
-        if serve:
-            _serve(s3, uri)
-    return 0
-
-
-def _demo_table(rows: list[tuple[str, Any]]) -> str:
-    head = ("layout loaded", "needed", "read", "read/needed", "requests", "seconds", "needed MB/s")
-    lines = [head]
-    for name, r in rows:
-        rate = r.bytes_needed / r.seconds / 1e6 if r.seconds else 0.0
-        amp = r.bytes_read / r.bytes_needed if r.bytes_needed else 0.0
-        lines.append((name, human(r.bytes_needed), human(r.bytes_read), f"{amp:.2f}", str(r.requests),
-                      f"{r.seconds:.3f}", f"{rate:.1f}"))
-    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    fmt = [f"{{:<{widths[0]}}}"] + [f"{{:>{w}}}" for w in widths[1:]]
-    out = ["  ".join(f.format(c) for f, c in zip(fmt, row)) for row in lines]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
-def _serve(s3: Any, uri: str) -> None:
-    import threading
-
-    from .testing.s3server import TEST_KEY, TEST_SECRET
-
-    flags = f"--endpoint-url {s3.endpoint_url} --storage-option key={TEST_KEY} --storage-option secret={TEST_SECRET}"
-    print(f"\nthe embedded S3 server keeps running (Ctrl-C stops it); try:\n"
-          f"  streamckpt inspect {uri} {flags}\n"
-          f"  streamckpt verify {uri} {flags}\n"
-          f"  streamckpt merge {uri} s3://{DEMO_BUCKET}/hf --max-shard-bytes 8MiB {flags}", flush=True)
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pass
 
 
 # -------------------------------------------------------------------- main
@@ -638,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 
