@@ -318,7 +318,8 @@ def count_plan(plan: Any, ranks: Sequence[int], per_node: int, concurrency: int 
     connections and a large job's reads stay whole.
     With ``host_targets`` (a CPU load), reads that land whole in this rank's targets are one
     batch of their own over all rounds, as ``loading.direct`` fetches them."""
-    from streamckpt.plan.data import costs_of, hops_of, message_size, relay_costs
+    from streamckpt.plan.data import message_size
+    from streamckpt.plan.routes import costs_of, hops_of, relay_costs
     from streamckpt.storage.obstore_backend import PIECE
     from streamckpt.loading.requestrate import job_spread
     from streamckpt.storage.reads import piece_for

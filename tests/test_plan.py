@@ -21,7 +21,7 @@ from streamckpt.core.manifest import Manifest, Shard, TensorMeta, validate
 from streamckpt.loading.pipeline import Destinations, LocalRound, _layout, local_schedule, pack_message, unpack_message
 from streamckpt.plan.planner import (ALIGN, PlanOptions, build_plan, costs_of, ranks_of, is_packed, message_layout, message_size, messages_of,
                              settle_all)
-from streamckpt.plan.data import grid_hops, grid_links, grid_shape, hops_of, node_grid, relay_hops, relay_links
+from streamckpt.plan.routes import grid_hops, grid_links, grid_shape, hops_of, node_grid, relay_hops, relay_links
 from streamckpt.core.regions import Box
 from streamckpt.core.targets import TargetSpec
 from streamckpt.plan.gathered import GatheredSpecs

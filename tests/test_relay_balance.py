@@ -3,7 +3,7 @@
 A 256 MiB model (32 tensors of 4096 × 1024 bf16, one file, checksum chunks of 1 MiB)
 loaded whole on H ranks is cut into 256 pieces of 1 MiB (``min_split_bytes``) and relayed
 over a grid of the H holders (a tree when H has a prime factor above ``max_peers + 1``).
-Counted from the plan itself (every hop of every relayed read, ``data.hops_of``): the busiest
+Counted from the plan itself (every hop of every relayed read, ``routes.hops_of``): the busiest
 rank sends at most 1.5× what a ring all-gather asks of each rank (the model less its own
 share), and no rank exchanges with more than ``max_peers`` ranks in a round. With readers
 picked by rank among ties, ranks 0-255 read every piece and the busiest rank sent 2× (512
@@ -19,7 +19,7 @@ import pytest
 from streamckpt.core.manifest import Manifest, Shard, TensorMeta
 from streamckpt.core.targets import TargetSpec
 from streamckpt.plan.balance import multiplier, reader_order
-from streamckpt.plan.data import hops_of
+from streamckpt.plan.routes import hops_of
 from streamckpt.plan.planner import PlanOptions, build_plan
 
 TENSORS, ROWS, COLS = 32, 4096, 1024

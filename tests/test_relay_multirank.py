@@ -2,7 +2,7 @@
 
 Every rank needs the whole model. With ``max_peers=2`` a piece is not sent by its reader to
 the five others in one round: the reader sends it to two ranks, and each of them passes it
-on in the next round (``plan.data.relay_hops``), so the executor sends bytes it received the
+on in the next round (``plan.routes.relay_hops``), so the executor sends bytes it received the
 round before from its relay buffer. The pieces are split over the ranks' reads
 (``min_split_bytes``), each stored byte is fetched once, and every rank ends with every
 element of every tensor.

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from streamckpt.core.regions import Box
 from streamckpt.core.targets import TargetSpec
-from streamckpt.plan.data import Copy, Read, Target, costs_of
+from streamckpt.plan.data import Copy, Read, Target
+from streamckpt.plan.routes import costs_of
 from streamckpt.plan.rounds import RoundPacker
 
 

@@ -200,7 +200,7 @@ def with_nodes(comm: SoloComm | GroupComm, options: PlanOptions) -> PlanOptions:
     """``options`` with ``ranks_per_node`` from torchrun's environment, when every rank agrees.
 
     The planner relays a piece many ranks need so that it enters each node once
-    (``plan.data.node_grid``), so it must know which ranks share a node, alike on every
+    (``plan.routes.node_grid``), so it must know which ranks share a node, alike on every
     rank. torchrun numbers ranks node by node (``RANK = node * LOCAL_WORLD_SIZE +
     LOCAL_RANK``); a rank whose environment says otherwise (another launcher, a
     sub-group, uneven nodes) reports 0, and one collective of two integers tells every

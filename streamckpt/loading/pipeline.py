@@ -351,7 +351,7 @@ class Executor:
                 self._apply(host, dev, o, c)
 
     def _keep_relayed(self, k: int, landed: Sequence[tuple[Message, torch.Tensor]]) -> None:
-        """Relayed pieces this rank sends in round k + 1 (``data.read_links``), received or sent
+        """Relayed pieces this rank sends in round k + 1 (``routes.read_links``), received or sent
         in round k, go into that round's relay buffer: round k's arena is reused two rounds
         on, and the next round's was acquired before this round's exchange. On the NCCL plane
         they stay on the device: copied into the next round's send buffer (``DeviceStage.keep``),

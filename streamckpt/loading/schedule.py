@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Collection, Mapping
 
 from ..plan.data import (ALIGN, Copy, LoadPlan, PlanOptions, Read, holders_of, is_packed, message_layout,
-                         message_size, messages_of, read_links, wire_length)
+                         message_size, messages_of, wire_length)
+from ..plan.routes import read_links
 from .landing import ReadLanding
 
 
@@ -94,7 +95,7 @@ def local_schedule(plan: LoadPlan, rank: int, direct_bytes: int = DIRECT_MESSAGE
 
 def _relayed(rounds: list[LocalRound], rank: int, i: int, r: Read, plan: LoadPlan) -> None:
     """This rank's part of a relayed read: its fetch, the round it receives the piece in, and
-    the rounds it sends it on in (``data.read_links``). Between two rounds it sends in, the
+    the rounds it sends it on in (``routes.read_links``). Between two rounds it sends in, the
     piece is carried into the next round's relay buffer."""
     if rank not in holders_of(r, plan.targets):
         return

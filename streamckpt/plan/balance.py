@@ -1,6 +1,6 @@
 """Which holder reads each relayed piece: an order over a holder set that spreads egress.
 
-A relayed piece (``data.grid_hops``) moves over a fixed grid of its holders, one dimension
+A relayed piece (``routes.grid_hops``) moves over a fixed grid of its holders, one dimension
 per round, and which ranks send it at each depth follows from its reader alone: at the
 last depth, the ranks that share the reader's digit along the last dimension; one depth
 before, those sharing its last two digits; and so on. Every rank sends about what an

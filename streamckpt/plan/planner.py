@@ -30,32 +30,10 @@ from ..core.manifest import Manifest
 from ..errors import IncompatibleStateDictError, TransformError
 from .gathered import Distinct, Kinds, RankTargets, distinct as number_targets, stable_order, unique
 from .needs import Need, PlanContext, coalesce_needs, fresh_copy, group_needs, make_read, split_sizes
-from .data import (
-    ALIGN,
-    ChunkRun,
-    Copy,
-    IdentityView,
-    LoadPlan,
-    PlanOptions,
-    Read,
-    Segment,
-    Target,
-    Targets,
-    ViewLike,
-    costs_of,
-    grid_shape,
-    node_grid,
-    is_packed,
-    message_layout,
-    message_size,
-    messages_of,
-    packed_copy,
-    ranks_of,
-    read_cost,
-    settle_all,
-    settle_rounds,
-    wire_length,
-)
+from .data import (ALIGN, ChunkRun, Copy, IdentityView, LoadPlan, PlanOptions, Read, Segment, Target, Targets, ViewLike,
+                   is_packed, message_layout, message_size, messages_of, packed_copy, ranks_of, read_cost, settle_all,
+                   settle_rounds, wire_length)
+from .routes import costs_of, grid_shape, node_grid
 from ..core.targets import TargetSpec
 from .balance import reader_order
 from .private import absorb_small_shared, closure, edge_tag, plan_private
@@ -402,7 +380,7 @@ def _plan_component(
 
 def _relay(reads: list[Read], targets: Sequence[Target], options: PlanOptions) -> None:
     """Reads whose one holder set has more than ``options.relay_above`` ranks travel along
-    a relay grid (``data.grid_hops``; a tree, ``data.relay_hops``, when the holder count has a
+    a relay grid (``routes.grid_hops``; a tree, ``routes.relay_hops``, when the holder count has a
     prime factor above ``max_peers + 1``) instead of from the reader to every holder at
     once: no rank then exchanges with more than ``max_peers`` ranks for them in a round. A read
     whose copies go to different holder sets (overlapping chunks joined them) is sent

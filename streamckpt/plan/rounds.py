@@ -2,7 +2,7 @@
 
 A read goes to the earliest round (at or after each involved rank's current
 one) where every rank it involves still has room for what it costs that rank
-(``data.costs_of``). Pure integers: no I/O, no ranks.
+(``routes.costs_of``). Pure integers: no I/O, no ranks.
 
 Each rank's state is one integer, ``round << 64 | bytes used in that round``,
 and placing a read with cost ``c`` on a rank is ``state = max(state, base) + c``
@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from .data import Read, Target, costs_of, grid_entries, is_packed, message_layout, read_cost, relay_costs
+from .data import Read, Target, is_packed, message_layout, read_cost
+from .routes import costs_of, grid_entries, relay_costs
 from .needs import Group
 from .ranksets import RankSets
 
@@ -214,7 +215,7 @@ class RoundPacker:
     def _charge_grid(self, r: Read, targets: Sequence[Target], key: tuple[int, ...], low: int) -> None:
         """``_charge_relay`` for a grid read, in one pass per candidate round over its holders:
         each holds ``size`` bytes from the depth it first holds the piece at to the last
-        (``data.grid_entries``), the reader its read at depth 0. Its hops depend on its
+        (``routes.grid_entries``), the reader its read at depth 0. Its hops depend on its
         round's place among the grid's dimensions, so the layout is redone per phase. A first
         fit off a multiple of the grid's dimension count moves to the next multiple when that
         fits within ``PHASE_SLACK`` rounds: grids of one size start their pieces together, and
@@ -257,7 +258,7 @@ class RoundPacker:
                   variants: dict[int, tuple[list[int], list[int], int]], low: int, step: int) -> int:
         """The first round from ``low``, a multiple of ``step`` (``low`` is one), where every
         holder of grid read ``r`` has room at every depth; ``variants`` caches the layout of
-        each phase (``data.grid_entries``)."""
+        each phase (``routes.grid_entries``)."""
         dims = len(r.grid)
         period = max(1, dims - (1 if r.grid_nodes else 0))
         state, future, cap = self.state, self.future, self.cap
