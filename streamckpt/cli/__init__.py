@@ -464,7 +464,3 @@ def _discard_stdout() -> None:
 
 def console() -> None:  # pragma: no cover - thin wrapper for setuptools
     sys.exit(main())
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
