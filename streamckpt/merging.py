@@ -39,6 +39,7 @@ from .loading.loader import share_manifest
 from .loading.pipeline import Destinations, Executor
 from .plan.planner import IdentityView, PlanOptions, build_plan
 from .storage import Storage
+from .storage.store import out_options
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ def merge(
     own: BaseException | None = None
     try:  # agreed before the first collective: a mistake on one rank must not leave the others waiting
         opened.append(Storage(uri, storage_options))
-        opened.append(Storage(out_uri, storage_options if out_storage_options is None else out_storage_options))
+        opened.append(Storage(out_uri, out_options(out_uri, storage_options, out_storage_options)))
     except CheckpointError as e:
         own = e
     try:

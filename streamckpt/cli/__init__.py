@@ -191,10 +191,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if not args.quiet:
         info = inspect(args.uri, storage_options=args.storage_options)
         total = sum(t.bytes for k, t in info.tensors.items() if not (skip and k.endswith(skip)))
-    out_opts = args.out_storage_options if args.out_storage_options is not None else args.storage_options
     with ByteProgress("merge", total, enabled=not args.quiet) as bar:
         res = merge(args.uri, args.out, max_shard_bytes=args.max_shard_bytes, skip=skip,
-                    storage_options=args.storage_options, out_storage_options=out_opts,
+                    storage_options=args.storage_options, out_storage_options=args.out_storage_options,
                     memory_budget=args.memory_budget, progress=bar)
     rate = res.total_size / res.seconds / 1e6 if res.seconds else 0.0
     print(f"wrote {plural(len(res.files), 'file')} + model.safetensors.index.json to {args.out}: "

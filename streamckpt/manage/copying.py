@@ -31,6 +31,7 @@ from ..formats import read_manifest
 from ..formats.native import read_native_bytes
 from ..results import CopyResult
 from ..storage import RangeRead, Storage
+from ..storage.store import out_options
 from .index import Index
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def copy_checkpoint(uri: str, out_uri: str, *, storage_options: dict[str, Any] |
     """
     t0 = time.perf_counter()
     src = Storage(uri, storage_options)
-    dst = Storage(out_uri, storage_options if out_storage_options is None else out_storage_options)
+    dst = Storage(out_uri, out_options(out_uri, storage_options, out_storage_options))
     try:
         here, there = src.describe(""), dst.describe("")
         if here == there or there.startswith(here.rstrip("/") + "/"):

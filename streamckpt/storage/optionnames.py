@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 from typing import Any, Iterable
 
 from ..errors import CLI, PYTHON, Hint, StorageOptionError
@@ -137,3 +138,31 @@ def check_option_names(protocol: str, options: dict[str, Any], where: str) -> No
         raise StorageOptionError(
             f"unknown storage option {name!r} for {where}: {protocol}:// options go to {client}, which takes "
             f"none by that name (its options: {listed})", option=name)
+
+
+# What a local path's client (fsspec's LocalFileSystem) takes; anything else was meant for a store.
+LOCAL_TAKEN = frozenset({"auto_mkdir", *FSSPEC_OPTIONS})
+_STORE_OF = (("s3://", TAKEN["s3"]), ("gs://", TAKEN["gs"]), ("az://", TAKEN["az"]))
+
+
+def check_local_options(uri: str, options: dict[str, Any]) -> None:
+    """A local path given an object store's options (``bucket/run`` with ``endpoint_url``, the
+    scheme forgotten) would write to the local disk while the caller expects the bucket: refused,
+    suggesting the scheme whose client takes those options."""
+    foreign = [str(n) for n in options if n not in LOCAL_TAKEN]
+    if not foreign:
+        return
+    scheme = next((s for s, taken in _STORE_OF if all(n in taken for n in foreign)), "s3://")
+    path = uri.split("://", 1)[-1] if uri.startswith(("file://", "local://")) else uri
+    one_slash = re.match(r"([A-Za-z][\w+.-]*):/(?!/)(.*)", path)  # s3:/bucket/x: the scheme is there, half of it
+    if one_slash:
+        scheme, path = f"{one_slash[1].lower()}://", one_slash[2]
+    path = "/".join(p for p in path.split("/") if p not in ("", "."))
+    if uri.startswith(("/", "file://", "local://")) or not path:  # an absolute path names no bucket
+        path = "<bucket>/<prefix>"
+    raise StorageOptionError(
+        f"storage options {', '.join(map(repr, foreign[:4]))} are for an object store, but {uri!r} has no "
+        f"store scheme: it is a local path, and the options cannot apply to it",
+        option=foreign[0], suggestions=[scheme + path],
+        hint=Hint("to write to the store, name it: ", {PYTHON: repr(scheme + path), CLI: scheme + path},
+                  "; for a local directory, drop the storage options"))

@@ -32,7 +32,7 @@ from .backend import Backend, NotFound, ObjectInfo
 from .fsspec_backend import FsspecBackend
 from .local_backend import LocalBackend
 from .obstore_backend import ObstoreBackend
-from .optionnames import check_option_names
+from .optionnames import check_local_options, check_option_names
 from .policy import Describer, RetryPolicy, not_found_message
 from .reads import MIN_PIECE, Buffer, RangeRead, Reader
 from .s3fs_backend import S3fsBackend, s3fs_options
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 _S3_PROTOCOLS = ("s3", "s3a")
 _LOCAL_PROTOCOLS = ("file", "local")
+_OBJECT_STORE_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl")
 INFLIGHT = 16 << 20  # bodies held by the client when the caller sets no memory budget
 INFLIGHT_MAX = 64 << 20  # ... and at most this much of a budget (16 concurrent pieces, for high-latency stores)
 PART_SIZE = 8 << 20  # upload part size (larger when an object's size hint needs it: S3 allows 10,000 parts)
@@ -98,6 +99,7 @@ class Storage:
         if self._protocol in azure_backend.PROTOCOLS:
             return self._open_azure(opts)
         if self._protocol in _LOCAL_PROTOCOLS and "::" not in self.uri:
+            check_local_options(self.uri, opts)
             self.root = fsspec.implementations.local.LocalFileSystem._strip_protocol(self.uri).rstrip("/")
             self._writer = LocalBackend(self.max_concurrency)
             return self._writer
@@ -581,7 +583,33 @@ def checked_uri(uri: Any) -> str:
     if not uri.strip():  # an unset variable, most often: not the current directory
         raise CheckpointError(f"the checkpoint URI is empty ({uri!r}): pass a URI (s3://bucket/prefix) or a "
                               f"directory path ('.' for the current directory)")
+    _refuse_empty_segment(uri)
     return uri
+
+
+def out_options(out_uri: str, storage_options: dict[str, Any] | None,
+                out_storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The options of a copy's or an export's destination: ``out_storage_options`` when given,
+    else the source's, except for a local destination (a store's options cannot apply to it:
+    ``copy s3://b/run ./run`` writes to the disk without them)."""
+    if out_storage_options is not None:
+        return out_storage_options
+    protocol = fsspec.core.split_protocol(checked_uri(out_uri))[0] or "file"
+    return None if protocol in _LOCAL_PROTOCOLS else storage_options
+
+
+def _refuse_empty_segment(uri: str) -> None:
+    """``s3://bucket//x``: a key with an empty segment, which S3 keeps as written (``bucket/x`` and
+    ``bucket//x`` are two prefixes; listings and other tools disagree on it), most often a root
+    joined with a name that starts with ``/``. A local path's ``//`` is one separator."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep or "::" in uri or scheme.lower() not in _OBJECT_STORE_PROTOCOLS:
+        return
+    path = rest.split("?", 1)[0].rstrip("/")
+    if "//" in path or path.startswith("/"):
+        fixed = f"{scheme}://" + "/".join(p for p in path.split("/") if p)
+        raise CheckpointError(f"{uri!r} has an empty path segment ('//'): object stores keep it as part of the "
+                              f"key, a prefix other than the one meant; write {fixed!r}")
 
 
 def split_entry(uri: str) -> tuple[str, str | None]:
