@@ -212,7 +212,7 @@ def test_a_failing_state_dict_on_one_rank_fails_every_rank(s3_uri: str, s3_opts:
 # ------------------------------------------------------------------- FSDP2, 2 -> 3 ranks
 
 
-def fsdp_save(rank: int, world: int, uri: str, opts: dict[str, Any], ref: str) -> None:
+def fsdp_save(rank: int, world: int, uri: str, opts: dict[str, Any], ref: str, tier: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     job = example().Job.create(init_device_mesh("cpu", (world,)))
@@ -222,37 +222,46 @@ def fsdp_save(rank: int, world: int, uri: str, opts: dict[str, Any], ref: str) -
     sc.save(state, f"{uri}/plain", storage_options=opts)
     with sc.CheckpointManager(f"{uri}/run", storage_options=opts) as mgr:
         mgr.save(job.step, state)
+    with sc.CheckpointManager(f"{uri}/tier", storage_options=opts, local_dir=f"{tier}/node{rank}", local_every=1,
+                              save_every=100) as mgr:
+        mgr.save(job.step, state)  # the tier's step alone: not in the bucket
     want = full(job.state_dict())  # DCP's own view: FQN-keyed, whole tensors
     if rank == 0:
         torch.save(want, ref)
 
 
-def fsdp_load(rank: int, world: int, uri: str, opts: dict[str, Any], ref: str) -> dict[str, Any]:
+def fsdp_load(rank: int, world: int, uri: str, opts: dict[str, Any], ref: str, tier: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     want = torch.load(ref)
     out: dict[str, Any] = {}
-    for how in ("load", "manager"):
+    for how in ("load", "manager", "tier"):
         job = example().Job.create(init_device_mesh("cpu", (world,)))
         state = {"model": job.model, "optim": job.optim, "sched": job.sched, "step": 0}
         if how == "load":
             sc.load(state, f"{uri}/plain", storage_options=opts)
-        else:
+        elif how == "manager":
             with sc.CheckpointManager(f"{uri}/run", storage_options=opts) as mgr:
                 mgr.restore(state)
+        else:  # rank 2's folder is empty (a node that was not there): its bytes come from the others'
+            with sc.CheckpointManager(f"{uri}/tier", storage_options=opts, local_dir=f"{tier}/node{rank}",
+                                      local_every=1, save_every=100) as mgr:
+                got = mgr.restore(state)
+            out["tier source"] = (got.source, got.step) if got is not None else None
         job.step = state["step"]
         out[how] = differences(full(job.state_dict()), want, how)
     return out
 
 
 @pytest.mark.slow
-def test_fsdp2_saved_on_two_ranks_restores_on_three(tmp_path: Path, s3_uri: str, s3_opts: dict[str, Any]) -> None:
-    kw = {"uri": s3_uri, "opts": s3_opts, "ref": str(tmp_path / "ref.pt")}
+def test_fsdp2_saved_on_two_ranks_restores_on_three_from_the_bucket_and_the_tier(tmp_path: Path, s3_uri: str,
+                                                                                   s3_opts: dict[str, Any]) -> None:
+    kw = {"uri": s3_uri, "opts": s3_opts, "ref": str(tmp_path / "ref.pt"), "tier": str(tmp_path / "tier")}
     [r.unwrap() for r in run_ranks(2, fsdp_save, kwargs=kw, timeout=150)]
     want = torch.load(kw["ref"])
     assert want["step"] == 3 and len(want["optim"]["state"]) > 0
     loaded = [r.unwrap() for r in run_ranks(3, fsdp_load, kwargs=kw, timeout=150)]
-    assert loaded == [{"load": [], "manager": []}] * 3
+    assert loaded == [{"load": [], "manager": [], "tier": [], "tier source": ["local", 3]}] * 3
     # the optimizer's state is stored by parameter name, sharded like its parameters
     info = sc.inspect(f"{s3_uri}/plain", storage_options=s3_opts)
     assert any(k.startswith("optim.state.") and k.endswith(".weight.exp_avg") for k in info.tensors), list(info.tensors)
