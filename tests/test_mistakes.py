@@ -87,8 +87,11 @@ def test_a_wrapper_prefix_is_recognised_both_ways(s3_uri: str, s3_opts: dict[str
 
 def test_a_bucket_without_its_scheme(s3_opts: dict[str, Any], tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(sc.CheckpointNotFoundError) as e:
+    with pytest.raises(sc.StorageOptionError) as e:  # S3's options on a local path: refused before a read
         sc.load({"w": torch.zeros(1)}, "streamckpt-test/run/step-1", storage_options=s3_opts)
+    assert "name it: 's3://streamckpt-test/run/step-1'" in str(e.value)
+    with pytest.raises(sc.CheckpointNotFoundError) as e:  # without options: the hint of a missing path
+        sc.load({"w": torch.zeros(1)}, "streamckpt-test/run/step-1")
     where = os.path.join(tmp_path, "streamckpt-test/run/step-1")
     assert str(e.value).endswith(f"(a local path, and there is no '{where}' here; "
                                  f"for a bucket, write its scheme: s3://streamckpt-test/run/step-1)")

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from datetime import timedelta
 from typing import Any, Sequence
 
-from . import endpoint
+from . import endpoint, httpstatus
 from .backend import (Backend, BackendError, Fetched, NotFound, ObjectInfo, PartSink, Permanent, RangeNotSatisfiable,
                       Stalled, TooLarge, Transient, WorkerThreads, scatter_into)
 
@@ -361,6 +362,10 @@ def _delete_keys(store: Any, keys: list[str]) -> None:
     obstore.delete(store, keys)
 
 
+# "... Server returned non-2xx status code: 403 Forbidden: <?xml ...><Error><Code>...", then a debug dump
+_STATUS = re.compile(r"non-2xx status code: (\d{3})[^:\n]*:?(.*?)(?:\n\nDebug source:|$)", re.S)
+
+
 def translate(e: BaseException, bucket: str) -> BackendError:
     """obstore's exceptions as the policy's kinds (the first line: the rest is a Rust debug dump)."""
     from obstore import exceptions as ox
@@ -375,6 +380,9 @@ def translate(e: BaseException, bucket: str) -> BackendError:
         return Permanent(text)
     if isinstance(e, (ox.InvalidPathError, ox.UnknownConfigurationKeyError, ox.NotSupportedError, ValueError)):
         return Permanent(text)
+    status = _STATUS.search(str(e))
+    if status:  # a GenericError around an error response (a listing's 403): its status and S3 code decide
+        return httpstatus.failure(int(status[1]), status[2].encode(), bucket)
     low = text.lower()
     if "501 not implemented" in low:  # a request this server does not serve (bulk delete on some S3 servers)
         return Permanent(f"{text} (the server does not implement this request)")
