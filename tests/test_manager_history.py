@@ -121,7 +121,8 @@ def _third_file_of_step_2(method: str, path: str) -> bool:
 
 
 def test_gc_beside_a_save_in_flight_cannot_make_it_commit_broken(s3_uri: str, s3_opts: dict[str, Any],
-                                                                 proxy_factory: Any) -> None:
+                                                                 proxy_factory: Any,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
     """collect_garbage(older_than=0) run while an async save uploads: its own manager never marks
     the save's objects; another one (another process, the CLI) deletes them, and then the commit
     check fails the save instead of committing a checkpoint that cannot be loaded."""
@@ -138,11 +139,45 @@ def test_gc_beside_a_save_in_flight_cannot_make_it_commit_broken(s3_uri: str, s3
             time.sleep(0.02)
         assert mgr.collect_garbage(older_than=0) == []  # its own save in flight: never marked
         other = sc.CheckpointManager(s3_uri, storage_options=s3_opts)  # as another process would
-        gone = other.collect_garbage(older_than=0)
+        with caplog.at_level(logging.WARNING, logger="streamckpt.manage.garbage"):
+            gone = other.collect_garbage(older_than=0)
         assert gone and all("/step-2/data/" in g for g in gone)
+        warned = [r.getMessage() for r in caplog.records if "save still in progress" in r.getMessage()]
+        assert len(warned) == 1 and f"{s3_uri}/step-2 changed" in warned[0] and "older_than=0 s" in warned[0], warned
         with pytest.raises(sc.CheckpointError, match=r"not committing .*step-2.*missing.*collect_garbage"):
             handle.result(timeout=60)
         with pytest.raises(sc.CheckpointError):
             mgr.wait()
     names = Storage(s3_uri, s3_opts).list("", recursive=True)
     assert "step-2/manifest.json" not in names and sc.latest(s3_uri, storage_options=s3_opts) == f"{s3_uri}/step-1"
+
+
+def test_recent_garbage_is_named_with_its_age() -> None:
+    """The rule of the warning (issue 44 item 3 c): a child of the marked garbage changed less than
+    RECENT_SECONDS ago may be another process's save in progress; older leftovers are not named."""
+    from streamckpt.manage.garbage import RECENT_SECONDS, Garbage, recent
+    from streamckpt.storage import ObjectInfo
+    from streamckpt.storage.store import OpenUpload
+
+    now = 10_000.0
+    objects = {"step-3/data/a": ObjectInfo(4, modified=now - 5), "step-3/data/b": ObjectInfo(4, modified=now - 900),
+               "step-1/data/a": ObjectInfo(4, modified=now - 2 * RECENT_SECONDS)}
+    uploads = [OpenUpload("step-4/data/a", "u1", initiated=now - 30)]
+    found = [Garbage(n, 4) for n in objects] + [Garbage("step-4/data/a", 0, uploads[0])]
+    assert recent(found, objects, uploads, now=now) == {"step-3": 5.0, "step-4": 30.0}
+
+
+def test_the_cli_gc_with_a_short_grace_warns_of_a_save_in_progress(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    import subprocess
+    import sys
+
+    Storage(s3_uri, s3_opts).write_bytes("step-9/data/00000-0000.safetensors", b"x" * 100)  # no manifest yet
+    flags = ["--endpoint-url", s3_opts["endpoint_url"], "--storage-option", f"key={s3_opts['key']}",
+             "--storage-option", f"secret={s3_opts['secret']}"]
+    p = subprocess.run([sys.executable, "-m", "streamckpt", "gc", s3_uri, "--older-than", "0", "--dry-run", *flags],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "would remove" in p.stdout, p
+    assert f"{s3_uri}/step-9 changed" in p.stderr and "save still in progress" in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "streamckpt", "gc", s3_uri, "--dry-run", *flags],
+                       capture_output=True, text=True, timeout=120)  # the default grace: nothing, no warning
+    assert p.returncode == 1 and "save still in progress" not in p.stderr, p

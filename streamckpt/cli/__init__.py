@@ -328,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "Status 1 when there is nothing to remove.", both)
     s.add_argument("root", metavar="ROOT", help="the run's prefix (e.g. s3://bucket/run)")
     s.add_argument("--older-than", type=parse_duration, default=3600.0, metavar="AGE",
-                   help="grace period: 3600, 30m, 1h, 2d (default 1h); longer than any save takes")
+                   help="grace period: 3600, 30m, 1h, 2d (default 1h); longer than any save takes (garbage "
+                        "changed in the last 10 minutes is named in a warning: a save in progress elsewhere?)")
     s.add_argument("--dry-run", action="store_true", help="only print what would be removed, with sizes")
 
     s = _command(sub, "verify", cmd_verify, "read every byte and check every checksum",

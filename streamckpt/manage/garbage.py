@@ -63,6 +63,22 @@ def mark(objects: Mapping[str, ObjectInfo], uploads: Sequence[OpenUpload], refer
     return sorted(out, key=lambda g: (g.name, g.upload is not None))
 
 
+RECENT_SECONDS = 600.0  # garbage younger than this may be a save in progress: collecting it is warned about
+
+
+def recent(found: Sequence[Garbage], objects: Mapping[str, ObjectInfo], uploads: Sequence[OpenUpload], *,
+           now: float, window: float = RECENT_SECONDS) -> dict[str, float]:
+    """The children among ``found`` changed less than ``window`` seconds ago (their newest
+    object or upload start), with that age: a grace shorter than a save let them be marked."""
+    times: dict[str, list[float]] = {}
+    started = {u.name: u.initiated for u in uploads}
+    for g in found:
+        when = started.get(g.name) if g.upload is not None else objects[g.name].modified
+        times.setdefault(g.name.partition("/")[0], []).append(now if when is None else when)
+    ages = {child: now - max(ts) for child, ts in times.items()}
+    return {child: age for child, age in sorted(ages.items()) if age < window}
+
+
 def collect(storage: Storage, listing: Listing, *, root: str, protected: Collection[str], now: float,
             older_than: float, dry_run: bool) -> list[str]:
     """Remove what ``mark`` finds under the root (``collect_garbage``); returns each item's URI
@@ -72,6 +88,11 @@ def collect(storage: Storage, listing: Listing, *, root: str, protected: Collect
                  | set(protected), now=now, older_than=older_than)
     out = [f"{root}/{g.name} (incomplete upload)" if g.upload else f"{root}/{g.name} ({human_bytes(g.size)})"
            for g in found]
+    for child, age in recent(found, listing.objects, uploads, now=now).items():
+        log.warning("collect_garbage under %s%s: %s/%s changed %.0f s ago and has no manifest: a save still in "
+                    "progress (another process's) would be destroyed and fail its commit; older_than=%g s is shorter "
+                    "than a save may take (the default is 3600 s)", root, " (dry run)" if dry_run else "", root,
+                    child, age, older_than)
     if dry_run or not found:
         return out
     for g in found:

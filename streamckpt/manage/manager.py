@@ -599,7 +599,9 @@ class Manager:
         (or checkpoints half-deleted), and incomplete multipart uploads (S3; see
         docs/RELIABILITY.md for what each store lets us see). A save in progress younger than
         ``older_than`` is never touched; the objects of a checkpoint whose manifest cannot be
-        read are left alone.
+        read are left alone. Garbage changed less than 10 minutes ago is named in a WARNING
+        (a save in progress elsewhere, which a grace that short destroys: it then fails its
+        commit check instead of committing).
 
         Args:
             older_than: The grace period in seconds (default 3600): longer than any save takes.
