@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import streamckpt as sc
 from streamckpt.manage.lease import LEASE_NAME, Holder, Lease, gone
@@ -136,3 +138,35 @@ def test_a_second_manager_writing_into_a_run_is_refused(s3_uri: str, s3_opts: di
     assert LEASE_NAME not in store.list_info("")  # released at close
     with pytest.raises(sc.CheckpointError, match="writer_lease"):
         sc.CheckpointManager(s3_uri, storage_options=s3_opts, writer_lease=0)
+
+
+def test_a_manager_dropped_without_close_lets_its_lease_go_even_on_the_storage_thread(
+        s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """The lease's finalizer runs on whatever thread drops the manager last, the storage's event
+    loop included: the release's I/O went through that very loop and the loop hung for good
+    (seen in a full run: a test's garbage collection on the loop thread). Now it runs on a thread
+    of its own, and the lease object goes."""
+    import asyncio
+    import gc
+
+    import fsspec.asyn
+
+    from streamckpt.manage.lease import LEASE_NAME
+    from streamckpt.storage import Storage
+
+    mgr = sc.CheckpointManager(s3_uri, storage_options=s3_opts)
+    mgr.save(1, {"w": torch.ones(4)})
+    storage = Storage(s3_uri, s3_opts)
+    assert storage.exists(LEASE_NAME)
+    holder = [mgr]
+    del mgr
+
+    async def drop() -> None:
+        holder.clear()
+        gc.collect()
+
+    asyncio.run_coroutine_threadsafe(drop(), fsspec.asyn.get_loop()).result(timeout=30)
+    deadline = time.monotonic() + 30
+    while storage.exists(LEASE_NAME):
+        assert time.monotonic() < deadline, "the dropped manager's lease was never released"
+        time.sleep(0.05)

@@ -12,6 +12,7 @@ import torch
 
 import streamckpt as sc
 from streamckpt.manage import delete_checkpoint
+from streamckpt.manage.lease import LEASE_NAME
 from streamckpt.storage import Storage
 
 
@@ -96,7 +97,7 @@ def test_async_saves_prune_after_each_commit(s3_uri: str, s3_opts: dict[str, Any
     puts = [p.split("?")[0] for m, p, _ in proxy.history if m == "PUT" and p.split("?")[0].endswith("/manifest.json")]
     assert [p.split("/")[-2] for p in puts] == [f"step-{s}" for s in range(1, 6)]
     key = s3_uri.split("/", 2)[-1]
-    assert proxy.deleted == [f"{key}/step-{s}/{n}" for s in (1, 2, 3)
+    assert [d for d in proxy.deleted if not d.endswith(LEASE_NAME)] == [f"{key}/step-{s}/{n}" for s in (1, 2, 3)
                              for n in ("manifest.json", "data/00000-0000.safetensors")]
     events = [("put", p.split("/")[-2]) if m == "PUT" else ("delete", p)
               for m, p, _ in proxy.history if (m == "PUT" and p.split("?")[0].endswith("/manifest.json"))
@@ -117,7 +118,7 @@ def test_prune_deletes_the_manifest_first(s3_uri: str, s3_opts: dict[str, Any], 
     with sc.CheckpointManager(s3_uri, storage_options=proxy.storage_options, keep_last=1) as mgr:
         assert mgr.prune() == [f"{s3_uri}/step-1", f"{s3_uri}/step-2"]
     key = s3_uri.split("/", 2)[-1]
-    assert proxy.deleted == [f"{key}/step-1/manifest.json", f"{key}/step-1/data/00000-0000.zst",
+    assert [d for d in proxy.deleted if not d.endswith(LEASE_NAME)] == [f"{key}/step-1/manifest.json", f"{key}/step-1/data/00000-0000.zst",
                              f"{key}/step-2/manifest.json", f"{key}/step-2/data/00000-0000.zst"]
 
 
@@ -134,7 +135,7 @@ def test_refused_data_delete_leaves_no_committed_checkpoint(s3_uri: str, s3_opts
     with pytest.raises(sc.StorageError, match="could not be deleted.*collect_garbage"):
         delete_checkpoint(st)  # as StreamCheckpointIO.remove_checkpoint calls it
     key = s3_uri.split("/", 2)[-1]
-    assert proxy.deleted == [f"{key}/step-2/manifest.json"]  # what the server was asked and did
+    assert [d for d in proxy.deleted if not d.endswith(LEASE_NAME)] == [f"{key}/step-2/manifest.json"]  # what the server was asked and did
     assert proxy.refused >= 2  # the bulk deletes, then (at least once) the data object's own DELETE
     assert sc.latest(s3_uri, storage_options=s3_opts) == f"{s3_uri}/step-1"
     assert _objects(f"{s3_uri}/step-2", s3_opts) == ["data/00000-0000.safetensors"]

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import streamckpt as sc
+from streamckpt.manage.lease import LEASE_NAME
 from streamckpt.storage import Storage
 from streamckpt.testing import FaultProxy, LocalS3
 
@@ -62,12 +63,13 @@ def _killed_mid_way(root: str, what: str, local_s3: LocalS3, held: Callable[[str
 
 
 def _names(uri: str, opts: dict[str, Any]) -> list[str]:
-    return Storage(uri, opts).list("", recursive=True)
+    """The checkpoint objects under ``uri`` (not the writer lease, a root's own object)."""
+    return [n for n in Storage(uri, opts).list("", recursive=True) if n != LEASE_NAME]
 
 
 def test_killed_save_is_garbage_once_older_than_the_grace(s3_uri: str, s3_opts: dict[str, Any],
                                                            local_s3: LocalS3) -> None:
-    mgr = sc.CheckpointManager(s3_uri, storage_options=s3_opts)
+    mgr = sc.CheckpointManager(s3_uri, storage_options=s3_opts, writer_lease=None)  # a child saves beside it
     mgr.save(1, _state(1))
     # killed while committing: every data file is up, the manifest never is
     _killed_mid_way(s3_uri, "save", local_s3, lambda m, p: p.split("?")[0].endswith("/step-2/manifest.json"), ("PUT",))

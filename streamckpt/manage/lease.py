@@ -2,7 +2,7 @@
 
 Two training jobs saving into one root (a job launched twice, a stale job still alive beside
 its requeued self) would prune each other's steps and interleave their histories. The first
-save of a ``CheckpointManager(..., writer_lease=ttl)`` takes the lease: a small JSON object ``<root>/LEASE_NAME``
+save of a ``CheckpointManager`` (``writer_lease=ttl``, default 60 s) takes the lease: a small JSON object ``<root>/LEASE_NAME``
 naming its holder (host, pid, a random id, the job id the launcher gave, start and heartbeat
 times). A heartbeat thread rewrites it every ``ttl / 3`` seconds; ``close()`` deletes it.
 
@@ -85,13 +85,19 @@ def gone(other: Holder, me: Holder, now: float, ttl: float) -> str | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs here; a zombie (killed, not yet reaped by its parent) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (PermissionError, OSError):
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]
+    except OSError:
+        return True  # no /proc (macOS): kill's answer stands
+    return state != [b"Z"]
 
 
 class Lease:

@@ -20,11 +20,12 @@ from ..storage import Storage
 from ..storage.store import checked_uri
 from .arguments import check_name, check_step, plain_metrics, warn_unranked
 from .collective import on_one_rank
+from .compaction import compact
 from .deletion import delete_entries
 from .garbage import collect
 from .history import candidates, clear_the_way
 from .index import METRICS_KEY, STEP_KEY, Entry, Index, Listing
-from .lease import Lease
+from .lease import DEFAULT_TTL, Lease
 from .passthrough import check_names
 from .preemption import Preemption
 from .restored import Restored
@@ -84,7 +85,10 @@ class Manager:
         incremental: Save each step incrementally (``sc.save(..., base=...)``) against the
             newest committed checkpoint under the root: shards equal to its are referenced,
             not uploaded again. Prune and ``collect_garbage`` keep an object while any
-            committed checkpoint references it. Default False: every save is self-contained.
+            committed checkpoint references it, and prune rewrites a pruned checkpoint's file that
+            kept ones use only in part down to what they use (``manage/compaction.py``: stored
+            bytes stay within 1.1x of the kept checkpoints' own). Default False: every save is
+            self-contained.
         name: The child name of a step, a format string with ``{step}`` and no ``/``.
             Default ``"step-{step}"``.
         save_interval_s: ``should_save`` is also true once this many seconds have passed since
@@ -94,11 +98,12 @@ class Manager:
             main thread only; undone by ``close``) the next ``should_save`` is true, that ``save``
             returns once committed, and ``reached_preemption`` is true. Default False.
             With this or ``save_interval_s``, ``should_save`` is collective (``manage/schedule.py``).
-        writer_lease: Seconds (e.g. 60): the first save takes the run's writer lease, an object
+        writer_lease: Seconds: the first save takes the run's writer lease, an object
             ``.streamckpt-writer.json`` at the root renewed every third of that, and a second
             manager saving into the root meanwhile gets ``CheckpointInUseError`` naming the
             holder (a holder silent that long, of the same launcher job, or a dead pid on this
-            host is taken over). Default None: no lease (one writer per root is the caller's rule).
+            host is taken over at once: a requeued job is not held up). Readers (restore, steps,
+            ls) never take it. Default 60; None: no lease (one writer per root is the caller's rule).
         local_dir: A node-local folder for the memory/peer tier (README "Resuming from peers"):
             local steps, copied to ``replicas`` partners on other nodes; ``restore`` takes the
             newest step the survivors hold, the bucket only for bytes none holds. Default None.
@@ -117,7 +122,7 @@ class Manager:
                  keep_best: tuple[str, str, int] | None = None, save_every: int | None = None,
                  async_save: bool = False, incremental: bool = False, name: str = "step-{step}",
                  save_interval_s: float | None = None, keep_time_interval: float | None = None,
-                 save_on_preemption: bool = False, writer_lease: float | None = None,
+                 save_on_preemption: bool = False, writer_lease: float | None = DEFAULT_TTL,
                  local_dir: Any = None, local_every: int | None = None, local_keep: int = 2,
                  replicas: int = 1) -> None:
         if save_every is not None and (not isinstance(save_every, int) or isinstance(save_every, bool)
@@ -571,7 +576,18 @@ class Manager:
                 return uris
             self._delete_entries(listing, doomed)
             log.info("pruned %d checkpoint(s) under %s: %s", len(doomed), self.root, ", ".join(e.name for e in doomed))
+            self._compact()
             return uris
+
+    def _compact(self) -> None:
+        """After deletions: rewrite the files only pruned checkpoints owned down to what the kept
+        ones reference (``manage.compaction``); a failure is logged, never raised (all stays loadable)."""
+        try:
+            if compact(self._store(), self._list_here()).files:
+                self._list_here()  # the rewritten manifests name other files now
+        except CheckpointError as e:
+            log.warning("compaction under %s failed (every kept checkpoint still loads; the next prune tries "
+                        "again): %s", self.root, e)
 
     def _delete_entries(self, listing: Listing, doomed: list[Entry]) -> None:
         """Delete checkpoints (each manifest first), keeping what the others still reference."""
@@ -650,7 +666,10 @@ class Manager:
             lease = Lease(Storage(self.root, self.storage_options), ttl=self.writer_lease)
             lease.acquire()
             self._lease = lease
-            weakref.finalize(self, lease.release).atexit = False  # dropped without close(): let go; at exit the beat ends
+            # dropped without close(): let go, on a thread of its own (a finalizer runs on whatever thread
+            # collects the manager, the storage's event loop included, where a release's I/O would deadlock);
+            # at exit the beat just ends
+            weakref.finalize(self, _release_later, lease).atexit = False
 
     def _bound(self) -> Calls:
         if self._calls is None:
@@ -689,6 +708,10 @@ class Manager:
         raise CheckpointNotFoundError(
             f"no committed checkpoint of step {step} under {self.root} "
             f"(committed steps: {', '.join(map(str, steps[-10:])) or 'none'})")
+
+
+def _release_later(lease: Lease) -> None:
+    threading.Thread(target=lease.release, name="streamckpt-lease-release", daemon=True).start()
 
 
 __all__ = ["Calls", "Manager", "Restored"]

@@ -201,6 +201,11 @@ class Storage:
                 await s3.abort_upload(path, upload_id)
 
     @property
+    def is_s3(self) -> bool:
+        """Whether the store speaks S3 (server-side range copies, ``storage.compose``)."""
+        return self._protocol in _S3_PROTOCOLS and "::" not in self.uri
+
+    @property
     def fs(self) -> Any:
         """An fsspec filesystem for this store (s3fs, gcsfs, local, ...), created on first use."""
         if self._protocol in _S3_PROTOCOLS:

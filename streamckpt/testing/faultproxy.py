@@ -170,6 +170,7 @@ class FaultProxy:
         self._streak: dict[tuple[str, str, str], int] = {}
         self._history: list[tuple[str, str, str | None]] = []
         self._deleted: list[str] = []
+        self._sent: list[tuple[str, str, int, str | None]] = []
         self._stopping = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -277,6 +278,16 @@ class FaultProxy:
         if keys:
             with self._lock:
                 self._deleted += keys
+
+    def _note_sent(self, method: str, path: str, body: bytes | None, copy_source: str | None) -> None:
+        with self._lock:
+            self._sent.append((method, path.split("?", 1)[0], len(body or b""), copy_source))
+
+    def sent(self, contains: str = "") -> list[tuple[str, str, int, str | None]]:
+        """(method, path, request body bytes, ``x-amz-copy-source`` or None) of each request whose
+        path contains ``contains``: what the client uploaded itself, and what it asked the server to copy."""
+        with self._lock:
+            return [s for s in self._sent if contains in s[1]]
 
     @property
     def requests(self) -> int:
@@ -423,6 +434,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(501, "Not Implemented", [("Content-Type", "application/xml")], _NOT_IMPLEMENTED_BODY)
             return
         proxy._note_deletes(method, self.path, body)
+        proxy._note_sent(method, self.path, body, self.headers.get("x-amz-copy-source"))
         kind, key, rng = proxy._decide(method, self.path, self.headers.get("Range") or "")
         if kind == "slowdown":
             proxy._record(key, kind)
