@@ -47,7 +47,7 @@ README = REPO / "README.md"
 DOCS = REPO / "docs"
 # The guides the harness runs, pinned: a guide that loses its marks would silently stop running.
 GUIDES = {"quickstart.md", "resharding.md", "manager.md", "resuming-from-peers.md", "plugins.md",
-          "huggingface.md", "cli.md", "testing-your-code.md", "benchmarks.md"}
+          "huggingface.md", "cli.md", "testing-your-code.md", "running-benchmarks.md"}
 PAGE_PORT = "9000"
 KINDS = ("background", "prints", "pytest", "slow", "not-run")
 RUN_LANGS = {"python": "python", "bash": "bash", "shell": "bash", "sh": "bash", "console": "bash"}
