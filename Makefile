@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.streamckpt-installed
 
-.PHONY: venv azurite demo test test-slow test-gpu test-all gpu-wheels clean-venv
+.PHONY: venv azurite demo test test-slow test-gpu test-all gpu-wheels wheel docs clean-venv
 
 venv: $(STAMP)
 
@@ -47,6 +47,15 @@ test-all: venv azurite
 # that machine reaches no registry. benchmarks/gpu_check.sh installs them there (issue 26).
 gpu-wheels:
 	bash benchmarks/gpu_wheels.sh --python-version 3.12 --dest .whl
+
+# The wheel to install elsewhere (not on PyPI yet): dist/streamckpt-<version>-py3-none-any.whl.
+wheel: venv
+	$(BIN)/pip wheel --no-deps --no-build-isolation -w dist .
+
+# The docs site (mkdocs + material, from the test extra): README.md as its index, docs/ as its
+# pages, into the git-ignored site/; --strict fails on a broken link or anchor.
+docs: venv
+	$(BIN)/mkdocs build --strict --site-dir site
 
 clean-venv:
 	rm -rf $(VENV)

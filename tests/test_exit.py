@@ -73,7 +73,7 @@ def objects_under(root: str, opts: dict[str, Any]) -> list[str]:
 # ----------------------------------------------------------------------------- clean ends
 
 def test_async_save_job_exits_clean(s3_uri: str, s3_opts: dict[str, Any]) -> None:
-    """The README's single-process pattern: async_save every 2 steps, result() at the end."""
+    """The single-process pattern of docs/quickstart.md: async_save every 2 steps, result() at the end."""
     proc = run_job("loop", s3_uri, s3_opts)
     assert_clean(proc, "the job")
     assert "DONE" in proc.stdout

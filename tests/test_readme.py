@@ -1,7 +1,11 @@
-"""README.md runs as written, in order.
+"""README.md and every guide under docs/ run as written, each page in order.
 
-Every ```python and ```bash block of README.md is run in a fresh process, in page order,
-against one fresh local S3 server (moto), from a scratch directory where ``examples/`` and
+The pages: README.md and each ``docs/*.md`` that carries at least one of the marks below (a
+*guide*); a page without marks is a reference page (FORMAT, API, RELIABILITY, SCALE, ...) and
+is not run, its code blocks being signatures and examples of formats. Every ```python and
+```bash block of a page is run in a fresh process, in page order, against the page's own fresh
+local S3 server (moto, started from the page's background block; a page without one needs
+none), from a scratch directory where ``examples/`` and
 ``.venv`` (this interpreter's environment) are what a clone has; any non-zero exit fails
 with the block's line number and its output. Python blocks run as a script with
 ``python``, shell blocks with ``bash -e -o pipefail``, with the environment's ``bin`` on
@@ -29,7 +33,8 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -39,6 +44,10 @@ from streamckpt.testing.s3server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+# The guides the harness runs, pinned: a guide that loses its marks would silently stop running.
+GUIDES = {"quickstart.md", "resharding.md", "manager.md", "resuming-from-peers.md", "plugins.md",
+          "huggingface.md", "cli.md", "testing-your-code.md", "running-benchmarks.md"}
 PAGE_PORT = "9000"
 KINDS = ("background", "prints", "pytest", "slow", "not-run")
 RUN_LANGS = {"python": "python", "bash": "bash", "shell": "bash", "sh": "bash", "console": "bash"}
@@ -46,6 +55,7 @@ RUN_LANGS = {"python": "python", "bash": "bash", "shell": "bash", "sh": "bash", 
 # The blocks that genuinely cannot run here, by their first line: each needs what a test
 # must not do (set up a virtualenv, run the whole suite or a long benchmark).
 NOT_RUN = {
+    "pip install .                        # or: make wheel, then pip install dist/streamckpt-*.whl",
     "make demo   # sets up .venv, starts an embedded S3 server, saves, reshards, verifies, prints stats",
     "python3 -m venv .venv-bench && .venv-bench/bin/pip install torch==2.13.0",
     ".venv-bench/bin/python -m benchmarks.run --scenario s --size 256MiB --reps 3 --out save.md",
@@ -53,8 +63,21 @@ NOT_RUN = {
 }
 
 
+_MARK = re.compile(r"^\s*<!--\s*(" + "|".join(KINDS) + r")\s*:", re.M)
+
+
+def pages() -> list[Path]:
+    """README.md, then the guides: the docs/*.md pages with at least one mark (see above)."""
+    return [README] + sorted(p for p in DOCS.glob("*.md") if _MARK.search(p.read_text(encoding="utf-8")))
+
+
+def name(page: Path) -> str:
+    return str(page.relative_to(REPO))
+
+
 @dataclass(frozen=True)
 class Block:
+    page: Path
     line: int  # 1-based line of the opening fence
     lang: str  # python | bash
     text: str
@@ -80,7 +103,8 @@ def blocks(page: Path = README) -> list[Block]:
         while j < len(lines) and not lines[j].startswith("```"):
             j += 1
         if lang in RUN_LANGS:
-            out.append(Block(start + 1, RUN_LANGS[lang], "\n".join(lines[i + 1:j]) + "\n", _marks(lines, start)))
+            text = "\n".join(lines[i + 1:j]) + "\n"
+            out.append(Block(page, start + 1, RUN_LANGS[lang], text, _marks(lines, start, page)))
         i = j + 1
     return out
 
@@ -110,30 +134,17 @@ def printed(block: Block) -> list[str]:
     return out
 
 
-def _marks(lines: list[str], fence: int) -> dict[str, str]:
+def _marks(lines: list[str], fence: int, page: Path = README) -> dict[str, str]:
     """``<!-- kind: text -->`` comments on the lines right above ``fence`` (blank lines between allowed)."""
     marks: dict[str, str] = {}
     k = fence - 1
     while k >= 0 and (not lines[k].strip() or lines[k].lstrip().startswith("<!--")):
         m = re.fullmatch(r"\s*<!--\s*([\w-]+)\s*:\s*(.*?)\s*-->\s*", lines[k])
         if m:
-            assert m.group(1) in KINDS, f"README.md:{k + 1}: unknown mark {m.group(1)!r} (known: {KINDS})"
+            assert m.group(1) in KINDS, f"{page.name}:{k + 1}: unknown mark {m.group(1)!r} (known: {KINDS})"
             marks[m.group(1)] = m.group(2)
         k -= 1
     return marks
-
-
-@pytest.fixture(scope="module")
-def page() -> list[Block]:
-    return blocks()
-
-
-@pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    """A scratch directory laid out like a clone where ``make`` has run: examples/ and .venv."""
-    (tmp_path / "examples").symlink_to(REPO / "examples")
-    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
-    return tmp_path
 
 
 def _env() -> dict[str, str]:
@@ -154,7 +165,8 @@ def _command(block: Block, path: Path) -> list[str]:
 
 def _script(block: Block, port: int, workdir: Path) -> Path:
     text = re.sub(rf"\b{PAGE_PORT}\b", str(port), block.text)
-    name = f"test_readme_line{block.line}.py" if "pytest" in block.marks else f"readme_line{block.line}"
+    stem = block.page.stem.lower().replace("-", "_")
+    name = f"test_{stem}_line{block.line}.py" if "pytest" in block.marks else f"{stem}_line{block.line}"
     path = workdir / "blocks" / (name if name.endswith(".py") else name + (".py" if block.lang == "python" else ".sh"))
     path.parent.mkdir(exist_ok=True)
     path.write_text(text)
@@ -173,8 +185,8 @@ class Outcome:
     output: str
 
     def report(self) -> str:
-        return (f"README.md:{self.block.line} ({self.block.lang}, {self.seconds:.1f} s) exited {self.rc}:\n"
-                f"{self.block.text}\n--- output (tail) ---\n{self.output[-6000:]}")
+        return (f"{name(self.block.page)}:{self.block.line} ({self.block.lang}, {self.seconds:.1f} s) "
+                f"exited {self.rc}:\n{self.block.text}\n--- output (tail) ---\n{self.output[-6000:]}")
 
 
 def run_block(block: Block, port: int, workdir: Path, timeout: float = 300) -> Outcome:
@@ -194,19 +206,23 @@ def run_block(block: Block, port: int, workdir: Path, timeout: float = 300) -> O
     return out
 
 
-@pytest.fixture
-def server(page: list[Block], workdir: Path) -> Iterator[int]:
-    """The page's own background block (the local S3 server), started on a free port."""
-    background = [b for b in page if "background" in b.marks]
-    assert len(background) == 1, [b.line for b in background]
-    block = background[0]
+@contextmanager
+def page_server(todo: list[Block], workdir: Path) -> Iterator[int]:
+    """The page's own background block (the local S3 server), started on a free port; a page
+    without one gets a free port that nothing listens on."""
+    background = [b for b in todo if "background" in b.marks]
+    assert len(background) <= 1, [b.line for b in background]
     port = free_port()
+    if not background:
+        yield port
+        return
+    block = background[0]
     path = _script(block, port, workdir)
     proc = subprocess.Popen(_command(block, path), cwd=workdir, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         seen = _wait_for_line(proc, f"endpoint_url=http://127.0.0.1:{port} ", timeout=60)
-        assert seen is None, f"README.md:{block.line}: the server did not start (exit {proc.poll()}):\n{seen}"
+        assert seen is None, f"{name(block.page)}:{block.line}: the server did not start (exit {proc.poll()}):\n{seen}"
         yield port
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -237,47 +253,87 @@ def _wait_for_line(proc: subprocess.Popen, start: str, timeout: float) -> str | 
     return "".join(seen) or f"(nothing within {timeout} s)"
 
 
-def _run_in_order(todo: list[Block], port: int, workdir: Path) -> list[Outcome]:
+def _run_in_order(page: Path, skip: set[str], workdir: Path) -> list[Outcome]:
+    """Every block of ``page`` not marked with a kind in ``skip``, in order, on the page's server."""
+    every = blocks(page)
+    todo = [b for b in every if not ({"not-run", "background"} | skip) & set(b.marks)]
     done: list[Outcome] = []
-    for block in todo:
-        out = run_block(block, port, workdir)
-        done.append(out)
-        timings = ", ".join(f"{o.block.line}: {o.seconds:.1f}s" for o in done)
-        assert out.rc == 0, f"{out.report()}\n(blocks run, line: seconds: {timings})"
-    print(f"README blocks run in {sum(o.seconds for o in done):.1f} s (line: seconds): {timings}")
+    timings = ""
+    with page_server(every, workdir) as port:
+        for block in todo:
+            out = run_block(block, port, workdir)
+            done.append(out)
+            timings = ", ".join(f"{o.block.line}: {o.seconds:.1f}s" for o in done)
+            assert out.rc == 0, f"{out.report()}\n(blocks run, line: seconds: {timings})"
+    print(f"{name(page)}: blocks run in {sum(o.seconds for o in done):.1f} s (line: seconds): {timings}")
     return done
 
 
-def test_every_block_is_run_or_skipped_with_a_reason(page: list[Block]) -> None:
-    assert len(page) >= 12
-    skipped = {b.first: b.marks["not-run"] for b in page if "not-run" in b.marks}
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A scratch directory laid out like a clone where ``make`` has run: examples/ and .venv."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
+    return tmp_path
+
+
+def test_the_guides_are_the_pages_with_marks() -> None:
+    """A docs page is run when it carries a mark; the set is pinned, so a guide that loses its
+    marks (or a new one) is noticed. Reference pages carry none (FORMAT, API, RELIABILITY, ...)."""
+    found = {p.name for p in pages()[1:]}
+    assert found == GUIDES, found
+    for ref in ("API.md", "FORMAT.md", "RELIABILITY.md", "SCALE.md", "PLANNER.md"):
+        assert ref not in found
+
+
+def test_every_block_is_run_or_skipped_with_a_reason() -> None:
+    every = [b for p in pages() for b in blocks(p)]
+    assert len(every) >= 30
+    skipped = {b.first: b.marks["not-run"] for b in every if "not-run" in b.marks}
     assert set(skipped) == NOT_RUN
     assert all(len(why) > 15 for why in skipped.values()), skipped
-    for b in page:
-        assert len({"not-run", "background", "slow"} & set(b.marks)) <= 1, f"README.md:{b.line}: {b.marks}"
-    assert sum("slow" in b.marks for b in page) <= 2
+    for p in pages():
+        page = blocks(p)
+        for b in page:
+            assert len({"not-run", "background", "slow"} & set(b.marks)) <= 1, f"{name(p)}:{b.line}: {b.marks}"
+        assert sum("slow" in b.marks for b in page) <= 2, name(p)
+        assert sum("background" in b.marks for b in page) <= 1, name(p)
 
 
-def test_the_output_comments_are_found(page: list[Block]) -> None:
+def test_the_output_comments_are_found() -> None:
     """``printed`` reads the comments a reader checks the output against (run_block then
     requires each in the output); prose comments such as "# newest *committed* checkpoint" are not."""
-    found = {b.line: printed(b) for b in page if printed(b)}
-    assert sorted(sum(found.values(), [])) == sorted([
-        "2097152 2097152 1", "s3://bucket/lightning/ckpts/epoch=1-step=8.ckpt", "s3://bucket/async/step-00001000",
-        "[0, 500, 600, 700]", "[0, 500, 900, 1000]", "94976 94976",
-        "['model.bias', 'model.weight', 'optim.state.0.step', 'optim.state.1.step']"]), found
-    md = Block(1, "python", "print(x)  # 3 4: both\nprint(y)  # prose only\nprint(z)  # see:\n# [1, 2]\n", {})
+    found = {name(p): sorted(x for b in blocks(p) for x in printed(b)) for p in pages()}
+    assert {k: v for k, v in found.items() if v} == {
+        "README.md": ["2097152 2097152 1", "[200, 300] 263168"],
+        "docs/quickstart.md": ["2097152 2097152 1", "s3://bucket/async/step-00001000"],
+        "docs/plugins.md": ["s3://bucket/lightning/ckpts/epoch=1-step=8.ckpt"],
+        "docs/manager.md": ["[0, 500, 600, 700]", "[0, 500, 900, 1000]"],
+        "docs/resharding.md": ["94976 94976"],
+        "docs/huggingface.md": ["['model.bias', 'model.weight', 'optim.state.0.step', 'optim.state.1.step']"],
+    }, found
+    md = Block(README, 1, "python", "print(x)  # 3 4: both\nprint(y)  # prose only\nprint(z)  # see:\n# [1, 2]\n", {})
     assert printed(md) == ["3 4", "[1, 2]"]
 
 
-def test_the_page_says_to_activate_the_venv_before_its_bare_commands(page: list[Block]) -> None:
+def test_each_page_says_to_activate_the_venv_before_its_bare_commands() -> None:
     """The harness puts the environment's ``bin`` on PATH; a reader's shell has no ``streamckpt``
-    or ``torchrun`` until ``.venv`` is active, so the page says so before the first block that
+    or ``torchrun`` until ``.venv`` is active, so each page says so before the first block that
     calls one bare."""
     bare = re.compile(r"^\s*(streamckpt|torchrun|python)\b", re.M)
-    first = min(b.line for b in page if bare.search(b.text) and "not-run" not in b.marks)
-    before = "\n".join(README.read_text(encoding="utf-8").splitlines()[:first])
-    assert "`. .venv/bin/activate`" in before, f"README.md:{first} calls a command the reader's shell lacks"
+    for p in pages():
+        lines = [b.line for b in blocks(p) if bare.search(b.text) and "not-run" not in b.marks]
+        if lines:
+            before = "\n".join(p.read_text(encoding="utf-8").splitlines()[:min(lines)])
+            assert "`. .venv/bin/activate`" in before, f"{name(p)}:{min(lines)} calls a command the reader's shell lacks"
+
+
+def test_the_local_server_block_makes_two_buckets_and_the_page_says_so() -> None:
+    """The front page's server makes more than one bucket, and its block 5 uses the second."""
+    text = README.read_text(encoding="utf-8")
+    server = [b for b in blocks() if "background" in b.marks][0]
+    assert "--bucket bucket --bucket models" in server.text
+    assert "`--bucket a --bucket b` makes both" in text
 
 
 def test_the_harness_parses_marks_and_reports_a_failing_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -293,24 +349,25 @@ def test_the_harness_parses_marks_and_reports_a_failing_block(tmp_path: Path, mo
     (tmp_path / "work").mkdir()
     ok = run_block(first, 4321, tmp_path / "work")  # the page's port becomes the server's
     assert (ok.rc, ok.output) == (-998, "expected 'port 9000' in the output\nport 4321 None\n")
-    bad = run_block(second, 4321, tmp_path / "work")
+    bad = run_block(replace(second, page=README), 4321, tmp_path / "work")
     assert (bad.rc, bad.output) == (1, "hi\n")  # bash -e: the first failing command ends the block
     assert bad.report().startswith("README.md:14 (bash, ")
 
 
-def test_readme_runs_in_order(page: list[Block], server: int, workdir: Path) -> None:
-    todo = [b for b in page if not {"not-run", "background", "slow"} & set(b.marks)]
-    done = _run_in_order(todo, server, workdir)
-    assert [o.rc for o in done] == [0] * len(todo)
+@pytest.mark.parametrize("page", pages(), ids=name)
+def test_page_runs_in_order(page: Path, workdir: Path) -> None:
+    done = _run_in_order(page, {"slow"}, workdir)
+    assert [o.rc for o in done] == [0] * len(done)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_readme_runs_in_order_with_its_slow_blocks(page: list[Block], server: int, workdir: Path) -> None:
+@pytest.mark.parametrize("page", [p for p in pages() if any("slow" in b.marks for b in blocks(p))], ids=name)
+def test_page_runs_in_order_with_its_slow_blocks(page: Path, workdir: Path) -> None:
     """The whole page in order: the blocks above and the slow ones (process groups: load-bench
     and the demo, the torchrun pair where 4 processes save and 2 resume)."""
-    todo = [b for b in page if not {"not-run", "background"} & set(b.marks)]
-    done = _run_in_order(todo, server, workdir)
-    torchrun = [o for o in done if "torchrun" in o.block.text]
-    assert len(torchrun) == 1 and "slow" in torchrun[0].block.marks
-    assert "resumed from s3://bucket/resume/step-000006 at step 6" in torchrun[0].output
+    done = _run_in_order(page, set(), workdir)
+    for o in done:
+        if "torchrun" in o.block.text:
+            assert "slow" in o.block.marks
+            assert "resumed from s3://bucket/resume/step-000006 at step 6" in o.output

@@ -170,8 +170,9 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(prog="python -m streamckpt.testing.s3server", description=main.__doc__)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--bucket", action="append", default=[])
+    ap.add_argument("--port", type=int, default=0, help="port to listen on (default 0: a free one, printed)")
+    ap.add_argument("--bucket", action="append", default=[], metavar="NAME",
+                    help="a bucket to create; repeat it for more (--bucket a --bucket b)")
     args = ap.parse_args()
     try:
         s3 = LocalS3(host=args.host, port=args.port).start()
