@@ -170,3 +170,57 @@ def test_a_manager_dropped_without_close_lets_its_lease_go_even_on_the_storage_t
     while storage.exists(LEASE_NAME):
         assert time.monotonic() < deadline, "the dropped manager's lease was never released"
         time.sleep(0.05)
+
+
+def test_collect_garbage_removes_the_lease_of_a_gone_writer_only(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    """A job SIGKILLed (or ended without close()) leaves its lease: after garbage collection only
+    referenced objects remain (the soak's invariant), so a lease whose writer is gone (a dead pid
+    on this host, a heartbeat older than its ttl) is removed; a live writer's never is."""
+    import subprocess
+    import sys
+
+    from streamckpt.storage import Storage
+
+    storage = Storage(s3_uri, s3_opts)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    now = time.time()
+
+    def lease(**kw: Any) -> None:
+        doc = {"id": "x", "host": socket.gethostname(), "pid": os.getpid(), "job": "", "started": now,
+               "heartbeat": now, "ttl": 60.0, **kw}
+        storage.write_bytes(LEASE_NAME, json.dumps(doc).encode())
+
+    mgr = sc.CheckpointManager(s3_uri, storage_options=s3_opts, writer_lease=None)
+    lease(pid=int(dead.stdout))  # a writer killed on this host
+    assert mgr.collect_garbage(older_than=0, dry_run=True) == [
+        f"{s3_uri}/{LEASE_NAME} (the writer lease of pid {int(dead.stdout)} on {socket.gethostname()}: "
+        f"process {int(dead.stdout)} no longer runs on this host)"]
+    assert storage.exists(LEASE_NAME)  # a dry run
+    assert len(mgr.collect_garbage(older_than=0)) == 1 and not storage.exists(LEASE_NAME)
+    lease(host="elsewhere", heartbeat=now - 120)  # silent for longer than its ttl
+    assert "heartbeat is 120 s old" in mgr.collect_garbage(older_than=0)[0] and not storage.exists(LEASE_NAME)
+    lease(host="elsewhere")  # alive, as far as anyone here can tell
+    assert mgr.collect_garbage(older_than=0) == [] and storage.exists(LEASE_NAME)
+    lease()  # this very process (another manager of it)
+    assert mgr.collect_garbage(older_than=0) == [] and storage.exists(LEASE_NAME)
+    storage.delete(LEASE_NAME)
+    with sc.CheckpointManager(s3_uri, storage_options=s3_opts) as own:
+        own.save(1, {"w": torch.ones(2)})
+        assert own.collect_garbage(older_than=0) == [] and storage.exists(LEASE_NAME)  # its own: kept
+    assert not storage.exists(LEASE_NAME)  # released at close
+
+
+def test_a_script_that_ends_without_close_releases_its_lease(s3_uri: str, s3_opts: dict[str, Any]) -> None:
+    import subprocess
+    import sys
+
+    from streamckpt.storage import Storage
+
+    script = ("import json, sys, torch, streamckpt as sc\n"
+              "mgr = sc.CheckpointManager(sys.argv[1], storage_options=json.loads(sys.argv[2]), async_save=True)\n"
+              "mgr.save(1, {'w': torch.ones(4)})\n")  # no wait(), no close(): the exit commits, then lets go
+    p = subprocess.run([sys.executable, "-c", script, s3_uri, json.dumps(s3_opts)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    storage = Storage(s3_uri, s3_opts)
+    assert storage.exists("step-1/manifest.json") and not storage.exists(LEASE_NAME), storage.list("", recursive=True)

@@ -100,6 +100,28 @@ def _alive(pid: int) -> bool:
     return state != [b"Z"]
 
 
+def abandoned(storage: Storage, now: float | None = None) -> tuple[Holder, str] | None:
+    """The lease at ``storage``'s root when its writer is gone (heartbeat older than the ttl it
+    recorded, or a pid that no longer runs on this host), with why; None when there is none or
+    its writer may be alive. ``collect_garbage`` removes such a lease (a killed job's)."""
+    try:
+        raw = storage.read_bytes(LEASE_NAME, max_bytes=64 << 10)
+        doc = json.loads(raw)
+        other = Holder(str(doc["id"]), str(doc["host"]), int(doc["pid"]), str(doc.get("job", "")),
+                       float(doc["started"]), float(doc["heartbeat"]))
+        ttl = float(doc.get("ttl", DEFAULT_TTL))
+    except CheckpointNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        return None  # not ours to judge: left alone
+    now = time.time() if now is None else now
+    if now - other.heartbeat > ttl:
+        return other, f"its last heartbeat is {now - other.heartbeat:.0f} s old"
+    if other.host == socket.gethostname() and other.pid != os.getpid() and not _alive(other.pid):
+        return other, f"process {other.pid} no longer runs on this host"
+    return None
+
+
 class Lease:
     """A run's writer lease (see the module docstring); ``acquire`` once, ``release`` at close."""
 
@@ -207,7 +229,7 @@ class Lease:
 
     def _write(self) -> None:
         self.me = Holder(**{**asdict(self.me), "heartbeat": self._clock()})
-        self.storage.write_bytes(LEASE_NAME, json.dumps(asdict(self.me)).encode())
+        self.storage.write_bytes(LEASE_NAME, json.dumps({**asdict(self.me), "ttl": self.ttl}).encode())
 
     def _beat(self) -> None:
         while not self._stop.wait(self.ttl / 3):

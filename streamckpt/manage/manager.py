@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -15,7 +16,7 @@ from ..comm import make_comm
 from ..core.stateful import Stateful
 from ..errors import (CheckpointError, CheckpointExistsError, CheckpointInUseError, CheckpointNotFoundError,
                       CorruptCheckpointError)
-from ..saving.asyncsave import finish_at_exit
+from ..saving.asyncsave import at_shutdown, finish_at_exit, settle_at_exit
 from ..storage import Storage
 from ..storage.store import checked_uri
 from .arguments import check_name, check_step, plain_metrics, warn_unranked
@@ -25,7 +26,7 @@ from .deletion import delete_entries
 from .garbage import collect
 from .history import candidates, clear_the_way
 from .index import METRICS_KEY, STEP_KEY, Entry, Index, Listing
-from .lease import DEFAULT_TTL, Lease
+from .lease import DEFAULT_TTL, LEASE_NAME, Lease, abandoned
 from .passthrough import check_names
 from .preemption import Preemption
 from .restored import Restored
@@ -640,8 +641,21 @@ class Manager:
             protected = set()
             if self._pending is not None and not self._pending.done():  # this manager's own save in flight
                 protected.add(self._pending.uri.rstrip("/").rpartition("/")[2])
-            return collect(self._store(), self._list_here(), root=self.root, protected=protected, now=time.time(),
-                           older_than=older_than, dry_run=dry_run)
+            found = collect(self._store(), self._list_here(), root=self.root, protected=protected, now=time.time(),
+                            older_than=older_than, dry_run=dry_run)
+            return found + self._collect_lease(dry_run)
+
+    def _collect_lease(self, dry_run: bool) -> list[str]:
+        """The writer lease a gone writer left (a job killed or ended without close()), never this
+        manager's own nor one whose writer may be alive."""
+        gone = abandoned(self._store())
+        if gone is None or (self._lease is not None and gone[0].id == self._lease.me.id):
+            return []
+        holder, why = gone
+        if not dry_run:
+            self._store().delete(LEASE_NAME)
+            log.info("removed the writer lease of pid %d on %s under %s: %s", holder.pid, holder.host, self.root, why)
+        return [f"{self.root}/{LEASE_NAME} (the writer lease of pid {holder.pid} on {holder.host}: {why})"]
 
     # ------------------------------------------------------------------ plumbing
 
@@ -666,10 +680,10 @@ class Manager:
             lease = Lease(Storage(self.root, self.storage_options), ttl=self.writer_lease)
             lease.acquire()
             self._lease = lease
-            # dropped without close(): let go, on a thread of its own (a finalizer runs on whatever thread
-            # collects the manager, the storage's event loop included, where a release's I/O would deadlock);
-            # at exit the beat just ends
+            # dropped without close(): let go, off the thread that collected the manager (it may be the
+            # storage's event loop, where the release's I/O would deadlock); at exit, after the saves in flight
             weakref.finalize(self, _release_later, lease).atexit = False
+            at_shutdown(functools.partial(_release_at_exit, lease))
 
     def _bound(self) -> Calls:
         if self._calls is None:
@@ -711,7 +725,15 @@ class Manager:
 
 
 def _release_later(lease: Lease) -> None:
+    """A manager dropped without close(): its lease goes, on a thread of its own (``_hold_lease``)."""
     threading.Thread(target=lease.release, name="streamckpt-lease-release", daemon=True).start()
+
+
+def _release_at_exit(lease: Lease) -> None:
+    """The interpreter shutting down with a manager never closed: its saves in flight end first
+    (committed, or cancelled on an exception), then the lease goes (a no-op once released)."""
+    settle_at_exit()
+    lease.release()
 
 
 __all__ = ["Calls", "Manager", "Restored"]

@@ -475,7 +475,7 @@ def _exiting_on_an_exception() -> bool:
     return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
 
 
-def _at_shutdown(hook: Callable[[], None]) -> None:
+def at_shutdown(hook: Callable[[], None]) -> None:
     """Run ``hook`` when the interpreter starts to shut down, before thread pools refuse work
     and non-daemon threads are joined (``atexit`` would run after both)."""
     register = getattr(threading, "_register_atexit", None)
@@ -485,4 +485,10 @@ def _at_shutdown(hook: Callable[[], None]) -> None:
         register(hook)
 
 
-_at_shutdown(_end_at_exit)
+def settle_at_exit() -> None:
+    """At shutdown, before a hook registered after this module's (hooks run last registered
+    first): end the saves in flight as ``_end_at_exit`` does (again, later, it finds none)."""
+    _end_at_exit()
+
+
+at_shutdown(_end_at_exit)
