@@ -94,6 +94,17 @@ def compact(storage: Storage, listing: Listing) -> Compacted:
     return done
 
 
+def compact_after_prune(storage: Storage, listing: Listing, root: str) -> bool:
+    """``compact`` after a prune's deletions: whether it rewrote anything. A failure is logged,
+    not raised: the prune is done, every kept checkpoint still loads, the next prune tries again."""
+    try:
+        return bool(compact(storage, listing).files)
+    except CheckpointError as e:
+        log.warning("compaction under %s failed (every kept checkpoint still loads; the next prune tries again): %s",
+                    root, e)
+        return False
+
+
 def _compact_file(storage: Storage, name: str, size: int, uses: list[_Use], docs: dict[str, dict[str, Any]],
                   found: dict[tuple[Any, ...], tuple[str, int]], done: Compacted) -> None:
     """Steps 1 to 3 of the module docstring for one file. A shard whose very bytes another kept
@@ -206,4 +217,4 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-__all__ = ["Compacted", "WASTE", "candidates", "compact"]
+__all__ = ["Compacted", "WASTE", "candidates", "compact", "compact_after_prune"]

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Collection
 
-from ..errors import CheckpointError, CheckpointExistsError
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointInUseError
 from .index import Entry, Listing
 
 log = logging.getLogger(__name__)
@@ -64,3 +64,18 @@ def candidates(listing: Listing) -> list[Entry]:
     broken = sorted((e for e in listing.entries if e.error is not None and e.modified_ns >= newest),
                     key=lambda e: e.modified_ns, reverse=True)
     return broken + managed
+
+
+def in_use_error(step: int, uri: str, users: list[str]) -> CheckpointInUseError:
+    """A save into a step whose prefix holds bytes other committed checkpoints reference."""
+    return CheckpointInUseError(
+        f"step {step} ({uri}) holds bytes that incremental checkpoints {', '.join(users[:5])} reference: replacing "
+        f"it would break them; delete those first (or sc.copy them out), or save under another step")
+
+
+def another_writer_error(root: str, uri: str, step: int) -> CheckpointExistsError:
+    """A step committed after the manager looked: the manager's words (force=True), not sc.save's."""
+    return CheckpointExistsError(
+        f"step {step} is already committed under {root} ({uri}), by another writer since this manager looked "
+        f"(a second CheckpointManager or process on this root?): pass force=True to replace it, or give each run a "
+        f"root of its own")

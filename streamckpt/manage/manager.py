@@ -4,29 +4,28 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import functools
 import logging
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar, overload
 
 from ..comm import make_comm
 from ..core.stateful import Stateful
-from ..errors import (CheckpointError, CheckpointExistsError, CheckpointInUseError, CheckpointNotFoundError,
+from ..errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
                       CorruptCheckpointError)
-from ..saving.asyncsave import at_shutdown, finish_at_exit, settle_at_exit
+from ..saving.asyncsave import finish_at_exit
 from ..storage import Storage
 from ..storage.store import checked_uri
 from .arguments import check_name, check_step, plain_metrics, warn_unranked
 from .collective import on_one_rank
-from .compaction import compact
+from .compaction import compact_after_prune
 from .deletion import delete_entries
 from .garbage import collect
-from .history import candidates, clear_the_way
+from .history import another_writer_error, candidates, clear_the_way, in_use_error
 from .index import METRICS_KEY, STEP_KEY, Entry, Index, Listing
-from .lease import DEFAULT_TTL, LEASE_NAME, Lease, abandoned
+from . import writer
+from .lease import DEFAULT_TTL, Lease
 from .passthrough import check_names
 from .preemption import Preemption
 from .restored import Restored
@@ -296,10 +295,7 @@ class Manager:
                 return local  # type: ignore[return-value]  # not fallible: a SaveResult or an error
         users = on_one_rank(self._comm, lambda: self._users_of(step))
         if users:
-            raise CheckpointInUseError(
-                f"step {step} ({self.uri(step)}) holds bytes that incremental checkpoints {', '.join(users[:5])} "
-                f"reference: replacing it would break them; delete those first (or sc.copy them out), or save "
-                f"under another step")
+            raise in_use_error(step, self.uri(step), users)
         appeared = on_one_rank(self._comm, lambda: self._clear_the_way(step, force))
         existing = None if force else on_one_rank(self._comm, lambda: self._committed_name(step))
         if existing is not None and appeared:
@@ -581,14 +577,9 @@ class Manager:
             return uris
 
     def _compact(self) -> None:
-        """After deletions: rewrite the files only pruned checkpoints owned down to what the kept
-        ones reference (``manage.compaction``); a failure is logged, never raised (all stays loadable)."""
-        try:
-            if compact(self._store(), self._list_here()).files:
-                self._list_here()  # the rewritten manifests name other files now
-        except CheckpointError as e:
-            log.warning("compaction under %s failed (every kept checkpoint still loads; the next prune tries "
-                        "again): %s", self.root, e)
+        """After deletions (``manage.compaction``; a failure is logged, everything stays loadable)."""
+        if compact_after_prune(self._store(), self._list_here(), self.root):
+            self._list_here()  # the rewritten manifests name other files now
 
     def _delete_entries(self, listing: Listing, doomed: list[Entry]) -> None:
         """Delete checkpoints (each manifest first), keeping what the others still reference."""
@@ -643,19 +634,7 @@ class Manager:
                 protected.add(self._pending.uri.rstrip("/").rpartition("/")[2])
             found = collect(self._store(), self._list_here(), root=self.root, protected=protected, now=time.time(),
                             older_than=older_than, dry_run=dry_run)
-            return found + self._collect_lease(dry_run)
-
-    def _collect_lease(self, dry_run: bool) -> list[str]:
-        """The writer lease a gone writer left (a job killed or ended without close()), never this
-        manager's own nor one whose writer may be alive."""
-        gone = abandoned(self._store())
-        if gone is None or (self._lease is not None and gone[0].id == self._lease.me.id):
-            return []
-        holder, why = gone
-        if not dry_run:
-            self._store().delete(LEASE_NAME)
-            log.info("removed the writer lease of pid %d on %s under %s: %s", holder.pid, holder.host, self.root, why)
-        return [f"{self.root}/{LEASE_NAME} (the writer lease of pid {holder.pid} on {holder.host}: {why})"]
+            return found + writer.collect(self._store(), self.root, self._lease, dry_run)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -669,21 +648,12 @@ class Manager:
             raise self._another_writer_error(step) from e
 
     def _another_writer_error(self, step: int) -> CheckpointExistsError:
-        return CheckpointExistsError(
-            f"step {step} is already committed under {self.root} ({self.uri(step)}), by another writer since "
-            f"this manager looked (a second CheckpointManager or process on this root?): pass force=True to "
-            f"replace it, or give each run a root of its own")
+        return another_writer_error(self.root, self.uri(step), step)
 
     def _hold_lease(self) -> None:
-        """Rank 0: the run's writer lease (``manage.lease``), taken by the first save."""
+        """Rank 0: the run's writer lease (``manage.writer``), taken by the first save."""
         if self._lease is None and self.writer_lease is not None:
-            lease = Lease(Storage(self.root, self.storage_options), ttl=self.writer_lease)
-            lease.acquire()
-            self._lease = lease
-            # dropped without close(): let go, off the thread that collected the manager (it may be the
-            # storage's event loop, where the release's I/O would deadlock); at exit, after the saves in flight
-            weakref.finalize(self, _release_later, lease).atexit = False
-            at_shutdown(functools.partial(_release_at_exit, lease))
+            self._lease = writer.hold(self, self.root, self.storage_options, self.writer_lease)
 
     def _bound(self) -> Calls:
         if self._calls is None:
@@ -722,18 +692,6 @@ class Manager:
         raise CheckpointNotFoundError(
             f"no committed checkpoint of step {step} under {self.root} "
             f"(committed steps: {', '.join(map(str, steps[-10:])) or 'none'})")
-
-
-def _release_later(lease: Lease) -> None:
-    """A manager dropped without close(): its lease goes, on a thread of its own (``_hold_lease``)."""
-    threading.Thread(target=lease.release, name="streamckpt-lease-release", daemon=True).start()
-
-
-def _release_at_exit(lease: Lease) -> None:
-    """The interpreter shutting down with a manager never closed: its saves in flight end first
-    (committed, or cancelled on an exception), then the lease goes (a no-op once released)."""
-    settle_at_exit()
-    lease.release()
 
 
 __all__ = ["Calls", "Manager", "Restored"]
