@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 from benchmarks.planner_bench import CHUNK, _flat, _stage, _tp_box, _weights
 
@@ -46,6 +46,7 @@ class Machine:
     gloo_peer_bytes: int  # host memory gloo keeps per connected peer
     concurrency: dict[str, int]  # strategy -> concurrent GETs per rank
     request_bytes: dict[str, int]  # strategy -> largest GET (0: whole item)
+    local_Bps: float = 0.0  # a node's reads of its local tier's files (benchmarks/tier_model.py)
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -66,7 +67,8 @@ def machine_from_dict(doc: dict[str, Any]) -> Machine:
         nvlink_Bps=v["node.nvlink_GBps_each_way"] * GB, nccl_peer_bytes=int(v["peer.nccl_MiB"] * MiB),
         gloo_peer_bytes=int(v["peer.gloo_MiB"] * MiB),
         concurrency={s: int(v[f"clients.{s}.concurrency"]) for s in STRATEGIES},
-        request_bytes={s: int(v[f"clients.{s}.request_MiB"] * MiB) for s in STRATEGIES})
+        request_bytes={s: int(v[f"clients.{s}.request_MiB"] * MiB) for s in STRATEGIES},
+        local_Bps=v.get("node.local_read_GBps", 0.0) * GB)
 
 
 def flatten(doc: dict[str, Any], prefix: str = "") -> dict[str, dict[str, Any]]:
@@ -235,6 +237,7 @@ class Cell:
 
     fetched: int = 0
     requests: int = 0
+    local: int = 0  # bytes read from the node's local tier (no GETs)
     sent_intra: int = 0
     sent_inter: int = 0
     recv_intra: int = 0
@@ -309,13 +312,15 @@ def _lands_whole(r: Any) -> bool:
 
 
 def count_plan(plan: Any, ranks: Sequence[int], per_node: int, concurrency: int = 32,
-               piece: int | None = None, host_targets: bool = False, world: int | None = None) -> Counts:
+               piece: int | None = None, host_targets: bool = False, world: int | None = None,
+               local_files: Collection[str] = ()) -> Counts:
     """streamckpt: every read of an all-ranks plan, its staging and its messages. GETs as the
     reader makes them: each rank's reads of a round are one batch, cut into requests of
     ``storage.reads.piece_for(batch, piece, concurrency, spread=job_spread(world, concurrency))``
     (``piece``: the client's largest GET, default the S3 clients' ``PIECE``; ``world``: the
     job's ranks, default the planned ones), so a small job's round still spreads over
-    connections and a large job's reads stay whole.
+    connections and a large job's reads stay whole. Reads of ``local_files`` (a local tier's
+    copies) count as the reader's node-local bytes, with no GET.
     With ``host_targets`` (a CPU load), reads that land whole in this rank's targets are one
     batch of their own over all rounds, as ``loading.direct`` fetches them."""
     from streamckpt.plan.data import message_size
@@ -330,9 +335,12 @@ def count_plan(plan: Any, ranks: Sequence[int], per_node: int, concurrency: int 
     for r in plan.reads:
         reader = ranks[r.reader]
         c = out.cell(reader, r.round)
-        c.fetched += r.length
-        batches.setdefault((reader, -1 if host_targets and _lands_whole(r) else r.round), []).append(
-            (r.round, r.length))
+        if r.file in local_files:
+            c.local += r.length
+        else:
+            c.fetched += r.length
+            batches.setdefault((reader, -1 if host_targets and _lands_whole(r) else r.round), []).append(
+                (r.round, r.length))
         if r.relay:  # a relayed read spans rounds: each rank's staging in each of them
             for rank, cells in relay_costs(r, plan.targets).items():
                 for depth, cost, _ in cells:
@@ -461,8 +469,9 @@ def round_terms(counts: Counts, m: Machine, strategy: str) -> list[dict[str, flo
     """Per round, the seconds each resource needs (the slowest rank or node decides)."""
     conc = m.concurrency[strategy]
     per = [dict.fromkeys(("store connections", "first-byte latency", "node store bandwidth",
-                          "node NIC (exchange)", "NVLink"), 0.0) for _ in range(counts.rounds)]
+                          "node local read", "node NIC (exchange)", "NVLink"), 0.0) for _ in range(counts.rounds)]
     node_fetch: dict[tuple[int, int], int] = {}
+    node_local: dict[tuple[int, int], int] = {}
     node_out: dict[tuple[int, int], int] = {}
     node_in: dict[tuple[int, int], int] = {}
     for (rank, rnd), c in counts.cells.items():
@@ -474,17 +483,20 @@ def round_terms(counts: Counts, m: Machine, strategy: str) -> list[dict[str, flo
         t["NVLink"] = max(t["NVLink"], max(c.sent_intra, c.recv_intra) / m.nvlink_Bps)
         key = (rank // m.gpus_per_node, rnd)
         node_fetch[key] = node_fetch.get(key, 0) + c.fetched
+        node_local[key] = node_local.get(key, 0) + c.local
         node_out[key] = node_out.get(key, 0) + c.sent_inter
         node_in[key] = node_in.get(key, 0) + c.recv_inter
     for (node, rnd), n in node_fetch.items():
         t = per[rnd]
         t["node store bandwidth"] = max(t["node store bandwidth"], n / m.node_store_Bps)
+        if node_local[(node, rnd)]:
+            t["node local read"] = max(t["node local read"], node_local[(node, rnd)] / m.local_Bps)
         t["node NIC (exchange)"] = max(t["node NIC (exchange)"],
                                        max(node_out[(node, rnd)], node_in[(node, rnd)]) / m.nic_Bps)
     return per
 
 
-FETCH = ("store connections", "first-byte latency", "node store bandwidth")
+FETCH = ("store connections", "first-byte latency", "node store bandwidth", "node local read")
 
 
 def pipeline_seconds(per: list[dict[str, float]], overlap: bool) -> tuple[float, dict[str, float]]:
@@ -500,7 +512,8 @@ def pipeline_seconds(per: list[dict[str, float]], overlap: bool) -> tuple[float,
         fabric), so the first byte adds to the node's time too (checked in docs/SCALE.md,
         "Checked against measurement": it had been hidden behind the node's bandwidth)."""
         k = max(FETCH, key=lambda x: t[x])
-        return k, t["first-byte latency"] + max(t["store connections"], t["node store bandwidth"])
+        return k, t["first-byte latency"] + max(t["store connections"], t["node store bandwidth"],
+                                                t["node local read"])
 
     def xch(t: dict[str, float]) -> tuple[str, float]:
         k = max(("node NIC (exchange)", "NVLink"), key=lambda x: t[x])

@@ -187,3 +187,23 @@ def test_gets_are_counted_as_the_reader_cuts_them(machine: sm.Machine) -> None:
     assert job_spread(2, 32) == 16 and job_spread(4096, 32) == 1
     assert sum(c.requests for c in small.cells.values()) == sum(-(-x // (4 << 20)) for x in lengths)
     assert sum(c.requests for c in large.cells.values()) == len(lengths)  # one GET per read
+
+
+def test_a_tier_resume_reads_the_survivors_copies_and_no_bucket_byte(machine: sm.Machine) -> None:
+    """benchmarks/tier_model.py: 4 saving ranks on 2 nodes, node 1 lost: each file's holder is
+    its writer on node 0 or its partner there; the resume reads every byte from node 0's local
+    copies (no GET), charged to its local read bandwidth, and sends the rest over the fabric."""
+    from benchmarks import tier_model as tm
+
+    case = sm.Case("tiny", sm.Model("tiny", 2, 64, 128, 32, 256), sm.Layout(2, 2, 1), sm.Layout(2, 1, 2))
+    held = tm.holders(case, per_node=2, lost_node=1)
+    assert held == {"data/00000.safetensors": [0], "data/00001.safetensors": [1],
+                    "data/00002.safetensors": [0], "data/00003.safetensors": [1]}
+    assert tm.holders(case, per_node=2, lost_node=0)["data/00000.safetensors"] == [2]
+    m = dataclasses.replace(machine, local_Bps=1e9)
+    bucket, tier, where = tm.predict_tier(case, m, lost_node=1)
+    total = sum(sm.build_manifest(case).files.values())
+    assert where == {"local_GB": total / 1e9, "bucket_GB": 0.0, "files_lost": 0}
+    assert bucket.fetched_GB == pytest.approx(total / 1e9) and bucket.requests > 0
+    assert tier.fetched_GB == 0 and tier.requests == 0
+    assert tier.terms and set(tier.terms) <= {"node local read", "node NIC (exchange)", "NVLink"}

@@ -219,6 +219,9 @@ def test_restore_takes_the_newest_local_step_and_the_bucket_for_lost_bytes(tmp_p
     assert (got.step, got.source, got.bytes_local, got.bytes_bucket, got.bucket_bytes_read) == \
         (10, "local", 0, 256, 256)
     assert torch.equal(target["w"], _state(10)["w"]) and name in caplog.text and "is not used" in caplog.text
+    # found by the load's own CRC32C check (sizes alone were checked first), then every copy in full
+    assert "the load of local step 10 failed (CorruptCheckpointError" in caplog.text
+    assert "checking every local copy in full" in caplog.text
     # step 9 is newest locally once 10 is gone from both: the bucket's newest (5) is older
     folder.remove_step(10)
     import shutil
@@ -347,3 +350,61 @@ def test_training_objects_save_locally_and_restore_in_place_from_the_tier(tmp_pa
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(have["state"][i][k], want["state"][i][k]), (i, k)
     assert have["param_groups"] == want["param_groups"]
+
+
+def test_async_local_saves_return_once_staged_and_commit_in_the_background(tmp_path: Path) -> None:
+    """``async_save=True``: a local step returns a handle as soon as the state is staged; the
+    tensors the caller then overwrites do not reach the step. On a bucket step both saves are
+    in flight at once; ``wait`` ends both."""
+    w = torch.zeros(8, 8)
+    kinds = []
+    with _manager(tmp_path, async_save=True) as mgr:
+        for step in range(1, 6):
+            w.copy_(_state(step)["w"])
+            kinds.append(type(mgr.save(step, {"w": w, "n": step})).__name__)
+            w.fill_(-1.0)  # training goes on
+        mgr.wait()
+        assert mgr.steps() == [5]
+    assert kinds == ["SaveHandle"] * 5
+    folder = LocalDir(str(tmp_path / "node"), str(tmp_path / "bucket"))
+    assert sorted(folder.committed()) == [4, 5]  # local_keep=2, applied by the background save
+    for step in (5, 4):
+        target = {"w": torch.zeros(8, 8), "n": -1}
+        with _manager(tmp_path) as mgr:
+            got = mgr.restore(target, step=step)
+        assert (got.step, got.source, target["n"]) == (step, "local", step)
+        assert torch.equal(target["w"], _state(step)["w"])
+
+
+_EXIT_SCRIPT = """
+import sys, torch, streamckpt as sc
+mgr = sc.CheckpointManager(sys.argv[1], local_dir=sys.argv[2], local_every=1, save_every=100, async_save=True)
+state = {"w": torch.arange(1 << 24, dtype=torch.float32), "n": 7}
+handle = mgr.save(7, state)
+print(type(handle).__name__, handle.done(), flush=True)
+if sys.argv[3] == "raise":
+    raise RuntimeError("the training loop failed")
+"""
+
+
+@pytest.mark.parametrize("end", ["normal", "raise"])
+def test_a_local_save_in_flight_at_exit_commits_on_a_normal_end_only(tmp_path: Path, end: str) -> None:
+    """A script that ends with a local save in flight (no ``close``): a normal end finishes
+    and commits it, as a bucket save of a manager's; an uncaught exception cancels it."""
+    import subprocess
+    import sys
+
+    root, node = str(tmp_path / "bucket"), str(tmp_path / "node")
+    p = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, root, node, end], capture_output=True, text=True,
+                       timeout=120)
+    assert p.stdout.split() == ["SaveHandle", "False"], p.stderr
+    folder = LocalDir(node, root)
+    if end == "normal":
+        assert p.returncode == 0 and sorted(folder.committed()) == [7], p.stderr
+        target = {"w": torch.zeros(1 << 24), "n": -1}
+        with sc.CheckpointManager(root, local_dir=node) as mgr:
+            got = mgr.restore(target)
+        assert (got.step, got.source, target["n"]) == (7, "local", 7)
+        assert torch.equal(target["w"], torch.arange(1 << 24, dtype=torch.float32))
+    else:
+        assert p.returncode == 1 and folder.committed() == {} and "cancelling it" in p.stderr, p.stderr

@@ -43,32 +43,44 @@ def _node_env(rank: int, per_node: int) -> None:
     os.environ.update(LOCAL_WORLD_SIZE=str(per_node), LOCAL_RANK=str(rank % per_node), RANK=str(rank))
 
 
-def _manager(root: str, opts: dict[str, Any], local_dir: str) -> Any:
+def _manager(root: str, opts: dict[str, Any], local_dir: str, async_save: bool = False) -> Any:
     return sc.CheckpointManager(root, storage_options=opts, save_every=5, local_dir=local_dir, local_every=1,
-                                local_keep=2, replicas=1)
+                                local_keep=2, replicas=1, async_save=async_save)
 
 
 def save_worker(rank: int, world: int, root: str, opts: dict[str, Any], dirs: list[str], stale: str) -> dict[str, Any]:
+    """Asynchronous saves: each returns once the state is staged; the training loop then
+    overwrites its tensors at once (what the tier saved must be what was passed)."""
     _node_env(rank, 2)
     rows = ROWS // world
-    with _manager(root, opts, dirs[rank]) as mgr:
+    kinds = []
+    with _manager(root, opts, dirs[rank], async_save=True) as mgr:
+        w = sc.ShardedTensor(torch.zeros(rows, COLS), (ROWS, COLS), (rows * rank, 0))
+        b = torch.zeros(6, dtype=torch.float64)
         for step in range(1, 11):
-            w = sc.ShardedTensor(full(step)[rows * rank: rows * (rank + 1)].clone(), (ROWS, COLS), (rows * rank, 0))
-            mgr.save(step, {"w": w, "b": bias(step), "n": step})
+            w.local_tensor.copy_(full(step)[rows * rank: rows * (rank + 1)])
+            b.copy_(bias(step))
+            handle = mgr.save(step, {"w": w, "b": b, "n": step})
+            kinds.append(type(handle).__name__)
+            w.local_tensor.fill_(-1.0)  # the next step's training changes the tensors while the save goes on
+            b.fill_(-1.0)
             if step == 6:  # node 1's folder as it was at step 6: a stale one later (copied while no
-                dist.barrier()  # rank of the node changes it: after every rank's retention, before step 7)
+                mgr.wait()  # rank of the node changes it: after every rank's commit and retention, before step 7)
+                dist.barrier()
                 if rank == 2:
                     shutil.copytree(dirs[rank], stale)
                 dist.barrier()
-        return {"steps": mgr.steps()}
+        mgr.wait()
+        return {"steps": mgr.steps(), "kinds": sorted(set(kinds))}
 
 
 def killed_save_worker(rank: int, world: int, root: str, opts: dict[str, Any], dirs: list[str]) -> dict[str, Any]:
-    """Step 11's local save, with rank 3 killed while it writes its first data file (a thread
-    watching its folder ends the process): no rank may commit the step."""
+    """Step 11's local save (in the background), with rank 3 killed while it writes its first
+    data file (a thread watching its folder ends the process): no rank may commit the step;
+    the others' ``wait`` raises."""
     _node_env(rank, 2)
     rows = ROWS // world
-    with _manager(root, opts, dirs[rank]) as mgr:
+    with _manager(root, opts, dirs[rank], async_save=True) as mgr:
         if rank == 3:
             threading.Thread(target=_die_when_writing, args=(LocalDir(dirs[rank], root).step_dir(11) / "data",),
                              daemon=True).start()
@@ -76,6 +88,7 @@ def killed_save_worker(rank: int, world: int, root: str, opts: dict[str, Any], d
         big = sc.ShardedTensor(torch.ones(1 << 21), (4 << 21,), (rank << 21,))  # 8 MiB a rank: writing takes a while
         try:
             mgr.save(11, {"w": w, "b": bias(11), "n": 11, "big": big})
+            mgr.wait()
         except sc.CheckpointError as e:
             return {"error": type(e).__name__}
         return {"error": None}
@@ -132,7 +145,7 @@ def test_four_ranks_two_nodes_resume_from_peers(local_s3: Any, proxy_factory: An
     opts = local_s3.storage_options
     node0, node1, stale = str(tmp_path / "node0"), str(tmp_path / "node1"), str(tmp_path / "stale")
     saved = _run(4, save_worker, root=root, opts=opts, dirs=[node0, node0, node1, node1], stale=stale)
-    assert saved == [{"steps": [5, 10]}] * 4
+    assert saved == [{"steps": [5, 10], "kinds": ["SaveHandle"]}] * 4
     tier0, tier1 = LocalDir(node0, root), LocalDir(node1, root)
     assert sorted(tier0.committed()) == sorted(tier1.committed()) == [9, 10]  # local_keep=2
     assert sorted(LocalDir(stale, root).committed()) == [5, 6]

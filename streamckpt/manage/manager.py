@@ -31,7 +31,7 @@ from .preemption import Preemption
 from .restored import Restored
 from .restoring import restore_one
 from .retention import Policy
-from .tier import Tier, same_tier
+from .tier import Background, Tier, same_tier
 from .schedule import Schedule
 
 if TYPE_CHECKING:
@@ -287,10 +287,11 @@ class Manager:
         same_tier(self._comm, self._tier)
         self.wait()  # one save in flight: the previous one (and its retention) ends first
         on_one_rank(self._comm, self._hold_lease)
-        if self._tier is not None and self._tier.due(step):  # the local tier first: fast, and on the training thread
+        if self._tier is not None and self._tier.due(step):  # the local tier first (staged only, when async)
             bucket = force or self.save_every is None or step % self.save_every == 0
             tree = calls.expand(state, for_load=False).tree  # modules, optimizers: their state dicts
-            local = self._tier.save(self._comm, step, tree, metadata, save_kwargs.get("compression"), fallible=bucket)
+            local = self._tier.save(self._comm, step, tree, metadata, save_kwargs.get("compression"), fallible=bucket,
+                                    background=Background(self.process_group) if self.async_save else None)
             if not bucket:
                 return local  # type: ignore[return-value]  # not fallible: a SaveResult or an error
         users = on_one_rank(self._comm, lambda: self._users_of(step))
@@ -331,15 +332,16 @@ class Manager:
             CheckpointError: the save's error (``StorageError``, ``PeerError``, ...), on every rank.
         """
         handle, after = self._pending, self._after
-        if handle is None:
-            return
         try:
-            handle.result()
+            if handle is not None:
+                handle.result()
         finally:
             self._pending = None
             if after is not None:
                 after.result()
             self._after = None
+            if self._tier is not None:
+                self._tier.wait()  # the local save in flight beside it
 
     def _users_of(self, step: int) -> list[str]:
         """The other committed checkpoints that reference objects under ``step``'s prefix (a

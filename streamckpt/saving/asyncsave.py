@@ -34,7 +34,8 @@ A save marked by ``finish_at_exit`` (a ``CheckpointManager``'s) is finished and 
 instead when the script ended normally (no uncaught exception, no Ctrl-C).
 
 Process state: creating a process group is itself a collective, so the save group made
-for a training group is kept for the next save (``_SESSIONS``, keyed by that group), with
+for a training group is kept for the next save (``_SESSIONS``, keyed by that group and the
+save's purpose: ``async_save``'s, or the local tier's, which may be in flight beside it), with
 the handle of the save in flight: a second ``async_save`` on the group waits for the first
 to finish. This is the one piece of module-level state in streamckpt.
 """
@@ -191,7 +192,7 @@ class StagedShard:
 
 
 @dataclass
-class _Session:
+class SaveSession:
     comm: SoloComm | GroupComm  # the save's own group
     last: SaveHandle | None = None
     area: StagingArea | None = None  # kept for the next save with the same budget
@@ -206,6 +207,11 @@ class _Session:
         self.area.reset()
         return self.area
 
+    def settle(self) -> None:
+        """Wait for the save in flight on this group, whatever its outcome (its owner sees it)."""
+        if self.last is not None:
+            self.last.wait()
+
     def release(self, area: StagingArea | None = None) -> None:
         """Free the kept staging area (only if it is still ``area``, when given, and no save uses it)."""
         if self.area is None or (area is not None and self.area is not area):
@@ -216,11 +222,11 @@ class _Session:
         self.area = None
 
 
-_SESSIONS: dict[int, _Session] = {}
+_SESSIONS: dict[tuple[int, str], SaveSession] = {}
 _SESSIONS_LOCK = threading.Lock()
 
 
-def _forget(key: int) -> None:
+def _forget(key: tuple[int, str]) -> None:
     """The training group is gone (garbage collected): drop its session and free its staging."""
     with _SESSIONS_LOCK:
         session = _SESSIONS.pop(key, None)
@@ -228,13 +234,15 @@ def _forget(key: int) -> None:
         session.release()  # a save still in flight keeps its area; the area unpins when collected
 
 
-def _session_for(process_group: Any) -> _Session:
-    """The save group of ``process_group`` (created on first use: a collective of its ranks).
+def session_for(process_group: Any, purpose: str = "save") -> SaveSession:
+    """The save group of ``process_group`` for ``purpose`` (created on first use: a collective
+    of its ranks). ``purpose``: ``"save"`` (``async_save``) or another kind of background save
+    that may be in flight beside it with its own group, thread and staging (the local tier's).
 
     Keyed by the training group's id; the session goes (and its staging is freed) when that
     group is garbage collected, so the id cannot be reused by a stale entry."""
     train = make_comm(process_group)
-    key = 0 if isinstance(train, SoloComm) else id(train.group)
+    key = (0 if isinstance(train, SoloComm) else id(train.group), purpose)
     with _SESSIONS_LOCK:
         session = _SESSIONS.get(key)
         if session is not None:
@@ -247,7 +255,7 @@ def _session_for(process_group: Any) -> _Session:
         with warn_if_peers_late(train, "sc.async_save"):  # its first wait for the others: a rank-0-only call waits here
             comm = GroupComm(_new_save_group(dist, train.group, ranks))
     with _SESSIONS_LOCK:
-        session = _SESSIONS.setdefault(key, _Session(comm))
+        session = _SESSIONS.setdefault(key, SaveSession(comm))
     if not isinstance(train, SoloComm) and session.comm is comm:
         try:
             weakref.finalize(train.group, _forget, key)
@@ -295,9 +303,8 @@ def start_save(
     ``failed``: the caller's own setup failed (a bad ``progress``): raised on every rank."""
     if cuda is None and torch.cuda.is_available():
         cuda = TorchCuda()
-    session = _session_for(process_group)  # a collective on first use: every rank comes here, even failing
-    if session.last is not None:
-        session.last.wait()  # at most one save in flight per group
+    session = session_for(process_group)  # a collective on first use: every rank comes here, even failing
+    session.settle()  # at most one save in flight per group
     try:  # a mistake here on one rank fails the save on every rank, in its first collective
         if failed is not None:
             raise failed
@@ -316,18 +323,34 @@ def start_save(
     except BaseException:
         storage.close()
         raise
+
+    def work(shards: list[StagedShard], released: Callable[[int], None], cancelled: Callable[[], bool]) -> SaveResult:
+        return write_and_commit(session.comm, storage, prep, shards,  # type: ignore[arg-type]
+                                on_written=released, cuda=cuda, progress=progress, cancelled=cancelled)
+
+    return start_staged(session, storage, prep, cuda, staging_budget, work)
+
+
+Work = Callable[[list[StagedShard], Callable[[int], None], Callable[[], bool]], SaveResult]
+
+
+def start_staged(session: SaveSession, storage: Storage, prep: Prepared, cuda: CudaApi | None,
+                 staging_budget: int | None, work: Work) -> SaveHandle:
+    """Stage ``prep``'s items in ``session``'s area (on this thread) and run
+    ``work(shards, released, cancelled)`` on a background thread: it writes the staged shards
+    (``released(i)`` once shard ``i`` is written, which frees its room), asks ``cancelled()``
+    between steps, and does the save's remaining collectives on ``session.comm``. Closes
+    ``storage`` when it ends."""
     devices = [cuda.device_of(t.tensor) if cuda is not None else t.tensor.device for t in prep.local]
     gpu = next((d for d in devices if d.type == "cuda"), None)
     share = StagingArea.needed(it.spec.nbytes for it in prep.items)
     area = session.staging(staging_budget, gpu, share, cuda)
-    handle = _start(session.comm, storage, prep, area, cuda, lambda: session.release(area), progress)
+    handle = _start(storage, prep, area, lambda: session.release(area), work)
     session.last = handle
     return handle
 
 
-def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, area: StagingArea,
-           cuda: CudaApi | None, release: Callable[[], None],
-           progress: Callable[[int], None] | None = None) -> SaveHandle:
+def _start(storage: Storage, prep: Prepared, area: StagingArea, release: Callable[[], None], work: Work) -> SaveHandle:
     shards = [StagedShard(it.spec) for it in prep.items]
     future: cf.Future[SaveResult] = cf.Future()
     cancelled = threading.Event()
@@ -339,9 +362,7 @@ def _start(comm: SoloComm | GroupComm, storage: Storage, prep: Prepared, area: S
     def background() -> None:
         outcome: SaveResult | BaseException
         try:
-            outcome = write_and_commit(comm, storage, prep, shards,  # type: ignore[arg-type]
-                                       on_written=released, cuda=cuda, progress=progress,
-                                       cancelled=cancelled.is_set)
+            outcome = work(shards, released, cancelled.is_set)
         except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
             area.fail()
             outcome = e

@@ -24,8 +24,9 @@ from ...comm import GroupComm, SoloComm
 from ...errors import CheckpointError, IncompatibleStateDictError, MissingKeysError, StorageError
 from ...loading.loader import local_world_size
 from ...results import SaveResult
+from ...saving.asyncsave import SaveHandle, finish_at_exit
 from .localdir import LocalDir
-from .localsave import save_local
+from .localsave import Background, save_local
 from .partners import Topology, topology
 from .restore import LOAD_OPTIONS, FromTier, restore_from_tier
 
@@ -43,6 +44,7 @@ class Tier:
     keep: int
     replicas: int
     _topology: Topology | None = None
+    _pending: tuple[SaveHandle, int, bool] | None = None  # a background local save: (handle, step, fallible)
 
     @classmethod
     def make(cls, local_dir: Any, root: str, local_every: Any, local_keep: Any, replicas: Any) -> "Tier":
@@ -85,20 +87,45 @@ class Tier:
         return self._topology
 
     def save(self, comm: SoloComm | GroupComm, step: int, state: Mapping[str, Any], metadata: dict[str, Any],
-             compression: str | None, fallible: bool = False) -> SaveResult | None:
+             compression: str | None, fallible: bool = False,
+             background: Background | None = None) -> SaveResult | SaveHandle | None:
         """The local save of ``step`` (collective). ``fallible``: the step also goes to the bucket,
-        which must not be kept from it by a local failure (agreed on every rank): logged, None."""
+        which must not be kept from it by a local failure (agreed on every rank): logged, None.
+        ``background``: stage and return a ``SaveHandle`` (``save_local``); ``wait`` ends it."""
+        self.wait()
         try:
-            return save_local(comm, self.folder, state, step=step, metadata=metadata, compression=compression,
-                              topology=self.topology(comm), replicas=self.replicas, keep=self.keep)
+            got = save_local(comm, self.folder, state, step=step, metadata=metadata, compression=compression,
+                             topology=self.topology(comm), replicas=self.replicas, keep=self.keep,
+                             background=background)
         except (IncompatibleStateDictError, MissingKeysError):
             raise  # the caller's state: the bucket save would refuse it too
         except CheckpointError as e:
-            if not fallible:
-                raise
-            log.warning("local tier: the local save of step %d failed (%s: %s); saving it to the bucket", step,
-                        type(e).__name__, e)
+            self._failed(step, e, fallible)
             return None
+        if isinstance(got, SaveHandle):
+            self._pending = (got, step, fallible)
+            finish_at_exit(got, "mgr.wait() or mgr.close()", self.wait)  # a normal exit commits it
+        return got
+
+    def wait(self) -> None:
+        """Wait for the local save in flight (if any) to commit.
+
+        Raises:
+            CheckpointError: its error, on every rank, when that step had no bucket save.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            handle, step, fallible = pending
+            try:
+                handle.result()
+            except CheckpointError as e:
+                self._failed(step, e, fallible)
+
+    def _failed(self, step: int, error: CheckpointError, fallible: bool) -> None:
+        if not fallible:
+            raise error
+        log.warning("local tier: the local save of step %d failed (%s: %s); the step still goes to the bucket", step,
+                    type(error).__name__, error)
 
     def restore(self, comm: SoloComm | GroupComm, state_dict: Any, *, bucket_steps: Callable[[], list[int]],
                 bucket_uri: Callable[[int], str], storage_options: dict[str, Any] | None,
@@ -147,4 +174,4 @@ def same_tier(comm: SoloComm | GroupComm, tier: Tier | None) -> None:
             f"pass local_dir (each its node's folder), local_every, local_keep and replicas alike")
 
 
-__all__ = ["FromTier", "Tier", "same_tier"]
+__all__ = ["Background", "FromTier", "Tier", "same_tier"]

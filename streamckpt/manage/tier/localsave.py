@@ -15,16 +15,19 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from ...comm import P2P, GroupComm, SoloComm
 from ...core import manifest as mf, tree as trees
 from ...errors import CheckpointError
+from ...cuda.runtime import CudaApi, TorchCuda
 from ...results import SaveResult
-from ...saving.saver import assemble, gather_json, prepare, same_call, to_write
+from ...saving.asyncsave import SaveHandle, session_for, start_staged
+from ...saving.saver import CANCELLED, Prepared, assemble, gather_json, prepare, same_call, to_write
 from ...saving.writer import write_data_files
 from ...storage import Storage
 from .localdir import LocalDir
@@ -45,10 +48,22 @@ def data_name(rank: int, index: int, compression: str | None) -> str:
 
 def save_local(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: Mapping[str, Any], *, step: int,
                metadata: dict[str, Any], compression: str | None, topology: Topology, replicas: int,
-               keep: int) -> SaveResult:
+               keep: int, background: "Background | None" = None) -> SaveResult | SaveHandle:
     """Save ``state_dict`` as local step ``step`` on every rank (collective); returns this
-    rank's result (its own files and what it received). Raises the agreed error on every rank."""
+    rank's result (its own files and what it received). Raises the agreed error on every rank.
+
+    ``background``: a ``Background`` (the training group and CUDA runtime): stage the state in
+    host memory and return a ``SaveHandle`` at once, as ``async_save`` does; the files are
+    written, replicated, checked and committed on a thread of their own, over the tier's own
+    process group. The caller's tensors may change as soon as this returns."""
     t0 = time.perf_counter()
+    session = None
+    cuda = None
+    if background is not None:
+        cuda = background.cuda if background.cuda is not None or not torch.cuda.is_available() else TorchCuda()
+        session = session_for(background.process_group, "local-tier")  # a collective on first use
+        session.settle()
+        comm = session.comm
     own: BaseException | None = None
     same_call(comm, f"{folder.root}#local-step-{step}", CALL, compression=compression, replicas=replicas)
     try:
@@ -57,67 +72,101 @@ def save_local(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: Mapping
         own = CheckpointError(f"local tier: cannot prepare {folder.step_dir(step)}: {e}")
     comm.agree(own)  # every rank's folder is clean before any rank writes into a shared one
     storage = Storage(str(folder.step_dir(step)))
-    try:
-        return _save(comm, folder, storage, state_dict, step, metadata, compression, topology, replicas, keep, t0)
+    job = _Job(comm, folder, step, compression, topology, replicas, keep, t0)
+    try:  # the sync path closes storage below; the background's thread closes it when it ends
+        prep = prepare(comm, storage, state_dict, compression=compression, metadata=metadata, overwrite=True,
+                       call=CALL, same=False, cuda=cuda)
+        if session is None:
+            return job.run(storage, prep, to_write(prep.items, prep.local))
+    except BaseException:
+        if session is not None:
+            storage.close()
+        raise
     finally:
-        storage.close()
+        if session is None:
+            storage.close()
+    return start_staged(session, storage, prep, cuda, None,  # closes storage when it ends
+                        lambda shards, released, cancelled: job.run(storage, prep, shards, released, cancelled))
 
 
-def _save(comm: SoloComm | GroupComm, folder: LocalDir, storage: Storage, state_dict: Mapping[str, Any], step: int,
-          metadata: dict[str, Any], compression: str | None, topo: Topology, replicas: int, keep: int,
-          t0: float) -> SaveResult:
-    prep = prepare(comm, storage, state_dict, compression=compression, metadata=metadata, overwrite=True,
-                   call=CALL, same=False)
-    own: BaseException | None = None
-    records: list[tuple[str, mf.Shard]] = []
-    files: dict[str, int] = {}
-    mine = to_write(prep.items, prep.local)
-    try:
-        if mine:
-            records, files = write_data_files(storage, lambda i: data_name(comm.rank, i, compression), mine,
-                                              compression=compression, shape=prep.upload)
-    except CheckpointError as e:
-        own = e
-    doc = {"files": files, "records": [[k, json.loads(json.dumps(mf._shard_doc(s)))] for k, s in records],
-           "tree": prep.tree if comm.rank != 0 and prep.tree else None}
-    per_rank = gather_json(comm, doc, own)
-    writers = {name: r for r, d in enumerate(per_rank) for name in d["files"]}
-    usable = topo.usable_replicas(replicas)
-    keepers = {name: [r, *topo.partners(r, usable)] for name, r in writers.items()}
-    blob: bytes | None = None
-    try:
-        if comm.rank == 0:
-            tree = prep.tree
-            for d in per_rank[1:]:
-                if d.get("tree"):
-                    tree = trees.merge(tree, d["tree"])
-            meta = {**prep.metadata, LOCAL_KEY: local_metadata(folder.root, step, keepers, comm.world_size,
-                                                               topo.ranks_per_node, usable)}
-            blob = mf.to_json(assemble(prep.all_specs, per_rank, prep.values, tree, meta, storage))
-    except CheckpointError as e:
-        own = e
-    comm.agree(own)
-    blob = comm.broadcast_bytes(blob if comm.rank == 0 else None)
-    local = parse(blob, f"the local manifest of step {step}")
-    received = 0
-    try:
-        received = replicate(comm, storage, per_rank, topo, usable)
-        check_held(local, folder.step_dir(step), [n for n, ks in keepers.items() if comm.rank in ks])
-    except CheckpointError as e:
-        own = e
-    comm.agree(own)  # every rank keeps all it should: commit
-    try:
-        folder.commit(step, blob)
-    except OSError as e:
-        own = CheckpointError(f"local tier: cannot commit {folder.step_dir(step)}: {e}")
-    comm.agree(own)
-    removed = folder.retain(keep)
-    if removed:
-        log.info("local tier: removed local step(s) %s of %s (local_keep=%d)", removed, folder.root, keep)
-    result = SaveResult(uri=str(folder.step_dir(step)), files=sorted(files),
-                        bytes_written=sum(files.values()) + received, seconds=time.perf_counter() - t0)
-    result.requests = len(files)
-    return result
+@dataclass(frozen=True, slots=True)
+class Background:
+    """What a background local save needs beside the state: the training group (its tier
+    session's key) and the CUDA runtime (None: torch's, where CUDA is available)."""
+
+    process_group: Any
+    cuda: CudaApi | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """A local save after ``prepare``: write, replicate, check, commit, retain."""
+
+    comm: SoloComm | GroupComm
+    folder: LocalDir
+    step: int
+    compression: str | None
+    topo: Topology
+    replicas: int
+    keep: int
+    t0: float
+
+    def run(self, storage: Storage, prep: Prepared, mine: Sequence[Any], on_written: Any = None,
+            cancelled: Callable[[], bool] = lambda: False) -> SaveResult:
+        comm, folder, step, compression = self.comm, self.folder, self.step, self.compression
+        own: BaseException | None = None
+        records: list[tuple[str, mf.Shard]] = []
+        files: dict[str, int] = {}
+        try:
+            if mine:
+                records, files = write_data_files(storage, lambda i: data_name(comm.rank, i, compression), mine,
+                                                  compression=compression, shape=prep.upload, on_written=on_written)
+            if cancelled():
+                raise CheckpointError(CANCELLED)
+        except CheckpointError as e:
+            own = e
+        doc = {"files": files, "records": [[k, json.loads(json.dumps(mf._shard_doc(s)))] for k, s in records],
+               "tree": prep.tree if comm.rank != 0 and prep.tree else None}
+        per_rank = gather_json(comm, doc, own)
+        writers = {name: r for r, d in enumerate(per_rank) for name in d["files"]}
+        usable = self.topo.usable_replicas(self.replicas)
+        keepers = {name: [r, *self.topo.partners(r, usable)] for name, r in writers.items()}
+        blob: bytes | None = None
+        try:
+            if comm.rank == 0:
+                tree = prep.tree
+                for d in per_rank[1:]:
+                    if d.get("tree"):
+                        tree = trees.merge(tree, d["tree"])
+                meta = {**prep.metadata, LOCAL_KEY: local_metadata(folder.root, step, keepers, comm.world_size,
+                                                                   self.topo.ranks_per_node, usable)}
+                blob = mf.to_json(assemble(prep.all_specs, per_rank, prep.values, tree, meta, storage))
+        except CheckpointError as e:
+            own = e
+        comm.agree(own)
+        blob = comm.broadcast_bytes(blob if comm.rank == 0 else None)
+        local = parse(blob, f"the local manifest of step {step}")
+        received = 0
+        try:
+            received = replicate(comm, storage, per_rank, self.topo, usable)
+            check_held(local, folder.step_dir(step), [n for n, ks in keepers.items() if comm.rank in ks])
+            if cancelled():
+                raise CheckpointError(CANCELLED)
+        except CheckpointError as e:
+            own = e
+        comm.agree(own)  # every rank keeps all it should: commit
+        try:
+            folder.commit(step, blob)
+        except OSError as e:
+            own = CheckpointError(f"local tier: cannot commit {folder.step_dir(step)}: {e}")
+        comm.agree(own)
+        removed = folder.retain(self.keep)
+        if removed:
+            log.info("local tier: removed local step(s) %s of %s (local_keep=%d)", removed, folder.root, self.keep)
+        result = SaveResult(uri=str(folder.step_dir(step)), files=sorted(files),
+                            bytes_written=sum(files.values()) + received, seconds=time.perf_counter() - self.t0)
+        result.requests = len(files)
+        return result
 
 
 def replicate(comm: SoloComm | GroupComm, storage: Storage, per_rank: Sequence[Any], topo: Topology,
@@ -173,4 +222,4 @@ def check_held(local: LocalStep, folder: Path, names: Sequence[str]) -> None:
             raise CheckpointError(f"local tier: step {local.step} is not committed: {why}")
 
 
-__all__ = ["data_name", "gather_json", "replicate", "save_local"]
+__all__ = ["Background", "data_name", "gather_json", "replicate", "save_local"]

@@ -1,9 +1,11 @@
 """A restore from the memory/peer tier: the newest step the survivors hold, in one plan.
 
 Every rank reports what its folder holds (``holdings``); for the newest candidate step the
-lowest rank holding its save sends the local manifest to all, every rank checks the files
-it holds of that save (``verify``: size, CRC32Cs, digests; a bad one is dropped with a
-warning naming it), and the ranks gather who holds what. Files no surviving rank holds are
+lowest rank holding its save sends the local manifest to all, every rank checks the size of
+the files it holds of that save, and the ranks gather who holds what. The load checks each
+chunk's CRC32C as it reads it; when it fails, every rank checks its copies in full
+(``verify``: size, CRC32Cs, digests; a bad one is dropped with a warning naming it) and the
+step is loaded again from the copies that passed. Files no surviving rank holds are
 read from the bucket's checkpoint of the same step, when it holds the very same bytes
 (``holdings.same_file``); otherwise the step is passed over. The load is then one plan over
 one manifest (``loading.run_load`` with ``holders``): a local file is read only by a rank
@@ -20,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 from ...comm import GroupComm, SoloComm
 from ...core import manifest as mf
-from ...errors import CheckpointError
+from ...errors import CheckpointError, IncompatibleStateDictError, MissingKeysError
 from ...formats.native import read_native_bytes
 from ...loading.loader import LoadRequest, run_load
 from ...plan.data import LoadPlan, PlanOptions
@@ -77,19 +79,30 @@ def restore_from_tier(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: 
         if save is None:
             return None
         local = _shared_manifest(comm, save, mine)
-        holders = _verified_holders(comm, folder, save, local)
-        lost = missing_files(local.manifest, holders)
-        if lost and (s not in bucket_steps or not _bucket_has(comm, bucket_uri(s), storage_options, local, lost)):
-            log.warning("local tier: step %d cannot be restored from the tier: no surviving rank holds %d file(s) "
-                        "(%s)%s", s, len(lost), ", ".join(lost[:5]),
-                        "; the bucket's checkpoint of that step is restored instead" if s in bucket_steps else "")
-            if s in bucket_steps:
-                return None
-            skipped.append((str(folder.step_dir(s)), f"no surviving rank holds {', '.join(lost[:5])}"))
-            continue
-        got = _load(comm, folder, state_dict, local, holders, lost, bucket_uri(s), storage_options, load_kwargs)
-        got.skipped = skipped
-        return got
+        for whole in (False, True):  # first trusting the load's own checks; after a failure, each copy in full
+            holders = _verified_holders(comm, folder, save, local, whole)
+            lost = missing_files(local.manifest, holders)
+            if lost and (s not in bucket_steps or not _bucket_has(comm, bucket_uri(s), storage_options, local, lost)):
+                log.warning("local tier: step %d cannot be restored from the tier: no surviving rank holds %d "
+                            "file(s) (%s)%s", s, len(lost), ", ".join(lost[:5]),
+                            "; the bucket's checkpoint of that step is restored instead" if s in bucket_steps else "")
+                if s in bucket_steps:
+                    return None
+                skipped.append((str(folder.step_dir(s)), f"no surviving rank holds {', '.join(lost[:5])}"))
+                break
+            try:
+                got = _load(comm, folder, state_dict, local, holders, lost, bucket_uri(s), storage_options,
+                            load_kwargs)
+            except (IncompatibleStateDictError, MissingKeysError):
+                raise  # the caller's own mistake: no copy is to blame
+            except CheckpointError as e:  # agreed on every rank
+                if whole:
+                    raise
+                log.warning("local tier: the load of local step %d failed (%s: %s); checking every local copy in "
+                            "full and loading it again", s, type(e).__name__, e)
+                continue
+            got.skipped = skipped
+            return got
     return None
 
 
@@ -103,15 +116,20 @@ def _shared_manifest(comm: SoloComm | GroupComm, save: Save, mine: Mapping[str, 
     return parse(blob, f"the local manifest of step {save.step}")
 
 
-def _verified_holders(comm: SoloComm | GroupComm, folder: LocalDir, save: Save, local: LocalStep
-                      ) -> dict[str, list[int]]:
-    """file -> the ranks whose copy passed every check (each rank checks its own copies)."""
+def _verified_holders(comm: SoloComm | GroupComm, folder: LocalDir, save: Save, local: LocalStep,
+                      whole: bool) -> dict[str, list[int]]:
+    """file -> the ranks whose copy passed the checks (each rank checks its own copies): its
+    size; with ``whole``, also every chunk's CRC32C and every shard's digest. Without, the load
+    checks the CRC32C of every chunk it reads before any byte of it is used, as every load
+    does, and a failure there brings the whole check (``restore_from_tier``): a copy read
+    without a defect is not read twice."""
     by_file = local.shards_by_file()
     good = []
     for name, ranks in save.holders.items():
         if comm.rank not in ranks:
             continue
-        why = check_file(folder.step_dir(save.step) / name, local.manifest.files[name], by_file.get(name, []))
+        why = check_file(folder.step_dir(save.step) / name, local.manifest.files[name],
+                         by_file.get(name, []) if whole else [])
         if why is None:
             good.append(name)
         else:
