@@ -102,6 +102,38 @@ def test_a_read_moves_to_a_holder_that_needs_it_else_the_least_loaded_holder() -
         constrain_readers(plan, {next(iter(files)): []})
 
 
+@pytest.mark.parametrize("per_node", [0, 2])
+def test_a_holder_that_needs_none_of_a_replicated_read_roots_its_relay(per_node: int) -> None:
+    """Rank 0 holds the file and needs nothing of it; ranks 1-7 each need all of it (a tensor
+    replicated over data-parallel ranks). The read keeps a relay with rank 0 as its root: no
+    rank sends a piece to more than ``max_peers`` ranks, where going straight from the holder
+    would send it 7 times; every target fills."""
+    from streamckpt.core.targets import TargetSpec
+    from streamckpt.plan.routes import hops_of
+
+    rng = random.Random(5)
+    manifest, files, original = _make_checkpoint(rng, (16, 8))
+    code = manifest.tensors["w"].dtype
+    world = 8
+    targets = [[]] + [[TargetSpec("w", code, (16, 8), (0, 0), (16, 8), None)] for _ in range(world - 1)]
+    opts = PlanOptions(max_peers=2, ranks_per_node=per_node)
+    plan = build_plan(manifest, targets, opts)
+    assert all(r.relay for r in plan.reads)
+    constrain_readers(plan, {f: [0] for f in files})
+    assert all(r.reader == 0 and r.root and r.relay for r in plan.reads)
+    for r in plan.reads:
+        sent: dict[tuple[int, int], set[int]] = {}
+        for depth, src, dst, _ in hops_of(r, plan.targets):
+            sent.setdefault((depth, src), set()).add(dst)
+        assert max(len(v) for v in sent.values()) <= 2  # each rank, each depth: at most max_peers receivers
+        assert {dst for _, _, dst, _ in hops_of(r, plan.targets)} == set(range(1, world))
+    check_staging_fits([plan] * world, opts)
+    dests, _ = simulate(plan, files, world, targets, torch.float32)
+    for rank in range(1, world):
+        assert torch.equal(dests[rank].tensors[plan.rank_targets[rank][0]], original)
+    assert bytes_by_reader(plan, 3, set(files)) == (0, original.nbytes, 0)
+
+
 # ------------------------------------------------------------------ holdings
 
 

@@ -254,3 +254,41 @@ def test_one_node_keeps_no_copies_and_says_so(local_s3: Any, tmp_path: Path) -> 
     assert [(r["mistake"], r["skipped"]) for r in got] == [(True, None)] * 2
     assert [(r["warned"], r["step"], r["source"], r["w"], r["bucket"], r["keepers"]) for r in got] == [
         (True, 3, "local", True, 0, files), (False, 3, "local", True, 0, files)]
+
+
+def relay_save_worker(rank: int, world: int, root: str, opts: dict[str, Any], dirs: list[str]) -> dict[str, Any]:
+    _node_env(rank, 1)  # 2 nodes of one rank: each keeps the other's file
+    half = 64 // world
+    emb = sc.ShardedTensor(_emb()[half * rank: half * (rank + 1)].clone(), (64, 32), (half * rank, 0))
+    with _manager(root, opts, dirs[rank]) as mgr:
+        mgr.save(1, {"emb": emb, "b": bias(1), "n": 1})
+    return {}
+
+
+def _emb() -> torch.Tensor:
+    return torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32) / 7
+
+
+def relay_restore_worker(rank: int, world: int, root: str, opts: dict[str, Any], dirs: list[str]) -> dict[str, Any]:
+    """Ranks 0-1 hold every file and need only ``b``; ranks 2-11 each need all of ``emb``
+    (replicated): more ranks than one sends to directly, so its reads are relayed with the
+    holders as the roots (``plan.holders``), through the executor's relay path."""
+    _node_env(rank, 2)
+    state: dict[str, Any] = {"b": torch.zeros(6, dtype=torch.float64), "n": -1}
+    if rank >= 2:
+        state["emb"] = torch.zeros(64, 32)
+    with _manager(root, opts, dirs[rank]) as mgr:
+        got = mgr.restore(state)
+    return {"source": got.source, "step": got.step, "b": torch.equal(state["b"], bias(1)),
+            "emb": rank < 2 or torch.equal(state["emb"], _emb()), "bucket": got.bucket_bytes_read,
+            "peers": got.bytes_peers}
+
+
+def test_holders_that_need_none_of_a_replicated_tensor_relay_it(local_s3: Any, tmp_path: Path) -> None:
+    root = f"s3://{BUCKET}/tier-relay-{uuid.uuid4().hex[:10]}"
+    dirs = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    _run(2, relay_save_worker, root=root, opts=local_s3.storage_options, dirs=dirs)
+    empty = [str(tmp_path / f"new{k}") for k in range(10)]
+    got = _run(12, relay_restore_worker, root=root, opts=local_s3.storage_options, dirs=dirs + empty)
+    assert [(r["source"], r["step"], r["b"], r["emb"], r["bucket"]) for r in got] == [("local", 1, True, True, 0)] * 12
+    assert all(r["peers"] == 64 * 32 * 4 + 6 * 8 for r in got[2:])  # all of it from the holders, over the exchange

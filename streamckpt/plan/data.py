@@ -209,6 +209,7 @@ class Read:
     relay: int = 0  # relayed among its holders within this many peers per round (``max_peers``); 0: sent directly
     grid: tuple[int, ...] = ()  # relayed over its holders as a grid of these sizes (``grid_hops``), not a tree
     grid_nodes: bool = False  # the grid's first dimension is each node's holders, crossed last
+    root: bool = False  # relayed from a reader that needs none of it (a tier's holder): one more holder
 
     @property
     def length(self) -> int:
@@ -385,8 +386,12 @@ def messages_of(r: Read, targets: Sequence[Target]) -> dict[int, list[Copy]]:
 
 
 def holders_of(r: Read, targets: Sequence[Target]) -> list[int]:
-    """The ranks a relayed read goes to (all its copies go to one holder set)."""
-    return targets[r.copies[0].target].needers
+    """The ranks of a relayed read's tree or grid, ascending: its copies' one holder set, and
+    with ``r.root`` its reader too (which sends the piece on and keeps none of it)."""
+    needers = targets[r.copies[0].target].needers
+    if not r.root:
+        return needers
+    return sorted([r.reader, *needers])
 
 
 def ranks_of(r: Read, targets: Sequence[Target]) -> tuple[int, ...]:

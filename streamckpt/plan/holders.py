@@ -5,10 +5,12 @@ that needs it. A memory/peer tier breaks that for its files: only the ranks that
 can read one. ``constrain_readers`` takes a complete plan (``build_plan(..., rank=None)``, the
 same on every rank) and a per-file set of ranks allowed to read it, and moves each read whose
 reader may not read its file to an allowed rank: one that needs the bytes when there is one
-(nothing to send), else the allowed rank with the fewest bytes to read. The moved read then
-goes straight from its new reader to every rank that needs it (no relay tree: its reader is
-not one of the holders the tree was built over). Files not named are unconstrained (the
-bucket: anyone reads them). Pure; deterministic, so every rank moves the same reads alike.
+(nothing to send), else the allowed rank with the fewest bytes to read. A read the planner
+relays keeps a relay: over the same holders when its new reader is one of them, else with the
+reader joined to them as the root (``Read.root``): a tier's holder sending a replicated
+tensor to 128 data-parallel ranks would otherwise send it 128 times over its NIC. Files not
+named are unconstrained (the bucket: anyone reads them). Pure; deterministic, so every rank
+moves the same reads alike.
 
 When a read moved, the rounds are packed again (``RoundPacker``, as the planner packs them),
 so that every rank's rounds stay within the memory budget with its new reads; a moved read that
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 from typing import Collection, Mapping, Sequence
 
-from .data import Copy, LoadPlan, Read, Target, ranks_of, wire_length
+from .data import Copy, LoadPlan, Read, Target, holders_of, ranks_of, wire_length
 from .rounds import RoundPacker
+from .routes import grid_shape, node_grid
 
 
 def constrain_readers(plan: LoadPlan, holders: Mapping[str, Collection[int]]) -> int:
@@ -48,12 +51,25 @@ def constrain_readers(plan: LoadPlan, holders: Mapping[str, Collection[int]]) ->
         load[r.reader] -= r.length
         load[best] += r.length
         r.reader = best
-        r.relay, r.grid, r.grid_nodes = 0, (), False
         r.private = needers == {best}
+        if r.relay and best not in needers:
+            _root_relay(r, plan)
         moved.add(id(r))
     if moved:
         _repack(plan, moved)
     return len(moved)
+
+
+def _root_relay(r: Read, plan: LoadPlan) -> None:
+    """A relayed read whose new reader needs none of it: the reader joins its holders as the
+    root of the grid (or tree), so the piece still enters each node once and no rank sends
+    it to more than ``max_peers`` others, as the planner relays it (``planner._relay``)."""
+    r.root = True
+    holders = holders_of(r, plan.targets)
+    r.relay = max(2, plan.options.max_peers)
+    r.grid = node_grid(holders, r.relay, plan.options.ranks_per_node)
+    r.grid_nodes = bool(r.grid)
+    r.grid = r.grid or grid_shape(len(holders), r.relay)
 
 
 def _repack(plan: LoadPlan, moved: set[int]) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from .data import Read, Target, is_packed, message_layout, read_cost
+from .data import Read, Target, holders_of, is_packed, message_layout, read_cost
 from .routes import costs_of, grid_entries, relay_costs
 from .needs import Group
 from .ranksets import RankSets
@@ -190,7 +190,7 @@ class RoundPacker:
         """Place a relayed read: the earliest first round where, at every depth, each rank has
         room for its bytes and stays within ``max_peers`` distinct relay peers. A rank's
         first depth decides (its later depths fall in rounds after its current one)."""
-        key = tuple(targets[r.copies[0].target].needers)
+        key = tuple(holders_of(r, targets))
         # a holder set's pieces come in file order and take rounds about in that order: the
         # search starts at the last one's (not at round 0, past every booked round)
         low = self.last.get(key, 0)
@@ -220,7 +220,7 @@ class RoundPacker:
         fit off a multiple of the grid's dimension count moves to the next multiple when that
         fits within ``PHASE_SLACK`` rounds: grids of one size start their pieces together, and
         a holder set does not drift into rounds that fetch for it alone."""
-        holders = targets[r.copies[0].target].needers
+        holders = holders_of(r, targets)
         size = message_layout(r.copies)[1]
         packed = is_packed(r.copies)
         dims = len(r.grid)
