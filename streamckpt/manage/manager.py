@@ -104,9 +104,9 @@ class Manager:
             holder (a holder silent that long, of the same launcher job, or a dead pid on this
             host is taken over at once: a requeued job is not held up). Readers (restore, steps,
             ls) never take it. Default 60; None: no lease (one writer per root is the caller's rule).
-        local_dir: A node-local folder for the memory/peer tier (docs/resuming-from-peers.md):
-            local steps, copied to ``replicas`` partners on other nodes; ``restore`` takes the
-            newest step the survivors hold, the bucket only for bytes none holds. Default None.
+        local_dir: A node-local folder for the memory/peer tier (docs/resuming-from-peers.md): local
+            steps (staged, then written in the background with ``async_save``), copied to ``replicas``
+            partners on other nodes; ``restore`` takes the newest step the survivors hold. Default None.
         local_every: The steps divisible by it are saved locally (the bucket keeps ``save_every``;
             a step due for neither goes to the bucket). Default None: every step saved.
         local_keep: Local steps each rank keeps (default 2). replicas: partner copies (default 1).

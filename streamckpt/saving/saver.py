@@ -297,11 +297,8 @@ def write_and_commit(
 
     try:
         if comm.rank == 0:
-            tree = prep.tree
-            for d in per_rank[1:]:
-                if d.get("tree"):
-                    tree = trees.merge(tree, d["tree"])
-            manifest = _assemble(prep.all_specs, per_rank, prep.values, tree, prep.metadata, storage)
+            manifest = _assemble(prep.all_specs, per_rank, prep.values, merged_tree(prep, per_rank), prep.metadata,
+                                 storage)
             blob = mf.to_json(manifest)
             expect_total(progress, len(blob))
             check_present(storage, manifest)
@@ -319,6 +316,15 @@ def write_and_commit(
     if comm.rank == 0:
         log.info("streamckpt save %s: %d files, %.3f s", storage.describe(""), len(result.files), result.seconds)
     return result
+
+
+def merged_tree(prep: Prepared, per_rank: Sequence[Any]) -> Any:
+    """Rank 0's tree of the state with the parts only other ranks hold (their gathered docs)."""
+    tree = prep.tree
+    for d in per_rank[1:]:
+        if d.get("tree"):
+            tree = trees.merge(tree, d["tree"])
+    return tree
 
 
 def _count_puts(comm: SoloComm | GroupComm, storage: Storage, result: SaveResult, per_rank: Sequence[Any],

@@ -22,12 +22,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ...comm import P2P, GroupComm, SoloComm
-from ...core import manifest as mf, tree as trees
+from ...core import manifest as mf
 from ...errors import CheckpointError
 from ...cuda.runtime import CudaApi, TorchCuda
 from ...results import SaveResult
 from ...saving.asyncsave import SaveHandle, session_for, start_staged
-from ...saving.saver import CANCELLED, Prepared, assemble, gather_json, prepare, same_call, to_write
+from ...saving.saver import CANCELLED, Prepared, assemble, gather_json, merged_tree, prepare, same_call, to_write
 from ...saving.writer import write_data_files
 from ...storage import Storage
 from .localdir import LocalDir
@@ -134,13 +134,10 @@ class _Job:
         blob: bytes | None = None
         try:
             if comm.rank == 0:
-                tree = prep.tree
-                for d in per_rank[1:]:
-                    if d.get("tree"):
-                        tree = trees.merge(tree, d["tree"])
                 meta = {**prep.metadata, LOCAL_KEY: local_metadata(folder.root, step, keepers, comm.world_size,
                                                                    self.topo.ranks_per_node, usable)}
-                blob = mf.to_json(assemble(prep.all_specs, per_rank, prep.values, tree, meta, storage))
+                blob = mf.to_json(assemble(prep.all_specs, per_rank, prep.values, merged_tree(prep, per_rank), meta,
+                                           storage))
         except CheckpointError as e:
             own = e
         comm.agree(own)
