@@ -174,6 +174,38 @@ def test_async_save_copies_after_the_callers_kernels_and_before_returning(tmp_pa
     _loads_back(tmp_path, want)
 
 
+def test_a_background_local_save_copies_after_the_callers_kernels_and_before_returning(tmp_path: Path) -> None:
+    """The memory/peer tier's background save (``async_save=True``) stages CUDA tensors as
+    ``async_save`` does: after the caller's pending kernels, before it returns; its staging
+    is pinned at the share's size; the local step restores what was passed."""
+    from streamckpt.manage.tier.localdir import LocalDir
+    from streamckpt.manage.tier.localsave import Background, save_local
+    from streamckpt.manage.tier.partners import topology
+
+    fake = FakeCuda(current_device=1)
+    fake.expect_device(DEV)
+    sd, want = _gpu_state(fake, [5_000, 8_000, 2_500], seed=4)
+    root, node = str(tmp_path / "bucket"), str(tmp_path / "node")
+    folder = LocalDir(node, root)
+    handle = save_local(SoloComm(), folder, sd, step=3, metadata={}, compression=None, topology=topology(1, 0),
+                        replicas=0, keep=2, background=Background(None, cuda=fake))
+    assert isinstance(handle, sc.SaveHandle)
+    for t in sd.values():  # training goes on at once: the next step overwrites the tensors
+        fake.launch(DEV, lambda t=t: t.fill_(-1.0), writes=[t], label="next step")
+    fake.synchronize()
+    handle.result(timeout=60)
+    assert fake.violations == [] and fake.counts.get("copy", 0) == 3
+    assert list(fake.pins.live.values()) == [StagingArea.needed(v.nbytes for v in want.values())]
+    handle.release_staging()
+    assert fake.pins.live == {}
+    assert sorted(folder.committed()) == [3]
+    target = {k: torch.zeros_like(v) for k, v in want.items()}
+    with sc.CheckpointManager(root, local_dir=node) as mgr:
+        got = mgr.restore(target)
+    assert got is not None and (got.source, got.step) == ("local", 3)
+    assert all(torch.equal(target[k], v) for k, v in want.items())
+
+
 def test_async_save_budget_below_the_share_stages_behind_the_upload(tmp_path: Path) -> None:
     """A budget of a fifth of the share: copies one after the other as the upload frees room."""
     fake = FakeCuda(current_device=0)
@@ -294,6 +326,28 @@ def test_async_save_and_save_of_cuda_tensors_on_a_gpu(tmp_path: Path) -> None:
     _loads_back(tmp_path / "async", want)
     _loads_back(tmp_path / "sync", want)
 
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_background_local_save_of_cuda_tensors_on_a_gpu(tmp_path: Path) -> None:
+    """The tier's background save (``async_save=True``) of CUDA tensors overwritten right after
+    ``save`` returns: the local step restores (onto the GPU) what was passed."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(9)
+    want = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate([3 << 20, 12345])}
+    sd = {k: v.to(dev) for k, v in want.items()}
+    kw = dict(local_dir=str(tmp_path / "node"), local_every=1, save_every=100)
+    with sc.CheckpointManager(str(tmp_path / "bucket"), async_save=True, **kw) as mgr:  # type: ignore[arg-type]
+        handle = mgr.save(1, sd)
+        for t in sd.values():
+            t.fill_(-1.0)  # the next step, right after the call
+        assert isinstance(handle, sc.SaveHandle)
+    target = {k: torch.zeros_like(v, device=dev) for k, v in want.items()}
+    with sc.CheckpointManager(str(tmp_path / "bucket"), **kw) as mgr:  # type: ignore[arg-type]
+        got = mgr.restore(target)
+    assert got is not None and (got.source, got.step) == ("local", 1)
+    assert all(torch.equal(target[k].cpu(), v) for k, v in want.items())
 
 
 @pytest.mark.gpu
