@@ -28,6 +28,7 @@ import atexit
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -211,6 +212,26 @@ class Topology:
         """Start ``argv`` in ``ns``; its environment is ``child_env()`` unless ``env`` is given."""
         kw.setdefault("env", child_env())
         return subprocess.Popen(self.cmd(ns, argv), **kw)  # type: ignore[call-overload]
+
+    def run_ranks(self, launches: Sequence[tuple[str, Sequence[str], dict[str, str]]], timeout: float,
+                  what: str) -> None:
+        """Start one process per ``(namespace, argv, env)`` (a job's ranks), wait for all of them
+        within ``timeout`` seconds; the first that exits non-zero raises (naming ``what``), and
+        whatever still runs then is killed."""
+        procs = []
+        try:
+            for ns, argv, env in launches:
+                procs.append(self.popen(ns, argv, env=env))
+            deadline = time.monotonic() + timeout
+            for rank, p in enumerate(procs):
+                rc = p.wait(timeout=max(1, deadline - time.monotonic()))
+                if rc:
+                    raise RuntimeError(f"{what}: rank {rank} exited {rc}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
 
 
 # ------------------------------------------------------------------ a plain socket's rate

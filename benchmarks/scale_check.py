@@ -284,23 +284,13 @@ def run_case(topo: Topology, case: CheckCase, n: int, reps: int, out_dir: Path, 
             "reps": reps, "out": str(out_dir / case.key)}
     spec_path = out_dir / f"{case.key}.json"
     spec_path.write_text(json.dumps(spec))
-    procs = []
-    try:
-        for r in range(case.ranks):
-            env = child_env(RANK=str(r), WORLD_SIZE=str(case.ranks), MASTER_ADDR=topo.fabric_addr(0),
-                            MASTER_PORT=str(MASTER_PORT), GLOO_SOCKET_IFNAME="fab", OMP_NUM_THREADS="1")
-            procs.append(topo.popen(topo.node_ns(r // per_node), [sys.executable, "-m", "benchmarks.netns_worker",
-                                                                   str(spec_path)], env=env))
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            rc = p.wait(timeout=max(1, deadline - time.monotonic()))
-            if rc:
-                raise RuntimeError(f"case {case.key}: a rank exited {rc}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    launches = []
+    for r in range(case.ranks):
+        env = child_env(RANK=str(r), WORLD_SIZE=str(case.ranks), MASTER_ADDR=topo.fabric_addr(0),
+                        MASTER_PORT=str(MASTER_PORT), GLOO_SOCKET_IFNAME="fab", OMP_NUM_THREADS="1")
+        launches.append((topo.node_ns(r // per_node), [sys.executable, "-m", "benchmarks.netns_worker",
+                                                        str(spec_path)], env))
+    topo.run_ranks(launches, timeout, f"case {case.key}")
     return [json.loads((out_dir / f"{case.key}.{r}.json").read_text()) for r in range(case.ranks)]
 
 

@@ -145,23 +145,14 @@ def _run_phase(topo: Any, spec: dict[str, Any], tmp: Path, timeout: float = 900)
 
     path = tmp / f"{spec['mode']}.json"
     path.write_text(json.dumps(spec))
-    procs = []
-    try:
-        for r in range(WORLD):
-            env = child_env(RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(PER_NODE),
-                            LOCAL_RANK=str(r % PER_NODE), MASTER_ADDR=topo.fabric_addr(0),
-                            MASTER_PORT=str(MASTER_PORT), GLOO_SOCKET_IFNAME="fab", OMP_NUM_THREADS="1")
-            procs.append(topo.popen(topo.node_ns(r // PER_NODE), [sys.executable, "-m", "benchmarks.tier_resume",
-                                                                   "--worker", str(path)], env=env))
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            if p.wait(timeout=max(1, deadline - time.monotonic())):
-                raise RuntimeError(f"phase {spec['mode']}: a rank failed")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    launches = []
+    for r in range(WORLD):
+        env = child_env(RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(PER_NODE),
+                        LOCAL_RANK=str(r % PER_NODE), MASTER_ADDR=topo.fabric_addr(0),
+                        MASTER_PORT=str(MASTER_PORT), GLOO_SOCKET_IFNAME="fab", OMP_NUM_THREADS="1")
+        launches.append((topo.node_ns(r // PER_NODE), [sys.executable, "-m", "benchmarks.tier_resume", "--worker",
+                                                        str(path)], env))
+    topo.run_ranks(launches, timeout, f"phase {spec['mode']}")
     return [json.loads((tmp / f"{spec['mode']}.{r}.out").read_text()) for r in range(WORLD)]
 
 

@@ -23,7 +23,7 @@ from typing import Collection, Mapping, Sequence
 
 from .data import Copy, LoadPlan, Read, Target, holders_of, ranks_of, wire_length
 from .rounds import RoundPacker
-from .routes import grid_shape, node_grid
+from .routes import relay_over
 
 
 def constrain_readers(plan: LoadPlan, holders: Mapping[str, Collection[int]]) -> int:
@@ -65,11 +65,7 @@ def _root_relay(r: Read, plan: LoadPlan) -> None:
     root of the grid (or tree), so the piece still enters each node once and no rank sends
     it to more than ``max_peers`` others, as the planner relays it (``planner._relay``)."""
     r.root = True
-    holders = holders_of(r, plan.targets)
-    r.relay = max(2, plan.options.max_peers)
-    r.grid = node_grid(holders, r.relay, plan.options.ranks_per_node)
-    r.grid_nodes = bool(r.grid)
-    r.grid = r.grid or grid_shape(len(holders), r.relay)
+    relay_over(r, holders_of(r, plan.targets), plan.options)
 
 
 def _repack(plan: LoadPlan, moved: set[int]) -> None:

@@ -33,7 +33,7 @@ from .needs import Need, PlanContext, coalesce_needs, fresh_copy, group_needs, m
 from .data import (ALIGN, ChunkRun, Copy, IdentityView, LoadPlan, PlanOptions, Read, Segment, Target, Targets, ViewLike,
                    is_packed, message_layout, message_size, messages_of, packed_copy, ranks_of, read_cost, settle_all,
                    settle_rounds, wire_length)
-from .routes import costs_of, grid_shape, node_grid
+from .routes import costs_of, relay_over
 from ..core.targets import TargetSpec
 from .balance import reader_order
 from .private import absorb_small_shared, closure, edge_tag, plan_private
@@ -391,10 +391,7 @@ def _relay(reads: list[Read], targets: Sequence[Target], options: PlanOptions) -
         if len(first) <= limit:
             continue
         if all(targets[c.target].needers is first or targets[c.target].needers == first for c in r.copies):
-            r.relay = max(2, options.max_peers)
-            r.grid = node_grid(first, r.relay, options.ranks_per_node)
-            r.grid_nodes = bool(r.grid)
-            r.grid = r.grid or grid_shape(len(first), r.relay)
+            relay_over(r, first, options)
 
 
 @dataclass(slots=True)

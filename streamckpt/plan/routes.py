@@ -81,6 +81,16 @@ def grid_shape(holders: int, max_peers: int) -> tuple[int, ...]:
     return tuple(sorted(bins, reverse=True))
 
 
+def relay_over(r: Read, holders: Sequence[int], options: Any) -> None:
+    """Relay ``r`` over ``holders`` (``options``: the plan's ``PlanOptions``): along a grid whose
+    first dimension is each node's holders when they spread evenly over nodes (``node_grid``),
+    else a plain grid, else (``grid_shape`` found none) a tree."""
+    r.relay = max(2, options.max_peers)
+    r.grid = node_grid(holders, r.relay, options.ranks_per_node)
+    r.grid_nodes = bool(r.grid)
+    r.grid = r.grid or grid_shape(len(holders), r.relay)
+
+
 def node_grid(holders: Sequence[int], max_peers: int, ranks_per_node: int) -> tuple[int, ...]:
     """A grid whose first dimension is each node's holders (``g`` of them on every node
     they span, consecutive in rank order), crossed last by every piece: a piece then

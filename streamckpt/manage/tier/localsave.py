@@ -73,20 +73,19 @@ def save_local(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: Mapping
     comm.agree(own)  # every rank's folder is clean before any rank writes into a shared one
     storage = Storage(str(folder.step_dir(step)))
     job = _Job(comm, folder, step, compression, topology, replicas, keep, t0)
-    try:  # the sync path closes storage below; the background's thread closes it when it ends
+    try:
         prep = prepare(comm, storage, state_dict, compression=compression, metadata=metadata, overwrite=True,
                        call=CALL, same=False, cuda=cuda)
-        if session is None:
-            return job.run(storage, prep, to_write(prep.items, prep.local))
     except BaseException:
-        if session is not None:
-            storage.close()
+        storage.close()
         raise
+    if session is not None:  # the background's thread closes storage when it ends
+        return start_staged(session, storage, prep, cuda, None,
+                            lambda shards, released, cancelled: job.run(storage, prep, shards, released, cancelled))
+    try:
+        return job.run(storage, prep, to_write(prep.items, prep.local))
     finally:
-        if session is None:
-            storage.close()
-    return start_staged(session, storage, prep, cuda, None,  # closes storage when it ends
-                        lambda shards, released, cancelled: job.run(storage, prep, shards, released, cancelled))
+        storage.close()
 
 
 @dataclass(frozen=True, slots=True)

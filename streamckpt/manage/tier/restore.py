@@ -1,8 +1,8 @@
 """A restore from the memory/peer tier: the newest step the survivors hold, in one plan.
 
 Every rank reports what its folder holds (``holdings``); for the newest candidate step the
-lowest rank holding its save sends the local manifest to all, every rank checks the size of
-the files it holds of that save, and the ranks gather who holds what. The load checks each
+lowest rank holding its save sends the local manifest to all; the reports say who holds
+which file of it (at its recorded size), and the load reads from them. The load checks each
 chunk's CRC32C as it reads it; when it fails, every rank checks its copies in full
 (``verify``: size, CRC32Cs, digests; a bad one is dropped with a warning naming it) and the
 step is loaded again from the copies that passed. Files no surviving rank holds are
@@ -79,8 +79,8 @@ def restore_from_tier(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: 
         if save is None:
             return None
         local = _shared_manifest(comm, save, mine)
-        for whole in (False, True):  # first trusting the load's own checks; after a failure, each copy in full
-            holders = _verified_holders(comm, folder, save, local, whole)
+        for whole in (False, True):  # first the reports' sizes and the load's own checks; after a failure, in full
+            holders = _verified_holders(comm, folder, save, local) if whole else save.holders
             lost = missing_files(local.manifest, holders)
             if lost and (s not in bucket_steps or not _bucket_has(comm, bucket_uri(s), storage_options, local, lost)):
                 log.warning("local tier: step %d cannot be restored from the tier: no surviving rank holds %d "
@@ -116,20 +116,19 @@ def _shared_manifest(comm: SoloComm | GroupComm, save: Save, mine: Mapping[str, 
     return parse(blob, f"the local manifest of step {save.step}")
 
 
-def _verified_holders(comm: SoloComm | GroupComm, folder: LocalDir, save: Save, local: LocalStep,
-                      whole: bool) -> dict[str, list[int]]:
-    """file -> the ranks whose copy passed the checks (each rank checks its own copies): its
-    size; with ``whole``, also every chunk's CRC32C and every shard's digest. Without, the load
-    checks the CRC32C of every chunk it reads before any byte of it is used, as every load
-    does, and a failure there brings the whole check (``restore_from_tier``): a copy read
-    without a defect is not read twice."""
+def _verified_holders(comm: SoloComm | GroupComm, folder: LocalDir, save: Save, local: LocalStep
+                      ) -> dict[str, list[int]]:
+    """file -> the ranks whose copy passed every check (each rank checks its own copies: size,
+    every chunk's CRC32C, every shard's digest). Only after a load failed: before it,
+    ``save.holders`` (the reports list only files of the recorded size) is trusted, and the
+    load checks the CRC32C of every chunk it reads before any byte of it is used, as every
+    load does: a copy read without a defect is not read twice."""
     by_file = local.shards_by_file()
     good = []
     for name, ranks in save.holders.items():
         if comm.rank not in ranks:
             continue
-        why = check_file(folder.step_dir(save.step) / name, local.manifest.files[name],
-                         by_file.get(name, []) if whole else [])
+        why = check_file(folder.step_dir(save.step) / name, local.manifest.files[name], by_file.get(name, []))
         if why is None:
             good.append(name)
         else:
