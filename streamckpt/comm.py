@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 PEER_WAIT_ENV = "STREAMCKPT_PEER_WAIT_WARN"  # seconds a rank waits for its peers to arrive before it warns
 PEER_WAIT_DEFAULT = 60.0
 AGREE_EVERY_ON_GPU = 8  # rounds between failure agreements when each one syncs a GPU with the host
+# rounds between failure agreements on a CPU backend: each is a barrier of every rank, and one
+# per round kept the readers of a CPU-bound reshard idle (BENCHMARKS.md, the tier resume)
+AGREE_EVERY_ON_CPU = 4
 
 
 @dataclass(slots=True)
@@ -145,8 +148,8 @@ class GroupComm:
         self._gpu: torch.device | None = None
         self._transport: _device.Transport | None = None
         self._host_data = False  # this load's data rides the CPU backend (choose_data_plane)
-        # each agreement on a GPU-only group is a host sync: agree every few rounds there
-        self.agree_every = 1 if "cpu" in self.backends else AGREE_EVERY_ON_GPU
+        # an agreement is a barrier (and on a GPU-only group a host sync): every few rounds
+        self.agree_every = AGREE_EVERY_ON_CPU if "cpu" in self.backends else AGREE_EVERY_ON_GPU
 
     def prefer_device(self, devices: set[torch.device]) -> None:
         """This rank's tensors' devices: the GPU to use when the group is not bound to one

@@ -17,6 +17,7 @@ import torch
 
 import streamckpt as sc
 from distributed import run_ranks
+from streamckpt.comm import AGREE_EVERY_ON_CPU
 from fakecuda import FakeCuda
 from streamckpt.cuda.device import (
     Transport,
@@ -195,6 +196,6 @@ def test_init_process_group_without_backend(tmp_path: Any) -> None:
     for r in out:
         assert r["get_backend"] == "undefined"
         assert r["backends"] == {"cpu": "gloo"}
-        assert (r["device"], r["data_device"], r["agree_every"]) == ("cpu", "cpu", 1)
+        assert (r["device"], r["data_device"], r["agree_every"]) == ("cpu", "cpu", AGREE_EVERY_ON_CPU)
         assert r["ok"]
     assert sum(r["received"] for r in out) > 0

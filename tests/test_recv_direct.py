@@ -162,3 +162,45 @@ def test_replicated_load_of_multi_tensor_reads_over_split_messages(s3_uri: str, 
     total = sum(t.numel() * 4 for t in state.values())
     assert sum(o["read"] for o in out) < 1.1 * total  # read once, shared
     assert sum(o["received"] for o in out) >= total  # most bytes came from peers
+
+
+def test_a_strided_piece_goes_alone_packed_and_lands_in_its_target(tmp_path: Any) -> None:
+    """Row shards of two tensors in one file, loaded as column shards on 2 ranks: each column
+    piece (strided in the read, contiguous in its target) of at least DIRECT_MESSAGE_BYTES is a
+    packed message of its own, received straight into the receiver's target; together they
+    would be one packed message, unpacked from a receive buffer (a copy per byte)."""
+    from streamckpt.core.targets import collect
+    from streamckpt.formats import read_manifest
+    from streamckpt.loading.landing import receive_targets
+    from streamckpt.loading.schedule import DIRECT_MESSAGE_BYTES, local_schedule
+    from streamckpt.loading.scatter import Destinations
+    from streamckpt.plan.data import is_packed
+    from streamckpt.plan.planner import IdentityView, PlanOptions, build_plan, settle_rounds
+    from streamckpt.storage import Storage
+
+    rows, cols = 2 * DIRECT_MESSAGE_BYTES // (4 * 64), 128  # each rank's column half: 2 x DIRECT bytes
+    state = {k: torch.arange(rows * cols, dtype=torch.float32).view(rows, cols) + i for i, k in enumerate("ab")}
+    uri = str(tmp_path / "ckpt")
+    sc.save(state, uri)
+    manifest = read_manifest(Storage(uri))
+    schedules, dests, specs, mine = [], [], [], []
+    for rank in range(2):
+        got, _ = collect({k: sc.ShardedTensor(torch.zeros(rows, cols // 2), (rows, cols), (0, rank * cols // 2))
+                          for k in state})
+        mine.append(got)
+        specs.append([t.spec for t in got])
+    for rank in range(2):
+        plan = build_plan(manifest, specs, PlanOptions(), IdentityView(manifest), rank=rank)
+        settle_rounds(plan, list)
+        schedules.append(local_schedule(plan, rank))
+        dests.append(Destinations({uid: t.tensor for uid, t in zip(plan.rank_targets[rank], mine[rank]) if uid >= 0}))
+    reader = plan.reads[0].reader
+    assert len(plan.reads) == 1 and len(plan.reads[0].copies) == 4  # one file, both tensors' two halves
+    sends = [m for rnd in schedules[reader] for m in rnd.sends]
+    recvs = [m for rnd in schedules[1 - reader] for m in rnd.recvs]
+    assert [len(m.copies) for m in sends] == [1, 1] and all(is_packed(m.copies) for m in sends)
+    direct = receive_targets(schedules[1 - reader], dests[1 - reader], set())
+    assert set(direct) == {m.key for m in recvs}
+    for m in recvs:
+        target = dests[1 - reader].tensors[m.copies[0].target]
+        assert direct[m.key].data_ptr() == target.data_ptr() and direct[m.key].numel() == target.numel() * 4

@@ -25,7 +25,7 @@ import torch
 
 from ..core import dtypes
 from ..core.regions import row_major_strides
-from ..plan.data import Copy, Read, message_size
+from ..plan.data import Copy, Read, message_size, packed_copy, wire_length
 from .scatter import Destinations
 
 
@@ -151,8 +151,8 @@ def plan_landings(schedule: Sequence[Any], dest: Destinations, on_device: Collec
 def receive_targets(schedule: Sequence[Any], dest: Destinations, on_device: Collection[int]
                     ) -> dict[tuple[int, int, int], torch.Tensor]:
     """Messages this rank receives straight into a target's memory, by ``Message.key``:
-    one piece whose bytes are its host target's bytes as they are (``target_memory``), in a
-    target no other target shares. The rest are received into staging and scattered.
+    one piece whose bytes, as sent (a strided piece packed: its elements back to back), are its
+    host target's bytes as they are (``target_memory``), in a target no other target shares. The rest are received into staging and scattered.
 
     Why: in a replicated load most of a rank's bytes come from peers (3/4 of them on 4
     ranks), and copying each from a staging arena into its target was the largest CPU cost
@@ -166,6 +166,8 @@ def receive_targets(schedule: Sequence[Any], dest: Destinations, on_device: Coll
             if len(m.copies) != 1:
                 continue
             c = m.copies[0]
+            if wire_length(c) != c.length:  # a strided piece, packed by its sender: contiguous as received
+                c = packed_copy(c)
             if c.target not in host or c.target in shared or message_size(m.copies) != c.length:
                 continue
             if target_memory(dest, c) is None:

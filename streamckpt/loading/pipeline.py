@@ -76,8 +76,9 @@ class Executor:
     (whatever bytes its buffers hold). Failures are agreed on (one collective) before
     the exchange of every round k with ``k % agree_every == agree_every - 1`` and once
     after the last round; these rounds depend only on ``num_rounds`` and
-    ``agree_every`` (1 when the group has a CPU backend, ``AGREE_EVERY_ON_GPU`` on an
-    NCCL-only group, where each agreement costs a host sync), both the same on every
+    ``agree_every`` (``AGREE_EVERY_ON_CPU`` when the group has a CPU backend, where each
+    agreement is a barrier that leaves a CPU-bound reader idle; ``AGREE_EVERY_ON_GPU`` on an
+    NCCL-only group, where each one also costs a host sync), both the same on every
     rank. So every rank issues the same sequence of collectives and leaves it at the
     same agreement, all raising together; the only other exit is the backend itself
     failing (a peer died), which gloo reports on every survivor. A failure is seen at

@@ -43,18 +43,20 @@ class Message:
 def split_message(copies: list[Copy], direct_bytes: int = DIRECT_MESSAGE_BYTES) -> list[list[Copy]]:
     """The messages that carry one read's ``copies`` from its reader to one peer.
 
-    Each contiguous piece (its bytes in the staged read are its elements, back to back) of at
-    least ``direct_bytes`` goes alone: its sender sends it from the staged read and its
-    receiver can take it straight into its target (``landing.receive_targets``). Together the
-    rest go as one packed message, as before. Without this, a read spanning several tensors
-    (a safetensors file read whole) reached every peer packed: a copy into a pack buffer on
-    the sender and one out of the receive buffer on the receiver, for most of a replicated
-    load's bytes (issue 37 item 5). Sender and receiver split alike (the same copies, in the
+    Each piece of at least ``direct_bytes`` of elements goes alone, and its receiver can take
+    it straight into its target (``landing.receive_targets``): a contiguous one (its bytes in
+    the staged read are its elements, back to back) is sent from the staged read, a strided
+    one (a column slice of rows) is packed alone, its elements then back to back as a
+    row-major target holds them. Together the rest go as one packed message, as before.
+    Without this, a read spanning several tensors (a safetensors file read whole) reached
+    every peer packed: a copy into a pack buffer on the sender and one out of the receive
+    buffer on the receiver, for most of a replicated load's bytes (issue 37 item 5), and of a
+    reshard by columns (issue 43). Sender and receiver split alike (the same copies, in the
     order of the read); several messages to one peer with one tag are matched in order.
     """
     if len(copies) == 1:
         return [copies]
-    goes_alone = [c.length >= direct_bytes and wire_length(c) == c.length for c in copies]
+    goes_alone = [wire_length(c) >= direct_bytes for c in copies]
     if not any(goes_alone):
         return [copies]
     rest = [c for c, alone in zip(copies, goes_alone) if not alone]

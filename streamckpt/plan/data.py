@@ -218,13 +218,21 @@ class Read:
     @property
     def checks(self) -> tuple[tuple[int, int, int], ...]:
         """(offset from ``start``, stored length, CRC32C) of every covered chunk."""
-        out = []
+        out: list[tuple[int, int, int]] = []
         for run in self.runs:
             s = run.shard
             pos = run.file_start - self.start
+            crcs = s.crc32c
+            if s.frame_lengths is None:  # raw: whole chunks but maybe the shard's last (a read has thousands)
+                size, lo = s.chunk_size, run.lo
+                whole = min(run.hi, run.raw_total // size)
+                out += [(pos + (c - lo) * size, size, crcs[c]) for c in range(lo, whole)]  # type: ignore[index]
+                if whole < run.hi:
+                    out.append((pos + (whole - lo) * size, run.raw_len(whole), crcs[whole]))  # type: ignore[index]
+                continue
             for c in range(run.lo, run.hi):
-                n = s.frame_lengths[c] if s.frame_lengths is not None else run.raw_len(c)
-                out.append((pos, n, s.crc32c[c]))  # type: ignore[index]
+                n = s.frame_lengths[c]
+                out.append((pos, n, crcs[c]))  # type: ignore[index]
                 pos += n
         return tuple(out)
 

@@ -341,14 +341,11 @@ class Reader:
 
 def failed_checks(r: RangeRead, buf: Buffer) -> list[tuple[int, int, int]]:
     """``(offset, length, crc32c that came)`` of every check that fails, over the landed bytes."""
-    out = []
     land = as_landing(buf)
-    single = land.parts[0] if len(land.parts) == 1 else None
-    for off, length, expected in r.checks:
-        got = crc32c(single[off:off + length]) if single is not None else land.crc(off, length)
-        if got != expected:
-            out.append((off, length, got))
-    return out
+    if len(land.parts) == 1:  # most reads: one buffer, thousands of chunks
+        single = land.parts[0]
+        return [(off, n, got) for off, n, want in r.checks if (got := crc32c(single[off:off + n])) != want]
+    return [(off, n, got) for off, n, want in r.checks if (got := land.crc(off, n)) != want]
 
 
 def _md5_mismatch(etag: Any, data: bytes | bytearray | memoryview | Landing) -> str | None:

@@ -107,10 +107,15 @@ def restore_from_tier(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: 
 
 
 def _shared_manifest(comm: SoloComm | GroupComm, save: Save, mine: Mapping[str, LocalStep]) -> LocalStep:
-    """The save's local manifest on every rank, from the lowest rank that holds it."""
-    blob = mine[save.id].blob if save.id in mine else None
+    """The save's local manifest on every rank, from the lowest rank that holds it. A rank that
+    holds the save has parsed the very bytes already (the save's id is their hash): only the
+    others parse what they receive."""
+    own = mine.get(save.id)
+    blob = own.blob if own is not None else None
     if not isinstance(comm, SoloComm):
         blob = comm.broadcast_bytes(blob if comm.rank == save.first else None, src=save.first)
+    if own is not None:
+        return own
     if blob is None:  # pragma: no cover - alone, a save reported is one this rank holds
         raise CheckpointError(f"internal: no local manifest of step {save.step}")
     return parse(blob, f"the local manifest of step {save.step}")
