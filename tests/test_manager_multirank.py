@@ -66,3 +66,47 @@ def test_two_ranks_save_three_ranks_restore(local_s3: Any) -> None:
     ranks = [r.unwrap() for r in run_ranks(3, restore3_worker, kwargs={"root": root, "opts": opts}, timeout=180)]
     assert ranks == [{"steps": [2, 3], "step": 2, "skipped": [f"{root}/step-3"], "equal": True, "tree_step": 2,
                       "tree_equal": True, "mistake": "IncompatibleStateDictError"}] * 3
+
+
+def started_worker(rank: int, world: int) -> dict[str, Any]:
+    import threading
+    import time
+
+    from streamckpt.comm import make_comm
+    from streamckpt.errors import StorageError
+    from streamckpt.manage.collective import on_one_rank, started_on_one_rank
+
+    comm = make_comm(None)
+    ran: list[tuple[str, float]] = []
+
+    def listing() -> list[int]:
+        ran.append((threading.current_thread().name, time.perf_counter()))
+        time.sleep(0.3)
+        return [1, 2]
+
+    t0 = time.perf_counter()
+    soon = started_on_one_rank(comm, listing)
+    time.sleep(0.3)  # the rank's own work, beside the listing on rank 0
+    got = on_one_rank(comm, soon)
+
+    def failing() -> list[int]:
+        raise StorageError("the bucket cannot be listed")
+
+    try:
+        on_one_rank(comm, started_on_one_rank(comm, failing))
+        error = ""
+    except StorageError as e:
+        error = str(e)
+    return {"got": got, "ran": [name for name, _ in ran], "started_after": [t - t0 for _, t in ran],
+            "error": error}
+
+
+def test_started_on_one_rank_runs_beside_the_ranks_work_and_shares_its_answer_or_error() -> None:
+    """A tier restore starts the bucket's listing on rank 0 and shares it after the ranks'
+    reports: the listing runs on a thread of rank 0 alone, from the start, and its answer or its
+    error reaches every rank."""
+    out = [r.unwrap() for r in run_ranks(2, started_worker)]
+    assert [o["got"] for o in out] == [[1, 2], [1, 2]]
+    assert out[0]["ran"][0].startswith("streamckpt-started") and out[1]["ran"] == []  # rank 0 alone, on a thread
+    assert out[0]["started_after"][0] < 0.2  # before the rank's own 0.3 s of work, not after it
+    assert all("the bucket cannot be listed" in o["error"] for o in out)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from ..comm import GroupComm, SoloComm, encode_error, raise_agreed
+
+T = TypeVar("T")
 
 
 def on_one_rank(comm: SoloComm | GroupComm, fn: Callable[[], Any]) -> Any:
@@ -25,6 +28,18 @@ def on_one_rank(comm: SoloComm | GroupComm, fn: Callable[[], Any]) -> Any:
     if "error" in doc:
         raise_agreed([doc["error"]], own)
     return doc["ok"]
+
+
+def started_on_one_rank(comm: SoloComm | GroupComm, fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn`` started now on rank 0 (a thread) and its answer when called there; ``fn`` itself
+    elsewhere. Pass the result to a call that runs ``fn`` on rank 0 alone (``on_one_rank``):
+    what rank 0 does until then runs beside ``fn``."""
+    if comm.rank != 0:
+        return fn
+    pool = cf.ThreadPoolExecutor(1, thread_name_prefix="streamckpt-started")
+    started = pool.submit(fn)
+    pool.shutdown(wait=False)
+    return started.result
 
 
 def gather_outcome(comm: SoloComm | GroupComm, exc: BaseException | None) -> list[dict[str, Any]]:

@@ -82,6 +82,9 @@ class Listing:
                 by_step[e.step] = e
         return [by_step[s] for s in sorted(by_step)]
 
+    def steps(self) -> list[int]:
+        return [e.step for e in self.managed()]  # type: ignore[misc]  # managed() has steps
+
     def referenced(self) -> set[str]:
         return {name for e in self.entries for name in e.objects}
 

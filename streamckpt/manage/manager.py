@@ -18,7 +18,7 @@ from ..saving.asyncsave import finish_at_exit
 from ..storage import Storage
 from ..storage.store import checked_uri
 from .arguments import check_name, check_step, plain_metrics, warn_unranked
-from .collective import on_one_rank
+from .collective import on_one_rank, started_on_one_rank
 from .compaction import compact_after_prune
 from .deletion import delete_entries
 from .garbage import collect
@@ -405,7 +405,7 @@ class Manager:
         Raises:
             StorageError: storage kept failing after retries.
         """
-        return [e.step for e in self._listing().managed()]  # type: ignore[misc]
+        return self._listing().steps()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when the root holds none.
@@ -502,7 +502,9 @@ class Manager:
         self.wait()
         if self._tier is not None and state_dict is not None:  # the memory/peer tier first; None: the bucket's turn
             expanded = calls.expand(state_dict, for_load=True)  # objects in place: their state dicts, then theirs
-            tier = self._tier.restore(self._comm, expanded.tree, bucket_steps=self.steps, bucket_uri=self.uri,
+            soon = started_on_one_rank(self._comm, self._list_here)  # rank 0 lists beside the tier's reports
+            tier = self._tier.restore(self._comm, expanded.tree, bucket_uri=self.uri,
+                                      bucket_steps=lambda: self._listing(soon).steps(),
                                       storage_options=self.storage_options, load_kwargs=load_kwargs, step=step)
             if tier is not None:
                 expanded.finish()
@@ -673,17 +675,16 @@ class Manager:
 
     def _list_here(self) -> Listing:
         with self._lock:
-            listing = self._index.list(self._store())
-            self._known = listing
+            self._known = listing = self._index.list(self._store())
             return listing
 
-    def _listing(self) -> Listing:
-        """The root now, the same on every rank (listed on rank 0, broadcast)."""
+    def _listing(self, here: Callable[[], Listing] | None = None) -> Listing:
+        """The root now, the same on every rank (listed on rank 0, by ``here`` if given; broadcast)."""
+        here = here or self._list_here
         if self._comm.world_size == 1:
-            return self._list_here()
-        data = on_one_rank(self._comm, lambda: self._list_here().to_json().decode())
-        listing = Listing.from_json(data.encode()) if self._comm.rank != 0 else self._known
-        self._known = listing
+            return here()
+        data = on_one_rank(self._comm, lambda: here().to_json().decode())
+        self._known = listing = Listing.from_json(data.encode()) if self._comm.rank != 0 else self._known
         return listing  # type: ignore[return-value]
 
     def _entry(self, listing: Listing, step: int) -> Entry:

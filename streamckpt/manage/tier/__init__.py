@@ -132,18 +132,21 @@ class Tier:
                 load_kwargs: Mapping[str, Any], step: int | None) -> FromTier | None:
         """Restore from the tier, or None: the bucket's turn (its newest step is newer, or the
         load takes options a tier load does not: ``transforms``, ``progress``). ``bucket_steps()``
-        lists the bucket (collective, agreed): a bucket that cannot be listed leaves the tier alone
-        to choose."""
+        lists the bucket (collective, agreed; called once the ranks' reports are in, so a listing
+        started before runs beside them): a bucket that cannot be listed leaves the tier alone to
+        choose."""
         other = sorted(set(load_kwargs) - set(LOAD_OPTIONS))
         if comm.max_ints([1 if other else 0])[0]:  # agreed: progress=True on rank 0 alone must not split the ranks
             log.info("local tier: not used for a restore with %s (restoring from the bucket)",
                      ", ".join(other) or "options another rank passed")
             return None
-        try:
-            steps = bucket_steps()
-        except StorageError as e:  # agreed on every rank (one rank lists)
-            log.warning("local tier: the bucket cannot be listed (%s); choosing among the local steps alone", e)
-            steps = []
+        def steps() -> list[int]:
+            try:
+                return bucket_steps()
+            except StorageError as e:  # agreed on every rank (one rank lists)
+                log.warning("local tier: the bucket cannot be listed (%s); choosing among the local steps alone", e)
+                return []
+
         try:
             return restore_from_tier(comm, self.folder, state_dict, bucket_steps=steps, bucket_uri=bucket_uri,
                                      storage_options=storage_options, load_kwargs=load_kwargs, step=step)

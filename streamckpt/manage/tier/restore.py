@@ -56,11 +56,13 @@ class FromTier:
     skipped: list[tuple[str, str]]  # (this rank's folder of a newer local step, why it was passed over)
 
 
-def restore_from_tier(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: Any, *, bucket_steps: list[int],
-                      bucket_uri: Callable[[int], str], storage_options: dict[str, Any] | None,
-                      load_kwargs: Mapping[str, Any], step: int | None = None) -> FromTier | None:
+def restore_from_tier(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: Any, *,
+                      bucket_steps: Callable[[], list[int]], bucket_uri: Callable[[int], str],
+                      storage_options: dict[str, Any] | None, load_kwargs: Mapping[str, Any],
+                      step: int | None = None) -> FromTier | None:
     """Restore the newest step the tier can serve (collective); None when the newest step to
-    restore is the bucket's alone (the caller restores from the bucket)."""
+    restore is the bucket's alone (the caller restores from the bucket). ``bucket_steps()``
+    (collective) is called after the ranks' reports are gathered."""
     own: CheckpointError | None = None
     rep: dict[str, Any] = {"saves": []}
     mine: dict[str, LocalStep] = {}
@@ -69,24 +71,25 @@ def restore_from_tier(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: 
     except OSError as e:  # agreed below: every rank turns to the bucket, none waits for this one
         own = CheckpointError(f"local tier: cannot read {folder.run}: {e}")
     reports = gather_json(comm, rep, own)
+    in_bucket = bucket_steps()
     skipped: list[tuple[str, str]] = []
     saves = saves_of(reports)
     for old in stale(saves):
         if comm.rank == 0:
             log.warning("local tier: local step %d (save %s) was committed before a lower step's save: it belongs "
                         "to a timeline the run went back from, and is not restored", old.step, old.id[:12])
-    for s, save in candidates(saves, bucket_steps, step):
+    for s, save in candidates(saves, in_bucket, step):
         if save is None:
             return None
         local = _shared_manifest(comm, save, mine)
         for whole in (False, True):  # first the reports' sizes and the load's own checks; after a failure, in full
             holders = _verified_holders(comm, folder, save, local) if whole else save.holders
             lost = missing_files(local.manifest, holders)
-            if lost and (s not in bucket_steps or not _bucket_has(comm, bucket_uri(s), storage_options, local, lost)):
+            if lost and (s not in in_bucket or not _bucket_has(comm, bucket_uri(s), storage_options, local, lost)):
                 log.warning("local tier: step %d cannot be restored from the tier: no surviving rank holds %d "
                             "file(s) (%s)%s", s, len(lost), ", ".join(lost[:5]),
-                            "; the bucket's checkpoint of that step is restored instead" if s in bucket_steps else "")
-                if s in bucket_steps:
+                            "; the bucket's checkpoint of that step is restored instead" if s in in_bucket else "")
+                if s in in_bucket:
                     return None
                 skipped.append((str(folder.step_dir(s)), f"no surviving rank holds {', '.join(lost[:5])}"))
                 break
