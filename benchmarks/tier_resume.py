@@ -100,19 +100,25 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             out["save_s"], out["fab_tx_save"] = time.perf_counter() - t0, _fab_tx() - tx0
         with sc.CheckpointManager(f"{root}/tier-only", storage_options=opts, local_dir=node_dir + "-b",
                                   local_every=1, save_every=1000, replicas=1, async_save=True) as mgr:
-            for step in (1, 2):  # the first save also makes the tier's process group; the second is steady
+            for step in range(1, spec["saves"] + 1):  # the first save also makes the tier's process group
                 dist.barrier()
                 tx0, t0 = _fab_tx(), time.perf_counter()
                 mgr.save(step, state)  # due for the tier alone: training waits for the staging only
                 out[f"local_blocking_s{step}"] = time.perf_counter() - t0
                 mgr.wait()
                 out[f"local_total_s{step}"], out[f"fab_tx_local{step}"] = time.perf_counter() - t0, _fab_tx() - tx0
-        for step in (1, 2):
+        for step in range(1, spec["saves"] + 1):
             dist.barrier()
             t0 = time.perf_counter()
             handle = sc.async_save(state, f"{root}/async/step-{step}", storage_options=opts)
             out[f"async_blocking_s{step}"] = time.perf_counter() - t0
             handle.result()
+            if rank == 0:  # the store keeps objects in memory: one async checkpoint at a time
+                from streamckpt.storage import Storage
+
+                done = Storage(f"{root}/async/step-{step}", opts)
+                done.delete("", recursive=True)
+                done.close()
         out["shard_bytes"] = sum(t.local_tensor.numel() * 4 for t in state.values())
     else:
         state = _state(spec, rank, "cols", fill=False)
@@ -163,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--store-mbit", type=float, default=1600, help="each node's link to the store (1600: 200 MB/s)")
     ap.add_argument("--fabric-mbit", type=float, default=10000, help="each node's fabric link")
     ap.add_argument("--reps", type=int, default=3, help="restores of each kind, alternately (default 3: medians)")
+    ap.add_argument("--saves", type=int, default=5,
+                    help="tier-only saves and sc.async_saves, each in a row (default 5: the first, then 4 steady)")
     args = ap.parse_args(argv)
     if args.worker:
         spec = json.loads(Path(args.worker).read_text())
@@ -185,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(4)
             opts = {"endpoint_url": f"http://{netns.STORE_ADDR}:{PORT}", "key": TEST_KEY, "secret": TEST_SECRET}
             dirs = [str(tmp / f"node{k}") for k in range(2)]
-            spec = {"storage_options": opts, "root": "s3://bench", "tensors": args.tensors, "local_dirs": dirs}
+            spec = {"storage_options": opts, "root": "s3://bench", "tensors": args.tensors, "local_dirs": dirs,
+                    "saves": max(2, args.saves)}
             saved = _run_phase(topo, {**spec, "mode": "save"}, tmp)
             shutil.rmtree(dirs[1], ignore_errors=True)  # node 1 replaced: an empty folder
             tiers, buckets = [], []
@@ -209,11 +218,20 @@ def main(argv: list[str] | None = None) -> None:
           f"{', '.join(f'{t:.2f}' for t in t_buckets)}; ratio of the medians {t_tier / t_bucket:.2f}")
     print(f"bytes from the bucket in a tier resume (the most of any): {from_bucket} ({from_bucket / state:.1%} of the state); "
           f"local {sum(r['bytes_local'] for r in tier)}, from peers {sum(r['bytes_peers'] for r in tier)}")
-    for step, what in ((1, "first save: makes its process group"), (2, "second save")):
-        print(f"{what}: tier-only save (async_save=True) blocking (max rank) "
-              f"{max(r[f'local_blocking_s{step}'] for r in saved):.2f} s, until committed "
-              f"{max(r[f'local_total_s{step}'] for r in saved):.2f} s; sc.async_save blocking "
-              f"{max(r[f'async_blocking_s{step}'] for r in saved):.2f} s")
+    def blocking(kind: str, step: int) -> float:  # the slowest rank's
+        return max(r[f"{kind}_blocking_s{step}"] for r in saved)
+
+    steady = range(2, spec["saves"] + 1)
+    tier_b, async_b = [blocking("local", s) for s in steady], [blocking("async", s) for s in steady]
+    committed = statistics.median(max(r[f"local_total_s{s}"] for r in saved) for s in steady)
+    print(f"first save (makes its process group): tier-only save (async_save=True) blocking (max rank) "
+          f"{blocking('local', 1):.2f} s, until committed {max(r['local_total_s1'] for r in saved):.2f} s; "
+          f"sc.async_save blocking {blocking('async', 1):.2f} s")
+    print(f"saves 2..{spec['saves']}: tier-only save blocking median {statistics.median(tier_b):.3f} s of "
+          f"{', '.join(f'{t:.3f}' for t in tier_b)}; sc.async_save blocking median "
+          f"{statistics.median(async_b):.3f} s of {', '.join(f'{t:.3f}' for t in async_b)}; ratio of the medians "
+          f"{statistics.median(tier_b) / statistics.median(async_b):.2f}; tier save until committed (median) "
+          f"{committed:.2f} s")
     print(f"bucket + tier save (synchronous): {max(r['save_s'] for r in saved):.2f} s")
     for node in range(2):
         ranks = [r for r in saved if r["rank"] // PER_NODE == node]

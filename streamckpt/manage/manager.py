@@ -149,6 +149,7 @@ class Manager:
         self._worker: cf.ThreadPoolExecutor | None = None
         self._closed = False
         self._lease: Lease | None = None  # taken by the first save (rank 0), released by close()
+        self._leased = self._tier_agreed = False  # every rank: the first save's lease, the first call's same_tier
         self._unreadable: set[str] = set()  # checkpoints restore passed over: a save of their step replaces them
         self._rolled_back: int | None = None  # the step restore(step=...) went back to
         self.writer_lease = writer_lease
@@ -284,9 +285,9 @@ class Manager:
         except CheckpointError as e:
             own = e
         self._comm.agree(own)
-        same_tier(self._comm, self._tier)
+        self._tier_agreed = self._tier_agreed or same_tier(self._comm, self._tier)
         self.wait()  # one save in flight: the previous one (and its retention) ends first
-        on_one_rank(self._comm, self._hold_lease)
+        self._leased = self._leased or on_one_rank(self._comm, self._hold_lease)
         if self._tier is not None and self._tier.due(step):  # the local tier first (staged only, when async)
             bucket = force or self.save_every is None or step % self.save_every == 0
             tree = calls.expand(state, for_load=False).tree  # modules, optimizers: their state dicts
@@ -498,7 +499,7 @@ class Manager:
         except CheckpointError as e:
             own = e
         self._comm.agree(own)
-        same_tier(self._comm, self._tier)
+        self._tier_agreed = self._tier_agreed or same_tier(self._comm, self._tier)
         self.wait()
         if self._tier is not None and state_dict is not None:  # the memory/peer tier first; None: the bucket's turn
             expanded = calls.expand(state_dict, for_load=True)  # objects in place: their state dicts, then theirs
@@ -654,10 +655,11 @@ class Manager:
     def _another_writer_error(self, step: int) -> CheckpointExistsError:
         return another_writer_error(self.root, self.uri(step), step)
 
-    def _hold_lease(self) -> None:
+    def _hold_lease(self) -> bool:
         """Rank 0: the run's writer lease (``manage.writer``), taken by the first save."""
         if self._lease is None and self.writer_lease is not None:
             self._lease = writer.hold(self, self.root, self.storage_options, self.writer_lease)
+        return True
 
     def _bound(self) -> Calls:
         if self._calls is None:
@@ -688,13 +690,11 @@ class Manager:
         return listing  # type: ignore[return-value]
 
     def _entry(self, listing: Listing, step: int) -> Entry:
-        for e in listing.managed():
-            if e.step == step:
-                return e
-        steps = [e.step for e in listing.managed()]
-        raise CheckpointNotFoundError(
-            f"no committed checkpoint of step {step} under {self.root} "
-            f"(committed steps: {', '.join(map(str, steps[-10:])) or 'none'})")
+        found = {e.step: e for e in listing.managed()}
+        if step in found:
+            return found[step]
+        raise CheckpointNotFoundError(f"no committed checkpoint of step {step} under {self.root} "
+                                      f"(committed steps: {', '.join(map(str, list(found)[-10:])) or 'none'})")
 
 
 __all__ = ["Calls", "Manager", "Restored"]

@@ -153,6 +153,7 @@ def prepare(
     guard: Guard | None = None,
     call: str = "sc.save",
     same: bool = True,
+    first: Callable[[], None] | None = None,
 ) -> Prepared:
     """Validate, gather every rank's specs and assign writers; raises the agreed error on every rank.
 
@@ -165,7 +166,9 @@ def prepare(
     finds data files under its prefix (a pruned base's shared files stay there), before
     anything is deleted; its ``CheckpointError`` fails the save on every rank (the wiring passes
     ``manage.references.check_unreferenced``: saving sits below manage). ``call``: the public
-    call, as a rank that waits long for its peers names it.
+    call, as a rank that waits long for its peers names it. ``first``: the caller's step to run
+    on every rank before the first collective of the specs, whose ``CheckpointError`` is agreed
+    there (a local save's folder cleanup: no rank writes before every rank's is done).
     """
     t0 = time.perf_counter()
     own: BaseException | None = None
@@ -179,6 +182,8 @@ def prepare(
     if same:
         same_call(comm, storage.describe(""), call, overwrite=overwrite, compression=compression, base=base)
     try:
+        if first is not None:
+            first()
         if storage.entry is not None:
             raise CheckpointError(
                 f"{storage.describe(storage.entry)} names one file; a save writes a directory of files: "

@@ -157,16 +157,16 @@ class Tier:
             return None
 
 
-def same_tier(comm: SoloComm | GroupComm, tier: Tier | None) -> None:
+def same_tier(comm: SoloComm | GroupComm, tier: Tier | None) -> bool:
     """Every rank has the same tier settings (one rank without ``local_dir`` would make other
-    collective calls than the rest): one small all-reduce, before a save's or restore's first
-    collective of the tier.
+    collective calls than the rest): one small all-reduce, before a manager's first collective
+    of the tier (its settings never change: once per manager). True once they agree.
 
     Raises:
         CheckpointError: on every rank, when the ranks differ.
     """
     if isinstance(comm, SoloComm):
-        return
+        return True
     mine = [0, 0, 0, 0] if tier is None else [1, tier.every or 0, tier.keep, tier.replicas]
     top = comm.max_ints(mine + [-v for v in mine])
     if top[:4] != [-v for v in top[4:]]:
@@ -175,6 +175,7 @@ def same_tier(comm: SoloComm | GroupComm, tier: Tier | None) -> None:
         raise CheckpointError(
             f"CheckpointManager's local tier differs between ranks (rank {comm.rank}: {here}): every rank must "
             f"pass local_dir (each its node's folder), local_every, local_keep and replicas alike")
+    return True
 
 
 __all__ = ["Background", "FromTier", "Tier", "same_tier"]

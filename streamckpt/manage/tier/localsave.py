@@ -64,18 +64,19 @@ def save_local(comm: SoloComm | GroupComm, folder: LocalDir, state_dict: Mapping
         session = session_for(background.process_group, "local-tier")  # a collective on first use
         session.settle()
         comm = session.comm
-    own: BaseException | None = None
     same_call(comm, f"{folder.root}#local-step-{step}", CALL, compression=compression, replicas=replicas)
-    try:
-        folder.begin(step)
-    except OSError as e:
-        own = CheckpointError(f"local tier: cannot prepare {folder.step_dir(step)}: {e}")
-    comm.agree(own)  # every rank's folder is clean before any rank writes into a shared one
+
+    def begin() -> None:  # agreed in prepare's first collective: every rank's folder is clean before any writes
+        try:
+            folder.begin(step)
+        except OSError as e:
+            raise CheckpointError(f"local tier: cannot prepare {folder.step_dir(step)}: {e}") from None
+
     storage = Storage(str(folder.step_dir(step)))
     job = _Job(comm, folder, step, compression, topology, replicas, keep, t0)
     try:
         prep = prepare(comm, storage, state_dict, compression=compression, metadata=metadata, overwrite=True,
-                       call=CALL, same=False, cuda=cuda)
+                       call=CALL, same=False, cuda=cuda, first=begin)
     except BaseException:
         storage.close()
         raise
