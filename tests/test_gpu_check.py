@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from benchmarks import timelimit
+from streamckpt.comm import AGREE_EVERY_ON_CPU
 
 REPO = Path(__file__).resolve().parent.parent
 CHECK = REPO / "benchmarks" / "gpu_check.sh"
@@ -173,7 +174,8 @@ def test_the_nccl_part_skips_the_exchange_and_loads_on_a_world_1_group() -> None
     assert lines[0] == "SKIP nccl-exchange: 1 GPU (NCCL refuses two ranks on one device: the exchange between ranks " \
                        "needs 2 GPUs)"
     assert lines[1].startswith("PASS nccl-world1: a world-1 gloo GroupComm (backends cpu:gloo,cuda:gloo, data plane "
-                               "cpu, agreement every 1 rounds) loading 4104 KiB through DeviceStage in "), lines
+                               f"cpu, agreement every {AGREE_EVERY_ON_CPU} rounds) loading 4104 KiB through DeviceStage "
+                               "in "), lines
     assert lines[1].endswith("wrong tensors: 0")
     violations = next(ln for ln in proc.stdout.splitlines() if ln.startswith("VIOLATIONS"))
     assert violations.startswith("VIOLATIONS [] ") and int(violations.split()[-1]) > 2
