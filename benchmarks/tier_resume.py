@@ -11,9 +11,12 @@ from the tier (its bytes from node 0's folders, sent over the fabric; the bucket
 bytes no survivor holds) and from the bucket alone. Every element is checked.
 
 Also measured: the blocking time of a tier-only save (``local_every=1``, not due for the
-bucket; ``async_save=True``: staged, then written and replicated in the background) beside
-``sc.async_save`` of the same state, and each node's fabric bytes sent during
-the save (``/sys/class/net/fab/statistics/tx_bytes``) against its ranks' shards x replicas.
+bucket; ``async_save=True``: staged, then written and replicated in the background;
+``local_keep=1``) beside ``sc.async_save`` of the same state (``--saves`` of each in a row:
+the first, then the medians of the rest), and each node's fabric bytes sent during the
+save (``/sys/class/net/fab/statistics/tx_bytes``) against its ranks' shards x replicas.
+The nodes' folders are in ``/dev/shm`` (memory, as the tier is meant to be used; on a
+disk the kernel's write-back of one save's files ran into the next save's blocking).
 
     sudo PYTHONPATH=. python -m benchmarks.tier_resume --tensors 64 --store-mbit 1600 --fabric-mbit 10000
 
@@ -99,7 +102,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             mgr.save(1, state)
             out["save_s"], out["fab_tx_save"] = time.perf_counter() - t0, _fab_tx() - tx0
         with sc.CheckpointManager(f"{root}/tier-only", storage_options=opts, local_dir=node_dir + "-b",
-                                  local_every=1, save_every=1000, replicas=1, async_save=True) as mgr:
+                                  local_every=1, save_every=1000, local_keep=1, replicas=1, async_save=True) as mgr:
             for step in range(1, spec["saves"] + 1):  # the first save also makes the tier's process group
                 dist.barrier()
                 tx0, t0 = _fab_tx(), time.perf_counter()
@@ -183,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     why = netns.available()
     if why:
         raise SystemExit(f"tier_resume needs network namespaces: {why}")
-    with tempfile.TemporaryDirectory() as tmpdir, \
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # the nodes' folders in memory, as the tier is meant
+    with tempfile.TemporaryDirectory(dir=shm) as tmpdir, \
             netns.Topology(2, fabric=netns.Link(args.fabric_mbit), node_store=netns.Link(args.store_mbit)) as topo:
         tmp = Path(tmpdir)
         server = topo.popen(topo.store_ns, [sys.executable, "-m", "streamckpt.testing.s3server", "--host",
