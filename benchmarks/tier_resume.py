@@ -15,8 +15,8 @@ bucket; ``async_save=True``: staged, then written and replicated in the backgrou
 ``local_keep=1``) beside ``sc.async_save`` of the same state (``--saves`` of each in a row:
 the first, then the medians of the rest), and each node's fabric bytes sent during the
 save (``/sys/class/net/fab/statistics/tx_bytes``) against its ranks' shards x replicas.
-The nodes' folders are in ``/dev/shm`` (memory, as the tier is meant to be used; on a
-disk the kernel's write-back of one save's files ran into the next save's blocking).
+The nodes' folders are in ``/dev/shm`` (memory, as the tier is meant to be used; on this
+machine's disk the steady saves' blocking spread far more: BENCHMARKS.md).
 
     sudo PYTHONPATH=. python -m benchmarks.tier_resume --tensors 64 --store-mbit 1600 --fabric-mbit 10000
 

@@ -152,7 +152,8 @@ def receive_targets(schedule: Sequence[Any], dest: Destinations, on_device: Coll
                     ) -> dict[tuple[int, int, int], torch.Tensor]:
     """Messages this rank receives straight into a target's memory, by ``Message.key``:
     one piece whose bytes, as sent (a strided piece packed: its elements back to back), are its
-    host target's bytes as they are (``target_memory``), in a target no other target shares. The rest are received into staging and scattered.
+    host target's bytes as they are (``target_memory``), in a target no other target shares.
+    The rest are received into staging and scattered.
 
     Why: in a replicated load most of a rank's bytes come from peers (3/4 of them on 4
     ranks), and copying each from a staging arena into its target was the largest CPU cost
